@@ -1,0 +1,163 @@
+"""The stage contract: fixed folders under one work dir, manifest.json as completion marker."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from common.io import read_json, write_json
+
+# The one mapping from stage name to folder. Per-dataset stages hold one sub-folder per dataset.
+STAGE_DIRS = {
+    "01_prepare_datasets": "01_prepared",
+    "01b_generate_synthetic": "01b_generated",
+    "01c_merge_datasets": "01c_merged",
+    "02b_extract_hidden_states_sglang": "02b_hidden_states",
+    "03_build_vocab_mapping": "03_vocab",
+    "04_train": "04_draft",
+    "05_benchmark": "05_benchmark",
+}
+MANIFEST = "manifest.json"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TRACKED_PACKAGES = ("torch", "transformers", "tokenizers", "datasets", "safetensors", "openai", "sglang")
+# Files that define how text becomes ids; their hash is the tokenizer's identity.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model",
+                   "chat_template.jinja", "special_tokens_map.json", "tokenization_kimi.py")
+
+
+class StageError(SystemExit):
+    """A user-facing stop: missing or mismatched upstream input, bad flags. Exits with status 2."""
+
+    def __init__(self, message: str):
+        super().__init__(f"error: {message}")
+        self.message = message
+        self.code = 2
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def stage_dir(work_dir: str | Path, stage: str, dataset: str | None = None) -> Path:
+    path = Path(work_dir) / STAGE_DIRS[stage]
+    return path / dataset if dataset else path
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def read_manifest(path: str | Path) -> dict:
+    return read_json(Path(path) / MANIFEST)
+
+
+def manifest_sha256(path: str | Path) -> str:
+    return hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
+
+
+def require_complete(path: str | Path, producer: str) -> dict:
+    """Return the manifest of an upstream folder, or stop with the command that makes it."""
+    path = Path(path)
+    if not is_complete(path):
+        what = "is missing" if not path.exists() else "is incomplete (no manifest.json)"
+        raise StageError(f"{path} {what}: run `python {producer}.py` for this --work-dir first")
+    return read_manifest(path)
+
+
+def start_stage(out_dir: str | Path, overwrite: bool, name: str) -> bool:
+    """Prepare `out_dir` for a run. Returns False when it is already complete (caller exits).
+
+    A complete folder is left alone unless `overwrite`; an incomplete one is kept, so that a
+    resumable stage can pick up where it stopped.
+    """
+    out_dir = Path(out_dir)
+    if is_complete(out_dir):
+        if not overwrite:
+            print(f"[{name}] {out_dir} is complete (manifest.json exists); nothing to do. "
+                  "Pass --overwrite to redo it.")
+            return False
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return True
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_identity(model_dir: str | Path) -> dict:
+    """Identity of the tokenizer in a model folder: path plus a hash over its defining files."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    found = []
+    for name in TOKENIZER_FILES:
+        f = model_dir / name
+        if f.is_file():
+            found.append(name)
+            h.update(name.encode() + b"\0" + sha256_file(f).encode())
+    if not found:
+        raise StageError(f"{model_dir} holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
+    return {"path": str(model_dir.resolve()), "sha256": h.hexdigest(), "files": found}
+
+
+def target_identity(model_dir: str | Path) -> dict:
+    """Identity of the target model: path plus the hash of its config.json."""
+    cfg = Path(model_dir) / "config.json"
+    if not cfg.is_file():
+        raise StageError(f"{model_dir} has no config.json: --target-path must be a model folder")
+    return {"path": str(Path(model_dir).resolve()), "config_sha256": sha256_file(cfg)}
+
+
+def check_same_tokenizer(upstream: dict, current: dict, upstream_dir: str | Path, producer: str) -> None:
+    """Stop when an upstream artifact was made with another tokenizer than the current one."""
+    if upstream.get("sha256") != current["sha256"]:
+        raise StageError(
+            f"{upstream_dir} was made with tokenizer {upstream.get('path')} "
+            f"(sha256 {str(upstream.get('sha256'))[:12]}), but this run uses {current['path']} "
+            f"(sha256 {current['sha256'][:12]}). Re-run `python {producer}.py --overwrite` "
+            "with the same target, or point --target-path at the model it was made with.")
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    rev = out.stdout.strip()
+    return (rev + ("+dirty" if dirty else "")) if out.returncode == 0 and rev else None
+
+
+def package_versions() -> dict:
+    versions = {"python": sys.version.split()[0]}
+    for name in TRACKED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def write_manifest(out_dir: str | Path, stage: str, args, **fields) -> dict:
+    """Write manifest.json last: the marker that the stage finished. Returns what was written."""
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    manifest = {
+        "stage": stage,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": config,
+        **fields,
+        "versions": package_versions(),
+        "git_revision": git_revision(),
+    }
+    write_json(Path(out_dir) / MANIFEST, json.loads(json.dumps(manifest, default=str)))
+    return manifest

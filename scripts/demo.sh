@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole chain on the tiny world, stage by stage, timing each. Called by `make demo`.
+set -euo pipefail
+WORK=${WORK:-runs/tiny}
+CONFIG=${CONFIG:-configs/tiny.yaml}
+PY=${PY:-.venv/bin/python}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+run() {
+  local t0=$SECONDS
+  echo "==> $*"
+  "$PY" "$@"
+  echo "<== $1 took $((SECONDS - t0)) s"
+}
+
+run 00_build_tiny_world.py --config "$CONFIG"
+for stage in 01_prepare_datasets.py 01b_generate_synthetic.py 01c_merge_datasets.py \
+             02b_extract_hidden_states_sglang.py 03_build_vocab_mapping.py 04_train.py 05_benchmark.py; do
+  if [ -f "$stage" ]; then run "$stage" --config "$CONFIG" --work-dir "$WORK"; fi
+done
+echo "demo outputs are under $WORK/"
