@@ -16,13 +16,14 @@ STAGE_FILES = ("00_build_tiny_world.py", "01_prepare_datasets.py", "01b_generate
                "03_build_vocab_mapping.py", "04_train.py", "05_benchmark.py")
 
 
-def base_parser(doc: str | None) -> argparse.ArgumentParser:
-    """Parser with the flags every stage shares: --work-dir, --config, --overwrite."""
+def base_parser(doc: str | None, work_dir: bool = True) -> argparse.ArgumentParser:
+    """Parser with the flags every stage shares: --work-dir (required), --config, --overwrite."""
     p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("stage")
-    g.add_argument("--work-dir", type=Path, required=False, default=None,
-                   help="root of the stage folders (01_prepared/, 01b_generated/, ...)")
+    if work_dir:
+        g.add_argument("--work-dir", type=Path, default=None,
+                       help="root of the stage folders (01_prepared/, 01b_generated/, ...)")
     g.add_argument("--config", type=Path, default=None,
                    help="flat YAML of flag defaults (keys are flag names); the command line wins")
     g.add_argument("--overwrite", action="store_true",
