@@ -1,0 +1,272 @@
+"""Capture the target's hidden states for every training sample (the draft's inputs and teacher).
+
+Runs the target over 01c's tokenized samples and stores, per sample: the residual stream h_i at the
+capture points (default [2, N//2, N-3], concatenated low|mid|high, [T, 3H]), the final post-norm hidden
+state (the lm_head input, [T, H]), input_ids and loss_mask. Samples go to shards deterministically:
+shard k holds samples [k*S, (k+1)*S) of tokenized_data.jsonl, packed along tokens (no padding rows).
+A shard that exists is kept (resume); `*.tmp` files are partial and redone. Before the model loads,
+the disk the remaining shards need is printed, and the run refuses when the disk cannot hold it.
+Capture backends sit behind common/capture.py: `hf` (transformers, CPU or one GPU) now.
+
+Reads:  <work-dir>/01c_merged/tokenized_data.jsonl (+ manifest.json: tokenizer, target)
+Writes: <work-dir>/02b_hidden_states/shard_00000.safetensors ..., manifest.json
+Real:   python 02b_extract_hidden_states_sglang.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
+Tiny:   python 02b_extract_hidden_states_sglang.py --config configs/tiny.yaml --work-dir runs/tiny
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+
+from common.config import base_parser, parse_args
+from common.io import iter_jsonl
+from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
+                          stage_dir, start_stage, target_identity, tokenizer_identity, write_manifest)
+
+STAGE = "02b_extract_hidden_states_sglang"
+UPSTREAM = "01c_merge_datasets"
+STORAGE_DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# input_ids int64 (8 B) + loss_mask uint8 (1 B) per token; offsets (8 B per sample) are negligible.
+ID_MASK_BYTES = 9
+
+
+def build_parser():
+    p = base_parser(__doc__)
+    g = p.add_argument_group("extract")
+    g.add_argument("--target-path", type=Path, default=None,
+                   help="target model folder; read from the 01c manifest, and when given it must match")
+    g.add_argument("--capture-backend", choices=("hf",), default="hf",
+                   help="how the target runs: hf = transformers forward with output_hidden_states")
+    g.add_argument("--capture-points", type=int, nargs="+", default=None,
+                   help="h_i indices (INPUT of decoder layer i), 3 ascending in 1..N-1; "
+                        "default [2, N//2, N-3] from the target config")
+    g.add_argument("--samples-per-shard", type=int, default=64,
+                   help="samples per shard file (a shard is assembled in memory: S x tokens x bytes/token)")
+    g.add_argument("--capture-batch-tokens", type=int, default=8192,
+                   help="token budget per forward batch (batch size x longest sample, padding included)")
+    g.add_argument("--dtype", choices=STORAGE_DTYPES, default="bfloat16",
+                   help="storage dtype of the hidden states (compute is fp32 on CPU, bf16 on CUDA)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the target runs (default: cuda if available)")
+    g.add_argument("--disk-margin", type=float, default=0.05,
+                   help="extra free disk required beyond the estimate (fraction, 0.05 = 5%%)")
+    return p
+
+
+def free_disk_bytes(path: Path) -> int:
+    """Free bytes on the file system of `path` (module-level so tests can replace it)."""
+    return shutil.disk_usage(path).free
+
+
+def check_disk(out: Path, num_tokens: int, bytes_per_token: int, margin: float) -> int:
+    """Print the space the remaining shards need; stop when the disk cannot hold it (plus margin)."""
+    needed = num_tokens * bytes_per_token
+    free = free_disk_bytes(out)
+    print(f"[02b] disk: {num_tokens:,} tokens to capture x {bytes_per_token:,} B/token = "
+          f"{needed / 1e9:.3f} GB (+{margin:.0%} margin); free on {out}: {free / 1e9:.3f} GB")
+    if needed * (1 + margin) > free:
+        raise StageError(
+            f"not enough disk for 02b: need {needed / 1e9:.3f} GB x (1 + {margin}) = "
+            f"{needed * (1 + margin) / 1e9:.3f} GB, but only {free / 1e9:.3f} GB is free on {out}. "
+            "Free space, point --work-dir at a larger disk, or capture fewer samples/tokens in 01c.")
+    return needed
+
+
+def check_target_path(target_path: Path | None, upstream: dict, upstream_dir: Path) -> None:
+    """--target-path, when given, must be the model the upstream stage was made with."""
+    if target_path is None:
+        return
+    check_same_tokenizer(upstream["tokenizer"], tokenizer_identity(target_path), upstream_dir, UPSTREAM)
+    current = target_identity(target_path)
+    if current["config_sha256"] != upstream["target"].get("config_sha256"):
+        raise StageError(f"{upstream_dir} was made with target {upstream['target'].get('path')}, whose "
+                         f"config.json differs from {target_path}. Drop --target-path or re-run "
+                         f"`python {UPSTREAM}.py --overwrite` with this target.")
+
+
+def scan_samples(path: Path, vocab_size: int) -> list[dict]:
+    """Per sample id, seq_len, supervised-token count; checks each row before any compute starts."""
+    meta = []
+    for k, row in enumerate(iter_jsonl(path)):
+        n = len(row["input_ids"])
+        if n == 0 or n != row["seq_len"] or len(row["loss_mask"]) != n:
+            raise StageError(f"{path} row {k} ({row.get('id')}): input_ids {n}, loss_mask "
+                             f"{len(row['loss_mask'])}, seq_len {row['seq_len']} must agree and be > 0; "
+                             f"re-run `python {UPSTREAM}.py --overwrite`")
+        if max(row["input_ids"]) >= vocab_size or min(row["input_ids"]) < 0:
+            raise StageError(f"{path} row {k} ({row['id']}): token id outside the target vocab "
+                             f"[0, {vocab_size}); was it tokenized for another target?")
+        meta.append({"id": row["id"], "seq_len": n, "num_supervised": int(sum(row["loss_mask"]))})
+    if not meta:
+        raise StageError(f"{path} holds no samples: re-run `python {UPSTREAM}.py`")
+    return meta
+
+
+def existing_shard_tokens(path: Path, expected_ids: list[str]) -> int:
+    """Tokens in a complete shard, after checking it holds exactly the samples planned for it."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        ids = json.loads(f.metadata()["sample_ids"])
+        num_tokens = int(f.get_tensor("offsets")[-1])
+    if ids != expected_ids:
+        raise StageError(f"{path} holds other samples than tokenized_data.jsonl assigns to it (another "
+                         "01c run or --samples-per-shard?): re-run this stage with --overwrite")
+    return num_tokens
+
+
+def pack_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group sample indices into forward batches with batch size x longest <= budget tokens.
+
+    Longest first, so each batch pads to a similar length; a sample longer than the budget runs alone.
+    """
+    order = sorted(range(len(lengths)), key=lambda j: (-lengths[j], j))
+    batches: list[list[int]] = []
+    for j in order:
+        # The first index of a batch is its longest sample (descending order).
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(j)
+        else:
+            batches.append([j])
+    return batches
+
+
+def capture_samples(model, rows: list[dict], capture_fn, points: list[int], budget: int,
+                    device: str, store_dtype, on_batch=None) -> list[dict]:
+    """Capture every row (right padding + attention_mask); returns samples in row order, no pad rows."""
+    import torch
+
+    out: list[dict | None] = [None] * len(rows)
+    for batch in pack_batches([len(r["input_ids"]) for r in rows], budget):
+        t_max = len(rows[batch[0]]["input_ids"])
+        # Pad id 0 is never seen by a real token: right padding + attention_mask 0 on the pads.
+        ids = torch.zeros(len(batch), t_max, dtype=torch.long)
+        mask = torch.zeros(len(batch), t_max, dtype=torch.long)
+        for b, j in enumerate(batch):
+            n = len(rows[j]["input_ids"])
+            ids[b, :n] = torch.tensor(rows[j]["input_ids"])
+            mask[b, :n] = 1
+        aux, final = capture_fn(model, ids.to(device), mask.to(device), points)  # [B,T,3H], [B,T,H]
+        for b, j in enumerate(batch):
+            n = len(rows[j]["input_ids"])
+            out[j] = {"id": rows[j]["id"], "input_ids": rows[j]["input_ids"],
+                      "loss_mask": rows[j]["loss_mask"],
+                      "aux": aux[b, :n].to("cpu", store_dtype),  # [T, 3H]; pad rows dropped here
+                      "final": final[b, :n].to("cpu", store_dtype)}  # [T, H]
+        if on_batch:
+            on_batch(int(mask.sum()))
+    assert all(s is not None for s in out)
+    return out
+
+
+def load_model(target_dir: Path, device: str, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, trust_remote_code=True)
+    return model.to(device).eval()
+
+
+def main(argv=None):
+    args = parse_args(build_parser(), argv)
+    src = stage_dir(args.work_dir, UPSTREAM)
+    upstream = require_complete(src, UPSTREAM)
+    check_target_path(args.target_path, upstream, src)
+    if args.samples_per_shard < 1 or args.capture_batch_tokens < 1:
+        raise StageError("--samples-per-shard and --capture-batch-tokens must be >= 1")
+    out = stage_dir(args.work_dir, STAGE)
+    if not start_stage(out, args.overwrite, "02b"):
+        return
+    t0 = time.time()
+
+    from common.capture import (default_capture_points, load_target_config, target_dims,
+                                validate_capture_points)
+    target_dir = Path(upstream["target"]["path"])
+    dims = target_dims(load_target_config(target_dir))
+    n_layers, hidden, vocab = dims["num_hidden_layers"], dims["hidden_size"], dims["vocab_size"]
+    points = validate_capture_points(args.capture_points or default_capture_points(n_layers), n_layers)
+    bytes_per_token = 4 * hidden * DTYPE_BYTES[args.dtype] + ID_MASK_BYTES  # (3H + H) states + ids/mask
+    print(f"[02b] target {target_dir}: N={n_layers} layers, H={hidden}, vocab {vocab}; capture points "
+          f"h{points} (inputs of decoder layers {points}); storage {args.dtype}, {bytes_per_token} B/token")
+
+    data = src / "tokenized_data.jsonl"
+    meta = scan_samples(data, vocab)
+    S = args.samples_per_shard
+    num_shards = math.ceil(len(meta) / S)
+    plan = {k: meta[k * S:(k + 1) * S] for k in range(num_shards)}  # shard k -> its samples
+
+    from common.shards import list_shards, shard_name
+    for tmp in sorted(out.glob("*.tmp")):  # partial writes of a killed run: redone below
+        tmp.unlink()
+    planned = {shard_name(k): k for k in plan}
+    strays = [p.name for p in list_shards(out) if p.name not in planned]
+    if strays:
+        raise StageError(f"{out} holds shards outside the plan ({', '.join(strays[:3])}...): "
+                         "re-run with --overwrite")
+    done = {}
+    for k, rows in plan.items():
+        path = out / shard_name(k)
+        if path.exists():
+            done[k] = existing_shard_tokens(path, [m["id"] for m in rows])
+    todo = [k for k in plan if k not in done]
+    todo_tokens = sum(m["seq_len"] for k in todo for m in plan[k])
+    print(f"[02b] {len(meta)} samples, {sum(m['seq_len'] for m in meta):,} tokens -> {num_shards} shards "
+          f"of {S}; {len(done)} already complete, {len(todo)} to capture")
+    check_disk(out, todo_tokens, bytes_per_token, args.disk_margin)
+
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # fp32 on CPU (tests compare against fp32 references); bf16 on CUDA (the checkpoint's dtype).
+    compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    written = dict(done)
+    if todo:
+        from tqdm import tqdm
+
+        from common.capture import capture_hf
+        from common.shards import write_shard
+        model = load_model(target_dir, device, compute_dtype)
+        store_dtype = getattr(torch, args.dtype)
+        todo_set = set(todo)
+        bar = tqdm(total=todo_tokens, unit="tok", desc="02b capture")
+        rows: list[dict] = []
+        for i, row in enumerate(iter_jsonl(data)):
+            k = i // S
+            if k in todo_set:
+                assert row["id"] == plan[k][i % S]["id"], "tokenized_data.jsonl changed during the run"
+                rows.append(row)
+            if k in todo_set and (len(rows) == len(plan[k])):
+                samples = capture_samples(model, rows, capture_hf, points, args.capture_batch_tokens,
+                                          device, store_dtype, on_batch=bar.update)
+                written[k] = write_shard(out / shard_name(k), samples, store_dtype)
+                rows = []
+        bar.close()
+        assert not rows and set(written) == set(plan), "tokenized_data.jsonl changed during the run"
+
+    shards = {}
+    for k, members in plan.items():
+        expected = sum(m["seq_len"] for m in members)
+        assert written[k] == expected, f"shard {k}: {written[k]} tokens, expected {expected}"
+        shards[shard_name(k)] = {"num_samples": len(members), "num_tokens": expected}
+    num_tokens = sum(s["num_tokens"] for s in shards.values())
+    num_bytes = sum((out / name).stat().st_size for name in shards)  # on disk, headers included
+    write_manifest(
+        out, STAGE, args,
+        capture_backend=args.capture_backend, device=device,
+        compute_dtype=str(compute_dtype).removeprefix("torch."), capture_points=points,
+        hidden_size=hidden, num_hidden_layers=n_layers, vocab_size=vocab, dtype=args.dtype,
+        bytes_per_token=bytes_per_token,
+        num_samples=len(meta), num_tokens=num_tokens,
+        num_supervised_tokens=sum(m["num_supervised"] for m in meta), num_bytes=num_bytes,
+        samples_per_shard=S, shards=shards, tokenizer=upstream["tokenizer"], target=upstream["target"],
+        inputs={"01c_merged/manifest.json": manifest_sha256(src)},
+        elapsed_s=round(time.time() - t0, 2))
+    print(f"[02b] done: {len(meta)} samples, {num_tokens:,} tokens, {num_shards} shards, "
+          f"{num_bytes / 1e9:.3f} GB in {out} ({time.time() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Choose the draft vocabulary: the `draft_vocab_size` target ids the draft is most often trained to emit.
+
+Counts only loss-masked (supervised) tokens of the 02b shards, the exact data training sees; prompt
+tokens never count. Keeps the most frequent ids (ties and padding: lowest target id first, so a
+corpus with fewer distinct supervised ids than draft_vocab_size is padded with the lowest unused ids),
+sorts them by target id and writes the mapping buffers the draft checkpoint carries (REFERENCE 2):
+`d2t` int64 [Dv] offsets (target_id = draft_id + d2t[draft_id]) and `t2d` bool [V] membership.
+Coverage = share of supervised tokens the draft vocab can emit.
+
+Reads:  <work-dir>/02b_hidden_states/shard_*.safetensors (input_ids, loss_mask only) + manifest.json
+Writes: <work-dir>/03_vocab/vocab_mapping.safetensors, token_counts.safetensors, manifest.json
+Real:   python 03_build_vocab_mapping.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
+Tiny:   python 03_build_vocab_mapping.py --config configs/tiny.yaml --work-dir runs/tiny
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from common.config import base_parser, parse_args
+from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
+                          stage_dir, start_stage, target_identity, tokenizer_identity, write_manifest)
+
+STAGE = "03_build_vocab_mapping"
+UPSTREAM = "02b_extract_hidden_states_sglang"
+IM_END = "<|im_end|>"
+
+
+def build_parser():
+    p = base_parser(__doc__)
+    g = p.add_argument_group("vocab")
+    g.add_argument("--draft-vocab-size", type=int, default=32000,
+                   help="number of target token ids the draft's lm_head can emit (ids)")
+    g.add_argument("--target-path", type=Path, default=None,
+                   help="target model folder; read from the 02b manifest, and when given it must match")
+    return p
+
+
+def check_target_path(target_path: Path | None, upstream: dict, upstream_dir: Path) -> None:
+    """--target-path, when given, must be the model the upstream stage was made with."""
+    if target_path is None:
+        return
+    check_same_tokenizer(upstream["tokenizer"], tokenizer_identity(target_path), upstream_dir, UPSTREAM)
+    if target_identity(target_path)["config_sha256"] != upstream["target"].get("config_sha256"):
+        raise StageError(f"{upstream_dir} was made with target {upstream['target'].get('path')}, whose "
+                         f"config.json differs from {target_path}. Drop --target-path or re-run "
+                         f"`python {UPSTREAM}.py --overwrite` with this target.")
+
+
+def count_supervised(shard_paths: list[Path], vocab_size: int):
+    """counts [V] int64: how often each target id appears at a loss-masked position.
+
+    Reads only the input_ids and loss_mask tensors of each shard (never the hidden states).
+    """
+    import torch
+    from safetensors import safe_open
+
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for path in shard_paths:
+        with safe_open(str(path), framework="pt") as f:
+            ids = f.get_tensor("input_ids")  # [sum_T] int64
+            mask = f.get_tensor("loss_mask").bool()  # [sum_T]
+        counts += torch.bincount(ids[mask], minlength=vocab_size)
+    return counts
+
+
+def build_mapping(counts, draft_vocab_size: int):
+    """(d2t [Dv] int64, t2d [V] bool, kept [Dv] target ids ascending) from supervised counts [V].
+
+    A stable descending sort ranks by count and, among equal counts (zeros included), by ascending
+    target id: the padding, when fewer distinct ids were supervised, is the lowest unused ids.
+    """
+    import torch
+
+    ranked = torch.sort(counts, descending=True, stable=True).indices  # [V] target ids
+    kept = torch.sort(ranked[:draft_vocab_size]).values  # [Dv] draft id i -> target id kept[i]
+    d2t = kept - torch.arange(draft_vocab_size, dtype=torch.int64)  # target = draft + d2t[draft]
+    t2d = torch.zeros(counts.numel(), dtype=torch.bool)
+    t2d[kept] = True
+    return d2t, t2d, kept
+
+
+def save_tensors(path: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    from common.io import atomic_path
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+
+
+def main(argv=None):
+    args = parse_args(build_parser(), argv)
+    src = stage_dir(args.work_dir, UPSTREAM)
+    upstream = require_complete(src, UPSTREAM)
+    check_target_path(args.target_path, upstream, src)
+    out = stage_dir(args.work_dir, STAGE)
+    vocab_size, dv = upstream["vocab_size"], args.draft_vocab_size
+    if not 1 <= dv <= vocab_size:
+        raise StageError(f"--draft-vocab-size {dv} must lie in 1..{vocab_size} (the target vocab size)")
+    if not start_stage(out, args.overwrite, "03"):
+        return
+    t0 = time.time()
+
+    from common.shards import list_shards
+    shards = list_shards(src)
+    missing = sorted(set(upstream["shards"]) - {p.name for p in shards})
+    if missing:
+        raise StageError(f"{src} lacks shards its manifest lists ({', '.join(missing[:3])}): "
+                         f"re-run `python {UPSTREAM}.py`")
+    shards = [p for p in shards if p.name in upstream["shards"]]
+    print(f"[03] counting supervised tokens of {len(shards)} shards in {src} (vocab {vocab_size}, "
+          f"draft vocab {dv})")
+    counts = count_supervised(shards, vocab_size)  # [V]
+    total = int(counts.sum())
+    if total == 0:
+        raise StageError(f"{src} holds no loss-masked tokens: check 01c's loss_mask")
+    if "num_supervised_tokens" in upstream:
+        assert total == upstream["num_supervised_tokens"], (total, upstream["num_supervised_tokens"])
+    d2t, t2d, kept = build_mapping(counts, dv)
+    covered = int(counts[kept].sum())
+    coverage = covered / total
+    distinct = int((counts > 0).sum())
+
+    from common.tokenizer import load_tokenizer
+    tok = load_tokenizer(upstream["tokenizer"]["path"])
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    im_end = im_end if isinstance(im_end, int) and im_end != tok.unk_token_id else None
+    im_end_in = bool(t2d[im_end]) if im_end is not None else False
+
+    save_tensors(out / "vocab_mapping.safetensors", {"d2t": d2t, "t2d": t2d})
+    save_tensors(out / "token_counts.safetensors", {"counts": counts})
+    write_manifest(
+        out, STAGE, args, draft_vocab_size=dv, vocab_size=vocab_size, coverage=coverage,
+        num_supervised_tokens=total, num_covered_tokens=covered, num_distinct_supervised=distinct,
+        num_padding_ids=max(0, dv - distinct), im_end_id=im_end, im_end_in_draft_vocab=im_end_in,
+        counted_from="02b_hidden_states (input_ids, loss_mask)",
+        capture_points=upstream["capture_points"], hidden_size=upstream["hidden_size"],
+        num_hidden_layers=upstream["num_hidden_layers"],
+        tokenizer=upstream["tokenizer"], target=upstream["target"],
+        inputs={"02b_hidden_states/manifest.json": manifest_sha256(src)},
+        elapsed_s=round(time.time() - t0, 2))
+    print(f"[03] coverage {coverage:.4f} ({covered:,} of {total:,} supervised tokens); "
+          f"{distinct} distinct supervised ids, {max(0, dv - distinct)} padding ids; "
+          f"{IM_END} in draft vocab: {im_end_in} ({time.time() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
