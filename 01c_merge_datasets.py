@@ -1,0 +1,254 @@
+"""Merge datasets: the per-dataset generations -> one tokenized training set plus held-out prompts.
+
+Holds out `--benchmark-size` prompts (chosen with `--seed` before any filtering, so the choice does
+not move when caps change), then drops responses cut by the length limit, exact duplicates (same
+prompt and completion text), samples whose prompt equals a held-out prompt, and samples longer than
+`--max-seq-len`, all counted per reason; applies per-dataset `--dataset-weights` (kept fraction) and
+`--dataset-caps` (max samples); tokenizes in batches with the target's fast tokenizer. The loss mask
+is 1 exactly on the completion tokens: from right after the generation prompt through `<|im_end|>`.
+Reads:  <work-dir>/01b_generated/<dataset>/generated.jsonl (+ manifest.json),
+        <work-dir>/01_prepared/<dataset>/records.jsonl (messages of the held-out prompts)
+Writes: <work-dir>/01c_merged/{tokenized_data.jsonl, benchmark_prompts.jsonl, stats.json, manifest.json}
+Real:   python 01c_merge_datasets.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
+Tiny:   python 01c_merge_datasets.py --config configs/tiny.yaml --work-dir runs/tiny
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from common.config import base_parser, parse_args
+from common.io import iter_jsonl, write_json, write_jsonl
+from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete, stage_dir,
+                          start_stage, target_identity, tokenizer_identity, write_manifest)
+
+STAGE, UPSTREAM = "01c_merge_datasets", "01b_generate_synthetic"
+
+
+def mapping(value):
+    """A name -> number mapping: a dict (from YAML) or JSON text (command line)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"expected a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a mapping of dataset name -> number")
+    return value
+
+
+def build_parser():
+    p = base_parser(__doc__)
+    g = p.add_argument_group("merge")
+    g.add_argument("--target-path", type=Path, default=None,
+                   help="target model folder; default: the one 01b used (refused if its tokenizer differs)")
+    g.add_argument("--max-seq-len", type=int, default=4096, help="longest training sample kept (tokens)")
+    g.add_argument("--dataset-caps", type=mapping, default=None,
+                   help="dataset name -> max samples kept (after filters), e.g. '{\"ultrachat\": 20000}'")
+    g.add_argument("--dataset-weights", type=mapping, default=None,
+                   help="dataset name -> kept fraction in (0, 1] (after filters; upsampling belongs to "
+                        "the trainer's sampler, not to stored hidden states)")
+    g.add_argument("--benchmark-size", type=int, default=64, help="held-out prompts for 05_benchmark (count)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the held-out choice and of subsampling")
+    g.add_argument("--drop-length-finished", action=argparse.BooleanOptionalAction, default=True,
+                   help="drop responses that hit the token cap (finish_reason length): they never end")
+    g.add_argument("--tokenize-batch-size", type=int, default=512, help="texts per tokenizer call (count)")
+    return p
+
+
+def resolve_target(args, upstream: dict, upstream_dir: Path, producer: str) -> Path:
+    """The target this run uses: --target-path if given (must match upstream), else upstream's."""
+    target = Path(args.target_path) if args.target_path else Path(upstream["target"]["path"])
+    check_same_tokenizer(upstream["tokenizer"], tokenizer_identity(target), upstream_dir, producer)
+    if target_identity(target)["config_sha256"] != upstream["target"]["config_sha256"]:
+        raise StageError(f"{upstream_dir} was made for target {upstream['target']['path']}, whose config.json "
+                         f"differs from {target}'s. Re-run `python {producer}.py --overwrite` with this "
+                         "target, or point --target-path at the one it was made for.")
+    return target
+
+
+def token_lengths(tok, texts: list[str], batch_size: int, desc: str) -> list[int]:
+    from tqdm import tqdm
+
+    out = []
+    for i in tqdm(range(0, len(texts), batch_size), desc=f"[01c] {desc}", unit="batch", disable=len(texts) < 1):
+        out += [len(x) for x in tok(texts[i:i + batch_size], add_special_tokens=False)["input_ids"]]
+    return out
+
+
+def check_weights(args, names: list[str]):
+    for flag, values in (("--dataset-caps", args.dataset_caps), ("--dataset-weights", args.dataset_weights)):
+        unknown = sorted(set(values or {}) - set(names))
+        if unknown:
+            raise StageError(f"{flag} names {unknown}, which 01b did not generate (it has {names})")
+    for name, w in (args.dataset_weights or {}).items():
+        if not 0 < float(w) <= 1:
+            raise StageError(f"--dataset-weights {name}: {w} is not in (0, 1]")
+    for name, c in (args.dataset_caps or {}).items():
+        if int(c) < 0:
+            raise StageError(f"--dataset-caps {name}: {c} is negative")
+
+
+def benchmark_rows(bench: list[dict], work_dir: Path, tok, batch_size: int) -> list[dict]:
+    """Held-out prompts with what 05 needs to run them: messages, tools, thinking, prompt ids."""
+    records = {}
+    for source in sorted({r["source"] for r in bench}):
+        wanted = {r["id"] for r in bench if r["source"] == source}
+        path = stage_dir(work_dir, "01_prepare_datasets", source) / "records.jsonl"
+        records.update({r["id"]: r for r in iter_jsonl(path) if r["id"] in wanted})
+    out = []
+    for i in range(0, len(bench), batch_size):
+        chunk = bench[i:i + batch_size]
+        ids = tok([r["prompt"] for r in chunk], add_special_tokens=False)["input_ids"]
+        for r, prompt_ids in zip(chunk, ids):
+            rec = records[r["id"]]
+            msgs = rec["messages"][:-1] if rec["complete"] else rec["messages"]
+            out.append({"id": r["id"], "source": r["source"], "prompt": r["prompt"], "prompt_ids": prompt_ids,
+                        "messages": msgs, "tools": rec.get("tools"), "thinking": rec["thinking"]})
+    return out
+
+
+def length_histogram(lengths: list[int], max_seq_len: int) -> dict:
+    edges = [0, 64]
+    while edges[-1] < max_seq_len:
+        edges.append(min(edges[-1] * 2, max_seq_len))
+    counts = Counter()
+    for n in lengths:
+        i = next(k for k in range(1, len(edges)) if n <= edges[k] or k == len(edges) - 1)
+        counts[i] += 1
+    return {f"{edges[k - 1] + 1}-{edges[k]}": counts[k] for k in range(1, len(edges))}
+
+
+def main(argv=None):
+    args = parse_args(build_parser(), argv)
+    up_dir = stage_dir(args.work_dir, UPSTREAM)
+    upstream = require_complete(up_dir, UPSTREAM)
+    target = resolve_target(args, upstream, up_dir, UPSTREAM)
+    names = upstream["datasets"]
+    for name in names:  # every per-dataset folder must come from the same tokenizer too
+        sub_manifest = require_complete(stage_dir(args.work_dir, UPSTREAM, name), UPSTREAM)
+        check_same_tokenizer(sub_manifest["tokenizer"], tokenizer_identity(target),
+                             stage_dir(args.work_dir, UPSTREAM, name), UPSTREAM)
+    check_weights(args, names)
+    out = stage_dir(args.work_dir, STAGE)
+    if not start_stage(out, args.overwrite, "01c"):
+        return
+    from common.tokenizer import load_tokenizer
+
+    t0 = time.time()
+    tok = load_tokenizer(target)
+    print(f"[01c] target {target} | datasets {names} | max-seq-len {args.max_seq_len}")
+    rows = []
+    for name in names:
+        rows += sorted(iter_jsonl(stage_dir(args.work_dir, UPSTREAM, name) / "generated.jsonl"),
+                       key=lambda r: r["id"])
+    if not rows:
+        raise StageError(f"{up_dir} holds no generated samples: re-run `python {UPSTREAM}.py --overwrite`")
+
+    # Held-out prompts first, from all ids, so caps and filters never change which ones they are.
+    rng = random.Random(args.seed)
+    bench_ids = set(rng.sample(sorted(r["id"] for r in rows), min(args.benchmark_size, len(rows) - 1)))
+    bench = [r for r in rows if r["id"] in bench_ids]
+    bench_prompts = {r["prompt"] for r in bench}
+
+    dropped = defaultdict(Counter)
+    seen, candidates = set(), []
+    for r in rows:
+        if r["id"] in bench_ids:
+            continue
+        if r["prompt"] in bench_prompts:
+            dropped[r["source"]]["benchmark_prompt_overlap"] += 1
+        elif args.drop_length_finished and r["finish_reason"] == "length":
+            dropped[r["source"]]["length_finished"] += 1
+        elif not r["completion"]:
+            dropped[r["source"]]["empty_completion"] += 1
+        else:
+            key = hashlib.sha1(f"{r['prompt']}\0{r['completion']}".encode()).digest()
+            if key in seen:
+                dropped[r["source"]]["duplicate"] += 1
+                continue
+            seen.add(key)
+            candidates.append(r)
+
+    # Pass 1: lengths only (ids of 100K long samples would not fit in memory as Python lists).
+    n_prompt = token_lengths(tok, [r["prompt"] for r in candidates], args.tokenize_batch_size, "prompt lengths")
+    n_comp = token_lengths(tok, [r["completion"] for r in candidates], args.tokenize_batch_size, "completion lengths")
+    per_source = defaultdict(list)
+    retokenize_mismatch = Counter()
+    for r, n_p, n_c in zip(candidates, n_prompt, n_comp):
+        if n_p + n_c > args.max_seq_len:
+            dropped[r["source"]]["over_length"] += 1
+            continue
+        # The target's own count vs ours: text that does not re-tokenize to the same number of tokens
+        # (e.g. a byte sequence cut mid-character) trains the draft on ids the target never emitted.
+        retokenize_mismatch[r["source"]] += n_c != r["num_completion_tokens"]
+        per_source[r["source"]].append((r, n_p, n_c))
+
+    selected = []
+    for name in names:
+        items = per_source.get(name, [])
+        k = len(items)
+        if args.dataset_weights and name in args.dataset_weights:
+            k = round(float(args.dataset_weights[name]) * k)
+        if args.dataset_caps and name in args.dataset_caps:
+            k = min(k, int(args.dataset_caps[name]))
+        if k < len(items):
+            dropped[name]["capped"] += len(items) - k
+            keep = sorted(random.Random(f"{args.seed}/{name}").sample(range(len(items)), k))
+            items = [items[i] for i in keep]
+        selected += items
+    if not selected:
+        raise StageError(f"no sample survived the filters ({ {k: dict(v) for k, v in dropped.items()} }); "
+                         "raise --max-seq-len or --max-new-tokens, or pass --no-drop-length-finished")
+
+    # Pass 2: tokenize the kept samples in batches and stream them out.
+    stats = defaultdict(Counter)
+    lengths = []
+
+    def samples():
+        from tqdm import tqdm
+
+        bs = args.tokenize_batch_size
+        for i in tqdm(range(0, len(selected), bs), desc="[01c] tokenize", unit="batch"):
+            chunk = selected[i:i + bs]
+            p_ids = tok([r["prompt"] for r, _, _ in chunk], add_special_tokens=False)["input_ids"]
+            c_ids = tok([r["completion"] for r, _, _ in chunk], add_special_tokens=False)["input_ids"]
+            for (r, n_p, n_c), p, c in zip(chunk, p_ids, c_ids):
+                assert (len(p), len(c)) == (n_p, n_c), r["id"]
+                s = stats[r["source"]]
+                s["num_samples"] += 1
+                s["num_tokens"] += n_p + n_c
+                s["num_prompt_tokens"] += n_p
+                s["num_response_tokens"] += n_c
+                s["max_seq_len"] = max(s["max_seq_len"], n_p + n_c)
+                lengths.append(n_p + n_c)
+                yield {"id": r["id"], "source": r["source"], "input_ids": p + c,
+                       "loss_mask": [0] * n_p + [1] * n_c, "seq_len": n_p + n_c,
+                       "n_prompt_tokens": n_p, "n_response_tokens": n_c}
+
+    num_samples = write_jsonl(out / "tokenized_data.jsonl", samples())
+    bench_out = benchmark_rows(bench, args.work_dir, tok, args.tokenize_batch_size)
+    write_jsonl(out / "benchmark_prompts.jsonl", bench_out)
+    per = {name: {**stats[name], "dropped": dict(sorted(dropped[name].items())),
+                  "completion_retokenize_mismatch": retokenize_mismatch[name],
+                  "benchmark_prompts": sum(r["source"] == name for r in bench)} for name in names}
+    totals = {k: sum(stats[n][k] for n in names)
+              for k in ("num_samples", "num_tokens", "num_prompt_tokens", "num_response_tokens")}
+    result = {**totals, "num_input_rows": len(rows), "num_benchmark_prompts": len(bench_out),
+              "dropped": dict(sum((dropped[n] for n in names), Counter())), "seconds": round(time.time() - t0, 2)}
+    write_json(out / "stats.json", {"totals": result, "per_source": per,
+                                    "length_histogram": length_histogram(lengths, args.max_seq_len)})
+    write_manifest(out, STAGE, args, datasets=names, tokenizer=upstream["tokenizer"], target=upstream["target"],
+                   input_manifest_sha256=manifest_sha256(up_dir), counts=result)
+    print(f"[01c] {num_samples} samples, {totals['num_tokens']} tokens ({totals['num_response_tokens']} "
+          f"supervised), {len(bench_out)} held-out prompts, dropped {result['dropped'] or 0}, "
+          f"{result['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

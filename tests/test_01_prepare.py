@@ -1,0 +1,133 @@
+"""01_prepare_datasets: adapters, prompt cutting, tool-id rewriting, scrubbing, counted skips, re-runs."""
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from common.io import iter_jsonl, read_json
+from common.stage import StageError
+
+prep = importlib.import_module("01_prepare_datasets")
+FIXTURES = Path(__file__).parent / "fixtures"
+
+# Two rows whose tool schemas differ: Arrow (parquet) unifies them into one struct type.
+PARQUET_ROWS = [
+    {"id": "p0", "messages": [{"role": "user", "content": "Read a.py"}],
+     "tools": [{"type": "function", "function": {"name": "read_file", "description": "Read.",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]},
+    {"id": "p1", "messages": [{"role": "user", "content": "Run ls"}],
+     "tools": [{"type": "function", "function": {"name": "run", "description": "Run.",
+                "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]},
+]
+INSTRUCTION_ROWS = [
+    {"instruction": "Sort this list.", "input": "[3, 1, 2]", "output": "[1, 2, 3]"},
+    {"problem": "Write fizzbuzz.", "solution": "..."},
+    {"output": "an answer without a question"},
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def specs(tmp_path):
+    from datasets import Dataset
+
+    parquet = tmp_path / "tools.parquet"
+    Dataset.from_list(PARQUET_ROWS).to_parquet(str(parquet))
+    return [
+        {"name": "msg", "adapter": "messages", "path": str(FIXTURES / "messages_rows.jsonl")},
+        {"name": "conv", "adapter": "conversations", "path": str(FIXTURES / "conversations_rows.json")},
+        {"name": "inst", "adapter": "instruction", "path": str(write_jsonl(tmp_path / "inst.jsonl", INSTRUCTION_ROWS))},
+        {"name": "pq", "adapter": "messages", "path": str(parquet)},
+        {"name": "comp", "adapter": "messages", "path": str(FIXTURES / "complete_rows.jsonl"), "complete": True},
+    ]
+
+
+def records(work, name):
+    return {r["id"]: r for r in iter_jsonl(work / "01_prepared" / name / "records.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def prepared(micro_target, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prep")
+    work = tmp / "work"
+    prep.main(["--work-dir", str(work), "--target-path", str(micro_target), "--datasets", json.dumps(specs(tmp))])
+    return work
+
+
+def test_messages_family(prepared):
+    recs = records(prepared, "msg")
+    counts = read_json(prepared / "01_prepared" / "msg" / "manifest.json")["counts"]
+    # 15 rows read: 9 usable, each bad row skipped under its own reason.
+    assert counts["rows_read"] == 15 and counts["num_records"] == 9 == len(recs)
+    assert counts["skipped"] == {"bad_json_line": 1, "duplicate_id": 1, "no_messages": 1, "no_prompt": 1,
+                                 "unknown_role": 1, "unknown_tool_call_id": 1}
+    for r in recs.values():
+        assert r["source"] == "msg" and r["complete"] is False and r["thinking"] is True
+        assert r["messages"][-1]["role"] in ("user", "tool")
+    # Tool-call ids renumbered over the conversation; tool results point at the new ids.
+    m3 = recs["msg/m3"]["messages"]
+    assert [m["tool_calls"][0]["id"] for m in m3 if m.get("tool_calls")] == ["functions.run:0", "functions.run:1"]
+    assert [m["tool_call_id"] for m in m3 if m["role"] == "tool"] == ["functions.run:0", "functions.run:1"]
+    assert m3[1]["tool_calls"][0]["function"]["arguments"] == '{"cmd": "ls"}'  # dict arguments -> JSON text
+    assert recs["msg/m2"]["tools"][0]["function"]["name"] == "read_file"
+    assert recs["msg/m2"]["messages"][1]["reasoning_content"] == "Need to read it."
+    # Literal special-token strings are scrubbed and counted.
+    assert recs["msg/m4"]["messages"][0]["content"] == "Explain  tokens and  tags."
+    assert counts["special_tokens_scrubbed"] == 2
+    # ultrachat form: id from prompt_id, trailing (non-target) assistant turn cut.
+    uc = recs["msg/uc5"]["messages"]
+    assert [m["role"] for m in uc] == ["user", "assistant", "user"] and uc[-1]["content"] == "Which is stable?"
+
+
+def test_conversations_instruction_parquet(prepared):
+    conv = records(prepared, "conv")
+    assert sorted(conv) == ["conv/s0", "conv/s1", "conv/s3"]
+    assert [m["role"] for m in conv["conv/s1"]["messages"]] == ["system", "user", "assistant", "user"]
+    assert conv["conv/s3"]["meta"] == {"dropped_turns": 1}
+    assert conv["conv/s0"]["messages"] == [{"role": "user", "content": "How do I open a file?"}]
+    inst = records(prepared, "inst")
+    assert [r["messages"][0]["content"] for r in inst.values()] == ["Sort this list.\n\n[3, 1, 2]", "Write fizzbuzz."]
+    assert read_json(prepared / "01_prepared" / "inst" / "manifest.json")["counts"]["skipped"] == {"no_instruction": 1}
+    # Parquet: the None-filled fields Arrow adds when unifying different tool schemas are gone.
+    pq = records(prepared, "pq")
+    assert [r["tools"] for r in pq.values()] == [row["tools"] for row in PARQUET_ROWS]
+
+
+def test_complete_records_keep_final_assistant(prepared):
+    comp = records(prepared, "comp")
+    assert len(comp) == 6 and all(r["complete"] and r["messages"][-1]["role"] == "assistant" for r in comp.values())
+    assert comp["comp/c3"]["messages"][-1]["tool_calls"][0]["id"] == "functions.read_file:0"
+    assert read_json(prepared / "01_prepared" / "comp" / "manifest.json")["counts"]["skipped"] == {"no_final_assistant": 1}
+
+
+def test_stage_manifest_and_noop_rerun(prepared, micro_target, capsys):
+    top = read_json(prepared / "01_prepared" / "manifest.json")
+    assert top["datasets"] == ["msg", "conv", "inst", "pq", "comp"]
+    assert top["tokenizer"]["sha256"] and top["target"]["path"] == str(Path(micro_target).resolve())
+    before = (prepared / "01_prepared" / "msg" / "records.jsonl").stat().st_mtime_ns
+    prep.main(["--work-dir", str(prepared), "--target-path", str(micro_target),
+               "--datasets", json.dumps(top["config"]["datasets"])])
+    assert "nothing to do" in capsys.readouterr().out
+    assert (prepared / "01_prepared" / "msg" / "records.jsonl").stat().st_mtime_ns == before
+
+
+def test_config_yaml_and_errors(micro_target, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"target-path: {micro_target}\nthinking: false\ndatasets:\n"
+                   f"  - {{name: conv, adapter: conversations, path: {FIXTURES / 'conversations_rows.json'}, max-rows: 2}}\n")
+    prep.main(["--config", str(cfg), "--work-dir", str(tmp_path / "w")])
+    recs = records(tmp_path / "w", "conv")
+    assert list(recs) == ["conv/s0", "conv/s1"] and not any(r["thinking"] for r in recs.values())
+    w = str(tmp_path / "w2")
+    with pytest.raises(StageError, match="adapter 'nope'"):
+        prep.main(["--work-dir", w, "--target-path", str(micro_target),
+                   "--datasets", '[{"name": "x", "adapter": "nope", "path": "a.jsonl"}]'])
+    with pytest.raises(StageError, match="--target-path is required"):
+        prep.main(["--work-dir", w, "--datasets", '[{"name": "x", "adapter": "messages", "path": "a.jsonl"}]'])
+    with pytest.raises(StageError, match="does not exist"):
+        prep.main(["--work-dir", w, "--target-path", str(micro_target),
+                   "--datasets", json.dumps([{"name": "x", "adapter": "messages", "path": str(tmp_path / "no.jsonl")}])])
