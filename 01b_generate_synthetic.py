@@ -22,8 +22,8 @@ from pathlib import Path
 
 from common.config import base_parser, parse_args
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
-from common.stage import (StageError, check_same_tokenizer, is_complete, manifest_sha256, require_complete,
-                          stage_dir, start_stage, target_identity, tokenizer_identity, write_manifest)
+from common.stage import (StageError, is_complete, manifest_sha256, require_complete,
+                          resolve_target, stage_dir, start_stage, write_manifest)
 
 STAGE, UPSTREAM = "01b_generate_synthetic", "01_prepare_datasets"
 # Failures that a re-run would repeat identically; others (timeouts, server errors) are retried.
@@ -64,15 +64,6 @@ def build_parser():
     return p
 
 
-def resolve_target(args, upstream: dict, upstream_dir: Path, producer: str) -> Path:
-    """The target this run uses: --target-path if given (must match upstream), else upstream's."""
-    target = Path(args.target_path) if args.target_path else Path(upstream["target"]["path"])
-    check_same_tokenizer(upstream["tokenizer"], tokenizer_identity(target), upstream_dir, producer)
-    if target_identity(target)["config_sha256"] != upstream["target"]["config_sha256"]:
-        raise StageError(f"{upstream_dir} was made for target {upstream['target']['path']}, whose config.json "
-                         f"differs from {target}'s. Re-run `python {producer}.py --overwrite` with this "
-                         "target, or point --target-path at the one it was made for.")
-    return target
 
 
 def redacted(args):
@@ -272,7 +263,7 @@ def main(argv=None):
     args = parse_args(build_parser(), argv)
     up_dir = stage_dir(args.work_dir, UPSTREAM)
     upstream = require_complete(up_dir, UPSTREAM)
-    target = resolve_target(args, upstream, up_dir, UPSTREAM)
+    target = resolve_target(args.target_path, upstream, up_dir, UPSTREAM)
     names = upstream["datasets"]
     unknown = sorted(set(args.datasets_only or []) - set(names))
     if unknown:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl
-from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
-                          stage_dir, start_stage, target_identity, tokenizer_identity, write_manifest)
+from common.stage import (StageError, manifest_sha256, require_complete, resolve_target, stage_dir,
+                          start_stage, write_manifest)
 
 STAGE = "02b_extract_hidden_states_sglang"
 UPSTREAM = "01c_merge_datasets"
@@ -75,16 +75,6 @@ def check_disk(out: Path, num_tokens: int, bytes_per_token: int, margin: float) 
     return needed
 
 
-def check_target_path(target_path: Path | None, upstream: dict, upstream_dir: Path) -> None:
-    """--target-path, when given, must be the model the upstream stage was made with."""
-    if target_path is None:
-        return
-    check_same_tokenizer(upstream["tokenizer"], tokenizer_identity(target_path), upstream_dir, UPSTREAM)
-    current = target_identity(target_path)
-    if current["config_sha256"] != upstream["target"].get("config_sha256"):
-        raise StageError(f"{upstream_dir} was made with target {upstream['target'].get('path')}, whose "
-                         f"config.json differs from {target_path}. Drop --target-path or re-run "
-                         f"`python {UPSTREAM}.py --overwrite` with this target.")
 
 
 def scan_samples(path: Path, vocab_size: int) -> list[dict]:
@@ -175,7 +165,7 @@ def main(argv=None):
     args = parse_args(build_parser(), argv)
     src = stage_dir(args.work_dir, UPSTREAM)
     upstream = require_complete(src, UPSTREAM)
-    check_target_path(args.target_path, upstream, src)
+    target_dir = resolve_target(args.target_path, upstream, src, UPSTREAM)
     if args.samples_per_shard < 1 or args.capture_batch_tokens < 1:
         raise StageError("--samples-per-shard and --capture-batch-tokens must be >= 1")
     out = stage_dir(args.work_dir, STAGE)
@@ -185,7 +175,6 @@ def main(argv=None):
 
     from common.capture import (default_capture_points, load_target_config, target_dims,
                                 validate_capture_points)
-    target_dir = Path(upstream["target"]["path"])
     dims = target_dims(load_target_config(target_dir))
     n_layers, hidden, vocab = dims["num_hidden_layers"], dims["hidden_size"], dims["vocab_size"]
     points = validate_capture_points(args.capture_points or default_capture_points(n_layers), n_layers)

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from common.config import base_parser, parse_args
-from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
-                          stage_dir, start_stage, target_identity, tokenizer_identity, write_manifest)
+from common.stage import (StageError, manifest_sha256, require_complete, resolve_target, stage_dir,
+                          start_stage, write_manifest)
 
 STAGE = "03_build_vocab_mapping"
 UPSTREAM = "02b_extract_hidden_states_sglang"
@@ -36,15 +36,6 @@ def build_parser():
     return p
 
 
-def check_target_path(target_path: Path | None, upstream: dict, upstream_dir: Path) -> None:
-    """--target-path, when given, must be the model the upstream stage was made with."""
-    if target_path is None:
-        return
-    check_same_tokenizer(upstream["tokenizer"], tokenizer_identity(target_path), upstream_dir, UPSTREAM)
-    if target_identity(target_path)["config_sha256"] != upstream["target"].get("config_sha256"):
-        raise StageError(f"{upstream_dir} was made with target {upstream['target'].get('path')}, whose "
-                         f"config.json differs from {target_path}. Drop --target-path or re-run "
-                         f"`python {UPSTREAM}.py --overwrite` with this target.")
 
 
 def count_supervised(shard_paths: list[Path], vocab_size: int):
@@ -92,7 +83,7 @@ def main(argv=None):
     args = parse_args(build_parser(), argv)
     src = stage_dir(args.work_dir, UPSTREAM)
     upstream = require_complete(src, UPSTREAM)
-    check_target_path(args.target_path, upstream, src)
+    resolve_target(args.target_path, upstream, src, "02b_extract_hidden_states_sglang")
     out = stage_dir(args.work_dir, STAGE)
     vocab_size, dv = upstream["vocab_size"], args.draft_vocab_size
     if not 1 <= dv <= vocab_size:

@@ -22,7 +22,7 @@ demo: $(STAMP)
 	WORK=$(WORK) CONFIG=$(CONFIG) PY=$(PY) bash scripts/demo.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 clean-demo:
 	rm -rf $(WORK)

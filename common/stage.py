@@ -31,12 +31,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model",
 
 
 class StageError(SystemExit):
-    """A user-facing stop: missing or mismatched upstream input, bad flags. Exits with status 2."""
+    """A user-facing stop: missing or mismatched upstream input, bad flags.
+
+    Uncaught, Python prints `error: <message>` to stderr and exits with status 1.
+    """
 
     def __init__(self, message: str):
         super().__init__(f"error: {message}")
         self.message = message
-        self.code = 2
 
     def __str__(self) -> str:
         return self.message
@@ -161,3 +163,18 @@ def write_manifest(out_dir: str | Path, stage: str, args, **fields) -> dict:
     }
     write_json(Path(out_dir) / MANIFEST, json.loads(json.dumps(manifest, default=str)))
     return manifest
+
+
+def resolve_target(target_path: str | Path | None, upstream: dict, upstream_dir: str | Path,
+                   producer: str) -> Path:
+    """The target a stage uses: `--target-path` when given, else the one upstream was made with.
+
+    A given path must have the same tokenizer and config.json identity as upstream's, else stop.
+    """
+    target = Path(target_path) if target_path else Path(upstream["target"]["path"])
+    check_same_tokenizer(upstream["tokenizer"], tokenizer_identity(target), upstream_dir, producer)
+    if target_identity(target)["config_sha256"] != upstream["target"].get("config_sha256"):
+        raise StageError(f"{upstream_dir} was made for target {upstream['target'].get('path')}, whose "
+                         f"config.json differs from {target}'s. Re-run `python {producer}.py --overwrite` "
+                         "with this target, or point --target-path at the one it was made for.")
+    return target

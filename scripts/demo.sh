@@ -4,7 +4,9 @@ set -euo pipefail
 WORK=${WORK:-runs/tiny}
 CONFIG=${CONFIG:-configs/tiny.yaml}
 PY=${PY:-.venv/bin/python}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# One thread: the tiny models are too small for intra-op parallelism to pay, and two busy threads on
+# a shared 2-core machine spin-wait (measured 13x slower generation under load).
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 run() {
   local t0=$SECONDS
