@@ -4,7 +4,12 @@ Each dataset named in `--datasets` is loaded through the `datasets` library (a h
 split, or local JSONL / JSON / parquet files), mapped to unified chat records by its adapter
 (common/adapters.py), cut to a prompt (the next assistant turn is the target's to write in 01b), its
 tool-call ids rewritten to Kimi's `functions.NAME:IDX`, and literal special-token strings scrubbed.
-Rows that cannot be used are skipped and counted by reason in the manifest.
+v4 adapters (common/adapters_v4.py) add per-dataset `cut` (last | random | every assistant turn),
+`thinking-ratio` and `filters`, and `max-records` stops a dataset after that many records.
+Each prompt is rendered with the target's template and marked by its token length: `normal` when
+prompt + --max-new-tokens fits --max-context, `long` when it fits --long-context (01b runs those with
+lower concurrency), else dropped and counted. Rows that cannot be used are skipped and counted by
+reason in the manifest (`skipped`), rows a filter drops apart from them (`filtered`).
 Reads:  the datasets of --datasets; the tokenizer of --target-path (for scrubbing)
 Writes: <work-dir>/01_prepared/<dataset>/{records.jsonl, manifest.json}, <work-dir>/01_prepared/manifest.json
 Real:   python 01_prepare_datasets.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
@@ -19,14 +24,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common.adapters import ADAPTERS, BadRow, unify
+from common.adapters import ADAPTERS, BadRow
+from common.adapters_v4 import V4_SPEC_KEYS, FilteredRow, check_v4_spec, expand_row, length_partition
 from common.config import base_parser, parse_args
 from common.io import write_jsonl
 from common.stage import (StageError, is_complete, read_manifest, stage_dir, start_stage,
                           target_identity, tokenizer_identity, write_manifest)
 
 STAGE = "01_prepare_datasets"
-SPEC_KEYS = {"name", "adapter", "path", "hf-id", "hf-config", "split", "max-rows", "complete"}
+SPEC_KEYS = {"name", "adapter", "path", "hf-id", "hf-config", "split", "max-rows", "complete",
+             "max-records"} | V4_SPEC_KEYS
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -50,7 +57,17 @@ def build_parser():
                         'max-rows (rows read) and complete (true: last assistant turn is the target\'s own); '
                         f'JSON on the command line. Adapters: {", ".join(ADAPTERS)}')
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
-                   help="render prompts with thinking on (generation prompt ends with <think>)")
+                   help="render prompts with thinking on (generation prompt ends with <think>) for "
+                        "datasets without a thinking-ratio")
+    g.add_argument("--thinking-ratio", type=float, default=None,
+                   help="share of prompts rendered with thinking on, per record id, for datasets without "
+                        "their own thinking-ratio; none: --thinking for all")
+    g.add_argument("--seed", type=int, default=0, help="seed of random trajectory cuts and thinking choices")
+    g.add_argument("--max-new-tokens", type=int, default=4096, help="generation cap per response (tokens)")
+    g.add_argument("--max-context", type=int, default=10240,
+                   help="prompt + response limit of the normal partition (tokens)")
+    g.add_argument("--long-context", type=int, default=None,
+                   help="prompt + response limit of the long partition (tokens); none: no long partition")
     return p
 
 
@@ -74,6 +91,10 @@ def check_specs(specs) -> list[dict]:
             raise StageError(f"dataset {name}: adapter {spec.get('adapter')!r} is not one of {sorted(ADAPTERS)}")
         if ("path" in spec) == ("hf-id" in spec):
             raise StageError(f"dataset {name}: give exactly one of `path` (local files) or `hf-id`")
+        try:
+            check_v4_spec(spec)
+        except ValueError as e:
+            raise StageError(str(e)) from None
     return specs
 
 
@@ -118,43 +139,92 @@ def load_rows(spec: dict):
         yield row
 
 
-def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok_id: dict, tgt_id: dict) -> dict:
+def rendered_lengths(tok, record: dict) -> tuple[int, int]:
+    """(prompt tokens, prompt + kept answer tokens) of a record rendered by the target's template."""
+    from common.chat_format import render_completion, render_prompt
+
+    msgs = record["messages"][:-1] if record["complete"] else record["messages"]
+    prompt = render_prompt(tok, msgs, record.get("tools"), thinking=record["thinking"])
+    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    if not record["complete"]:
+        return n_prompt, n_prompt
+    answer = render_completion(record["messages"][-1], thinking=record["thinking"])
+    return n_prompt, n_prompt + len(tok(answer, add_special_tokens=False)["input_ids"])
+
+
+def length_summary(lengths: list[int]) -> dict:
+    if not lengths:
+        return {"num": 0}
+    xs = sorted(lengths)
+    return {"num": len(xs), "mean": round(sum(xs) / len(xs), 1), "p50": xs[len(xs) // 2],
+            "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))], "max": xs[-1], "total": sum(xs)}
+
+
+def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dict, tgt_id: dict) -> dict:
     """Adapt one dataset into out/records.jsonl; returns its counts."""
     t0 = time.time()
-    skipped, seen = Counter(), set()
-    counts = Counter()
+    skipped, filtered, seen = Counter(), Counter(), set()
+    counts, lengths = Counter(), {"normal": [], "long": []}
+    max_records = spec.get("max-records")
 
     def records():
         for index, row in enumerate(load_rows(spec)):
+            if max_records is not None and counts["num_records"] >= int(max_records):
+                break
             counts["rows_read"] += 1
             try:
                 if isinstance(row, BadRow):
                     raise row
-                record, n_scrubbed = unify(row, index, spec["adapter"], spec["name"], scrub,
-                                           args.thinking, complete=bool(spec.get("complete", False)))
-                if record["id"] in seen:
-                    raise BadRow("duplicate_id")
+                expanded = expand_row(row, index, spec, scrub, args.seed, args.thinking, args.thinking_ratio)
+            except FilteredRow as e:
+                filtered[e.reason] += 1
+                continue
             except BadRow as e:
                 skipped[e.reason] += 1
                 continue
-            seen.add(record["id"])
-            counts["special_tokens_scrubbed"] += n_scrubbed
-            counts["with_tools"] += bool(record.get("tools"))
-            counts["num_messages"] += len(record["messages"])
-            yield record
+            for record, n_scrubbed in expanded:
+                if record["id"] in seen:
+                    skipped["duplicate_id"] += 1
+                    continue
+                n, n_total = rendered_lengths(tok, record)
+                # A complete record's answer is known; a prompt needs room for --max-new-tokens.
+                part = length_partition(n_total, 0 if record["complete"] else args.max_new_tokens,
+                                        args.max_context, args.long_context)
+                if part is None:
+                    skipped["too_long"] += 1
+                    continue
+                seen.add(record["id"])
+                record.update(partition=part, num_prompt_tokens=n)
+                lengths[part].append(n)
+                counts["num_records"] += 1
+                counts["special_tokens_scrubbed"] += n_scrubbed
+                counts["with_tools"] += bool(record.get("tools"))
+                counts["thinking"] += record["thinking"]
+                counts["num_messages"] += len(record["messages"])
+                yield record
+                if max_records is not None and counts["num_records"] >= int(max_records):
+                    break
 
     num_records = write_jsonl(out / "records.jsonl", records())
     if num_records == 0:
-        raise StageError(f"dataset {spec['name']}: no usable rows ({dict(skipped)}); check its adapter")
+        raise StageError(f"dataset {spec['name']}: no usable rows (skipped {dict(skipped)}, filtered "
+                         f"{dict(filtered)}); check its adapter and filters")
     result = {"num_records": num_records, "rows_read": counts["rows_read"],
-              "skipped": dict(sorted(skipped.items())),
+              "skipped": dict(sorted(skipped.items())), "filtered": dict(sorted(filtered.items())),
               "special_tokens_scrubbed": counts["special_tokens_scrubbed"],
-              "with_tools": counts["with_tools"], "complete": bool(spec.get("complete", False)),
+              "with_tools": counts["with_tools"], "thinking": counts["thinking"],
+              "complete": bool(spec.get("complete", False)),
               "mean_messages": round(counts["num_messages"] / num_records, 2),
+              "partitions": {p: len(v) for p, v in lengths.items()},
+              "prompt_tokens": {p: length_summary(v) for p, v in lengths.items()},
               "seconds": round(time.time() - t0, 2)}
     write_manifest(out, STAGE, args, dataset=spec, tokenizer=tok_id, target=tgt_id, counts=result)
-    print(f"[01] {spec['name']}: {num_records} records from {counts['rows_read']} rows, "
-          f"skipped {dict(skipped) or 0}, scrubbed {counts['special_tokens_scrubbed']} special strings")
+    pt = result["prompt_tokens"]["normal"]
+    print(f"[01] {spec['name']}: {num_records} records from {counts['rows_read']} rows "
+          f"({result['partitions']['normal']} normal, {result['partitions']['long']} long; thinking "
+          f"{counts['thinking']}), prompt tokens mean {pt.get('mean', 0)} p90 {pt.get('p90', 0)}, "
+          f"skipped {dict(skipped) or 0}, filtered {dict(filtered) or 0}, "
+          f"scrubbed {counts['special_tokens_scrubbed']} special strings")
     return result
 
 
@@ -163,6 +233,8 @@ def main(argv=None):
     if args.target_path is None:
         raise StageError("--target-path is required: the target model folder whose tokenizer defines the format")
     specs = check_specs(args.datasets)
+    if args.thinking_ratio is not None and not 0 <= args.thinking_ratio <= 1:
+        raise StageError(f"--thinking-ratio {args.thinking_ratio} is not in [0, 1]")
     tok_id, tgt_id = tokenizer_identity(args.target_path), target_identity(args.target_path)
     out = stage_dir(args.work_dir, STAGE)
     if not start_stage(out, args.overwrite, "01"):
@@ -170,21 +242,23 @@ def main(argv=None):
     from common.chat_format import special_token_pattern
     from common.tokenizer import load_tokenizer
 
-    scrub = special_token_pattern(load_tokenizer(args.target_path))
+    tok = load_tokenizer(args.target_path)
+    scrub = special_token_pattern(tok)
     summary = {}
     for spec in specs:
         sub = stage_dir(args.work_dir, STAGE, spec["name"])
         if is_complete(sub):
             old = read_manifest(sub)
             # A folder left by an interrupted run is reused only if it was made the same way.
-            if (old.get("dataset") == spec and old["tokenizer"]["sha256"] == tok_id["sha256"]
-                    and old["config"].get("thinking") == args.thinking):
+            same = all(old["config"].get(k) == getattr(args, k) for k in
+                       ("thinking", "thinking_ratio", "seed", "max_new_tokens", "max_context", "long_context"))
+            if old.get("dataset") == spec and old["tokenizer"]["sha256"] == tok_id["sha256"] and same:
                 print(f"[01] {spec['name']}: complete from an earlier run, kept")
                 summary[spec["name"]] = old["counts"]
                 continue
             (sub / "manifest.json").unlink()
         sub.mkdir(parents=True, exist_ok=True)
-        summary[spec["name"]] = prepare_one(spec, sub, scrub, args, tok_id, tgt_id)
+        summary[spec["name"]] = prepare_one(spec, sub, scrub, args, tok, tok_id, tgt_id)
     write_manifest(out, STAGE, args, datasets=[s["name"] for s in specs], tokenizer=tok_id,
                    target=tgt_id, counts=summary)
 

@@ -47,7 +47,7 @@ def build_parser():
                    help="samples per shard file (a shard is assembled in memory: S x tokens x bytes/token)")
     g.add_argument("--capture-batch-tokens", type=int, default=8192,
                    help="token budget per forward batch (batch size x longest sample, padding included)")
-    g.add_argument("--dtype", choices=STORAGE_DTYPES, default="bfloat16",
+    g.add_argument("--hidden-states-dtype", choices=STORAGE_DTYPES, default="bfloat16",
                    help="storage dtype of the hidden states (compute is fp32 on CPU, bf16 on CUDA)")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the target runs (default: cuda if available)")
@@ -178,9 +178,9 @@ def main(argv=None):
     dims = target_dims(load_target_config(target_dir))
     n_layers, hidden, vocab = dims["num_hidden_layers"], dims["hidden_size"], dims["vocab_size"]
     points = validate_capture_points(args.capture_points or default_capture_points(n_layers), n_layers)
-    bytes_per_token = 4 * hidden * DTYPE_BYTES[args.dtype] + ID_MASK_BYTES  # (3H + H) states + ids/mask
+    bytes_per_token = 4 * hidden * DTYPE_BYTES[args.hidden_states_dtype] + ID_MASK_BYTES  # (3H + H) states + ids/mask
     print(f"[02b] target {target_dir}: N={n_layers} layers, H={hidden}, vocab {vocab}; capture points "
-          f"h{points} (inputs of decoder layers {points}); storage {args.dtype}, {bytes_per_token} B/token")
+          f"h{points} (inputs of decoder layers {points}); storage {args.hidden_states_dtype}, {bytes_per_token} B/token")
 
     data = src / "tokenized_data.jsonl"
     meta = scan_samples(data, vocab)
@@ -218,7 +218,7 @@ def main(argv=None):
         from common.capture import capture_hf
         from common.shards import write_shard
         model = load_model(target_dir, device, compute_dtype)
-        store_dtype = getattr(torch, args.dtype)
+        store_dtype = getattr(torch, args.hidden_states_dtype)
         todo_set = set(todo)
         bar = tqdm(total=todo_tokens, unit="tok", desc="02b capture")
         rows: list[dict] = []
@@ -246,7 +246,7 @@ def main(argv=None):
         out, STAGE, args,
         capture_backend=args.capture_backend, device=device,
         compute_dtype=str(compute_dtype).removeprefix("torch."), capture_points=points,
-        hidden_size=hidden, num_hidden_layers=n_layers, vocab_size=vocab, dtype=args.dtype,
+        hidden_size=hidden, num_hidden_layers=n_layers, vocab_size=vocab, dtype=args.hidden_states_dtype,
         bytes_per_token=bytes_per_token,
         num_samples=len(meta), num_tokens=num_tokens,
         num_supervised_tokens=sum(m["num_supervised"] for m in meta), num_bytes=num_bytes,

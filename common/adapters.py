@@ -184,6 +184,12 @@ def unify(row: dict, index: int, adapter: str, source: str, scrub: re.Pattern, t
     the target itself wrote) and requires it.
     """
     key, messages, tools, meta = ADAPTERS[adapter](row, index)
+    return finish_record(key, messages, tools, meta, source, scrub, thinking, complete)
+
+
+def finish_record(key: str, messages: list[dict], tools: list[dict] | None, meta: dict, source: str,
+                  scrub: re.Pattern, thinking: bool, complete: bool = False) -> tuple[dict, int]:
+    """The family-independent half of `unify`: an adapter's output -> record and scrub count."""
     if not complete:
         while messages and messages[-1]["role"] == "assistant":
             messages.pop()
