@@ -26,7 +26,7 @@ from pathlib import Path
 from common.config import base_parser, parse_args
 from common.io import JsonlAppender, iter_jsonl, write_json, write_jsonl
 from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
-                          stage_dir, start_stage, target_identity, tokenizer_identity, write_manifest)
+                          resolve_target, stage_dir, start_stage, write_manifest)
 
 STAGE = "04_train"
 CKPT_MARKER = "COMPLETE"
@@ -254,12 +254,7 @@ def main(argv=None):
     m02 = require_complete(hs_dir, "02b_extract_hidden_states_sglang")
     m03 = require_complete(vocab_dir, "03_build_vocab_mapping")
     check_same_tokenizer(m02["tokenizer"], m03["tokenizer"], vocab_dir, "03_build_vocab_mapping")
-    if args.target_path is not None:
-        check_same_tokenizer(m02["tokenizer"], tokenizer_identity(args.target_path), hs_dir,
-                             "02b_extract_hidden_states_sglang")
-        if target_identity(args.target_path)["config_sha256"] != m02["target"]["config_sha256"]:
-            raise StageError(f"{args.target_path} is not the target {hs_dir} was extracted from "
-                             f"({m02['target']['path']}): config.json differs")
+    target_path = resolve_target(args.target_path, m02, hs_dir, "02b_extract_hidden_states_sglang")
     if args.overwrite and out.exists() and not (out / "manifest.json").exists():
         shutil.rmtree(out)     # --overwrite also drops the checkpoints of an unfinished run
     if not start_stage(out, args.overwrite, "04"):
@@ -269,7 +264,6 @@ def main(argv=None):
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else contextlib.nullcontext
 
     # ---- the target's facts, embedding and head; the draft ----
-    target_path = Path(m02["target"]["path"])
     tcfg = read_target_text_config(target_path)
     mapping = load_file(str(vocab_dir / "vocab_mapping.safetensors"))
     d2t, t2d = mapping["d2t"], mapping["t2d"]

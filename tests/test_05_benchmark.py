@@ -1,0 +1,290 @@
+"""05 + common/spec_decode.py: lossless speculative decoding, exact acceptance accounting, the stage."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import spec_decode as sd
+from common.eagle3 import Eagle3DraftModel, draft_config, export_sglang, load_sglang_export
+from common.io import write_jsonl
+from common.stage import read_manifest, target_identity, tokenizer_identity, write_manifest
+from common.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+POINTS = [2, 4, 6]  # capture points h_i of the 8-layer micro target
+TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.path.join('a', 'b'))",
+         "class Point:\n    def __init__(self, x):", "for i in range(10):\n    total += i"]
+
+
+def load_stage():
+    spec = importlib.util.spec_from_file_location("_t_05_benchmark", REPO / "05_benchmark.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Batch-1 decoding of a micro model is Python-bound: extra threads only fight (2 shared cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(micro_target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(micro_target), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(micro_target):
+    tok = load_tokenizer(micro_target)
+    return [tok.encode(t) for t in TEXTS]
+
+
+def random_draft(target, out_dir: Path, draft_vocab_size: int = 64, seed: int = 0) -> Eagle3DraftModel:
+    """An untrained draft with a non-trivial d2t (sorted random subset), exported and reloaded."""
+    torch.manual_seed(seed)
+    cfg = draft_config(target.config.to_dict(), draft_vocab_size, num_attention_heads=4)
+    m = Eagle3DraftModel(cfg)
+    v = cfg["vocab_size"]
+    used = torch.randperm(v)[:draft_vocab_size].sort().values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[used] = True
+    m.set_vocab_mapping(used - torch.arange(draft_vocab_size), t2d)
+    export_sglang(m, out_dir, POINTS, torch_dtype="float32")
+    return load_sglang_export(out_dir, target.get_input_embeddings().weight.detach()).eval()
+
+
+def test_target_cache_crop_equals_fresh_prefix(target, prompts):
+    """DeepseekV3 (MLA latents in DynamicCache): crop back, extend, compare with a fresh prefill."""
+    ids = torch.tensor([prompts[0]])
+    n = ids.shape[1]
+    cache = sd.new_target_cache(target)
+    sd.target_forward(target, ids, cache, None)
+    sd.target_forward(target, torch.tensor([[5, 6, 7]]), cache, None)  # "rejected drafts"
+    sd.crop_target_cache(cache, n - 2)
+    got, aux = sd.target_forward(target, ids[:, n - 2:], cache, POINTS)
+    ref, ref_aux = sd.target_forward(target, ids, sd.new_target_cache(target), POINTS)
+    assert cache.get_seq_length() == n
+    assert torch.allclose(got, ref[:, n - 2:], atol=1e-5)
+    assert torch.allclose(aux, ref_aux[:, n - 2:], atol=1e-5) and aux.shape[-1] == 3 * 32
+
+
+class CheckedDraft(Eagle3DraftModel):
+    """The real draft; each cached step is re-run without cache over the rows the cache now holds."""
+
+    def step(self, hidden, input_ids, position_ids, cache=None):
+        rows = getattr(self, "rows", [])[:cache.length]  # the loop cropped the cache to this
+        self.rows = rows + list(zip(hidden.unbind(1), input_ids.unbind(1), position_ids.unbind(1)))
+        logits, out = super().step(hidden, input_ids, position_ids, cache)
+        h, i, p = (torch.stack(x, 1) for x in zip(*self.rows))
+        full, _ = super().step(h, i, p, None)
+        assert torch.allclose(logits, full[:, -logits.shape[1]:], atol=1e-5)
+        self.num_checked = getattr(self, "num_checked", 0) + 1
+        return logits, out
+
+
+def test_lossless_with_exported_untrained_draft(target, prompts, tmp_path):
+    draft = random_draft(target, tmp_path / "export")
+    draft.__class__ = CheckedDraft
+    eos = sd.eos_ids_of(target.config)
+    for ids in prompts[:2]:
+        ref, _ = sd.greedy_decode(target, ids, 16, eos)
+        for k in (1, 4):
+            res = sd.speculative_decode(target, draft, ids, k, 16, eos, POINTS)
+            assert res.tokens == ref, (k, ids)
+            assert sum(res.emitted) + 1 == len(res.tokens)  # + the prefill token
+    assert draft.num_checked > 20
+
+
+class TeacherForcedDraft(Eagle3DraftModel):
+    """The real draft, but every proposal is forced to the target's greedy token (so all are
+    accepted): then chain step j of a round based at position t sees exactly what TTT step j sees at
+    t (ground-truth tokens, own hidden states, RoPE t+j), and the logits must agree."""
+
+    def project(self, aux):
+        self.fed = True
+        return super().project(aux)
+
+    def step(self, hidden, input_ids, position_ids, cache=None):
+        logits, out = super().step(hidden, input_ids, position_ids, cache)
+        self.last_pos = int(position_ids[0, -1])
+        if self.fed:  # a feed: step 0 of a round based at its last position
+            self.base, self.j, self.fed = self.last_pos, 0, False
+        else:
+            self.j += 1
+        self.log.append((self.base, self.j, logits[0, -1]))
+        return logits, out
+
+    def draft_to_target(self, draft_ids):
+        return torch.tensor(self.seq[self.last_pos + 2])
+
+
+def test_inference_chain_equals_ttt_unroll(target, prompts, tmp_path):
+    ids, k, max_new = prompts[3], 4, 16
+    draft = random_draft(target, tmp_path / "export")
+    draft.__class__ = TeacherForcedDraft
+    draft.seq = ids + sd.greedy_decode(target, ids, max_new, set())[0]
+    draft.log = []
+    res = sd.speculative_decode(target, draft, ids, k, max_new, set(), POINTS)
+    assert res.tokens == draft.seq[len(ids):] and set(res.accepted[:-1]) == {k}
+    _, aux = sd.target_forward(target, torch.tensor([draft.seq]), sd.new_target_cache(target), POINTS)
+    ttt = draft.forward_ttt(aux, torch.tensor([draft.seq]), k)  # k x [1, T, Dv]
+    checked = {j: 0 for j in range(k)}
+    for t, j, logits in draft.log:
+        if t + 1 + j < len(draft.seq):  # TTT pads past the end
+            assert torch.allclose(logits, ttt[j][0, t], atol=1e-4), (t, j)
+            checked[j] += 1
+    assert all(n >= 2 for n in checked.values()), checked
+
+
+class OracleDraft:
+    """Proposes the target's own greedy continuation (precomputed), except at planted positions.
+
+    It checks the EAGLE-3 alignment it is fed: a row at position p carries token p+1 and, when it is a
+    target-backed row, the target's aux state of position p; positions continue the draft cache.
+    """
+
+    def __init__(self, target, prompt, max_new, wrong=frozenset()):
+        self.seq = prompt + sd.greedy_decode(target, prompt, max_new, set())[0]
+        _, self.aux = sd.target_forward(target, torch.tensor([self.seq]), sd.new_target_cache(target), POINTS)
+        self.vocab, self.wrong = target.config.vocab_size, set(wrong)
+
+    def predict(self, p):  # the token proposed for position p + 2
+        q = p + 2
+        tok = self.seq[q] if q < len(self.seq) else 0
+        return (tok + 1) % self.vocab if q in self.wrong else tok
+
+    def project(self, aux):
+        return aux
+
+    def draft_to_target(self, ids):
+        return ids
+
+    def step(self, hidden, input_ids, position_ids, cache):
+        pos = position_ids[0].tolist()
+        assert pos == list(range(cache.length, cache.length + len(pos)))
+        for row, p in enumerate(pos):
+            tok = int(input_ids[0, row])
+            if hidden[0, row].abs().sum() > 0:  # target-backed row (a feed)
+                assert torch.allclose(hidden[0, row], self.aux[0, p], atol=1e-4), p
+                assert tok == self.seq[p + 1], (p, tok)
+            else:  # chain row: its token is this draft's own previous proposal
+                assert tok == self.predict(p - 1), (p, tok)
+        marks = torch.zeros(1, 1, len(pos), 1)
+        cache.update(0, marks, marks)
+        logits = torch.zeros(1, len(pos), self.vocab)
+        logits[0, torch.arange(len(pos)), [self.predict(p) for p in pos]] = 1.0
+        return logits, torch.zeros_like(hidden)
+
+
+def expected_accepted(n_prompt, k, max_new, wrong):
+    """Rounds of an oracle that is right except at `wrong` positions (no EOS)."""
+    out, pending_pos, accepted = 1, n_prompt, []
+    while out < max_new:
+        k_eff = min(k, max_new - out - 1)
+        a = 0
+        while a < k_eff and pending_pos + 1 + a not in wrong:
+            a += 1
+        accepted.append(a)
+        out += a + 1
+        pending_pos += a + 1
+    return accepted
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_oracle_draft_gets_tau_k_plus_1(target, prompts, k):
+    ids, max_new = prompts[1], 25
+    oracle = OracleDraft(target, ids, max_new)
+    res = sd.speculative_decode(target, oracle, ids, k, max_new, set(), POINTS)
+    assert res.tokens == oracle.seq[len(ids):]
+    # Every round accepts all k drafts (tau = k + 1), except a last one shrunk to the token budget.
+    full_rounds = len(res.accepted) - 1
+    assert res.accepted[:-1] == [k] * full_rounds and res.emitted[:-1] == [k + 1] * full_rounds
+    assert res.accepted[-1] == res.drafted[-1] and res.drafted[-1] <= k
+    stats = sd.acceptance_stats([res], k)
+    assert stats["per_position_acceptance"] == [1.0] * k
+    full = sd.acceptance_stats([sd.SpecResult(res.tokens, res.drafted[:-1], res.accepted[:-1],
+                                              res.emitted[:-1])], k)
+    assert full["tau"] == k + 1
+
+
+def test_planted_misses_give_exact_acceptance(target, prompts):
+    ids, max_new, k = prompts[2], 30, 4
+    n = len(ids)
+    wrong = {n + 2, n + 3, n + 9, n + 11, n + 12, n + 13, n + 20}
+    oracle = OracleDraft(target, ids, max_new, wrong)
+    res = sd.speculative_decode(target, oracle, ids, k, max_new, set(), POINTS)
+    assert res.tokens == oracle.seq[n:]  # rejected drafts never leak into the output
+    assert res.accepted == expected_accepted(n, k, max_new, wrong)
+    assert 0 in res.accepted and any(0 < a < k for a in res.accepted) and k in res.accepted
+
+
+def test_acceptance_stats_arithmetic():
+    r = sd.SpecResult(tokens=[0] * 8, drafted=[3, 3, 3], accepted=[3, 1, 0], emitted=[4, 2, 1])
+    s = sd.acceptance_stats([r], 3)
+    assert s["tau"] == 7 / 3 and s["accept_length_histogram"] == [1, 1, 0, 1]
+    assert s["per_position_reached"] == [3, 2, 1]
+    assert s["per_position_acceptance"] == [2 / 3, 1 / 2, 1.0]
+
+
+def make_chain(work: Path, micro_target: Path, target, prompts) -> None:
+    """01c (benchmark prompts) + 04 (export) folders with manifests, as those stages write them."""
+    ident = {"tokenizer": tokenizer_identity(micro_target), "target": target_identity(micro_target)}
+    merged = work / "01c_merged"
+    write_jsonl(merged / "benchmark_prompts.jsonl",
+                [{"id": f"bench/{i}", "source": "bench", "prompt": t, "prompt_ids": p}
+                 for i, (t, p) in enumerate(zip(TEXTS, prompts))])
+    write_manifest(merged, "01c_merge_datasets", argparse.Namespace(), **ident)
+    random_draft(target, work / "04_draft" / "export_sglang", seed=3)
+    write_manifest(work / "04_draft", "04_train", argparse.Namespace(), capture_points=POINTS, **ident)
+
+
+def test_main_writes_metrics_report_plot(micro_target, target, prompts, tmp_path, capsys):
+    make_chain(tmp_path, micro_target, target, prompts)
+    stage = load_stage()
+    argv = ["--work-dir", str(tmp_path), "--num-draft-tokens", "2", "4", "--benchmark-max-new-tokens", "10",
+            "--num-prompts", "2", "--device", "cpu", "--target-path", str(micro_target)]
+    stage.main(argv)
+    out = tmp_path / "05_benchmark" / "reference"
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["lossless"] and m["num_prompts"] == 2 and m["capture_points"] == POINTS
+    assert set(m["by_num_draft_tokens"]) == {"2", "4"}
+    for k, e in m["by_num_draft_tokens"].items():
+        assert 1.0 <= e["tau"] <= int(k) + 1 and 1.0 <= e["untrained_tau"] <= int(k) + 1
+        assert len(e["per_position_acceptance"]) == int(k)
+        assert sum(e["accept_length_histogram"]) == e["trained"]["num_rounds"] > 0
+        assert e["speed_ratio"] > 0 and e["tokens_per_s_target_only"] > 0
+    assert "Lossless: yes" in (out / "report.md").read_text()
+    assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    assert read_manifest(out)["tau"].keys() == {"2", "4"}
+    stage.main(argv)  # complete -> no-op
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_main_raises_and_records_when_output_differs(micro_target, target, prompts, tmp_path, monkeypatch):
+    make_chain(tmp_path, micro_target, target, prompts)
+    real = sd.speculative_decode
+    ref_len = len(sd.greedy_decode(target, prompts[0], 6, sd.eos_ids_of(target.config))[0])
+
+    def corrupted(*a, **kw):  # a broken acceptance rule: one wrong token in the output
+        res = real(*a, **kw)
+        res.tokens[-1] = (res.tokens[-1] + 1) % target.config.vocab_size
+        return res
+    monkeypatch.setattr(sd, "speculative_decode", corrupted)
+    with pytest.raises(sd.LosslessError):
+        load_stage().main(["--work-dir", str(tmp_path), "--benchmark-max-new-tokens", "6", "--num-prompts", "1",
+                           "--device", "cpu"])
+    out = tmp_path / "05_benchmark" / "reference"
+    bad = json.loads((out / "mismatches.json").read_text())
+    assert len(bad) == 2 and bad[0]["first_difference"] == ref_len - 1  # trained + untrained
+    assert not (out / "manifest.json").exists()
