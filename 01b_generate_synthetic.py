@@ -1,33 +1,66 @@
 """Generate synthetic responses: the target writes the answer to every prompt-only record.
 
 Each record's prompt is rendered with the target's own chat template (generation prompt included)
-and completed by the target through a backend (common/generation.py): `openai` (an SGLang/vLLM
-server, `--concurrency` requests in flight) or `hf` (in-process transformers, the tiny world).
-The completion is kept as raw text, special tokens included, so prompt + completion is exactly what
-the target emits. Records that already end with the target's own assistant turn (`complete`) are
-passed through (origin "dataset"). Resumable: results are appended as they arrive; a re-run skips
-ids already in generated.jsonl (a torn last line is cut) and never duplicates one.
+and completed by the target through a backend (common/generation.py): `openai` (one or more
+SGLang/vLLM servers, `--concurrency` requests in flight for the normal partition and
+`--long-concurrency` for the long one, together or one after the other) or `hf` (in-process
+transformers, the tiny world). The completion is kept as raw text, special tokens included, so
+prompt + completion is exactly what the target emits. Records that already end with the target's own
+assistant turn (`complete`) are passed through (origin "dataset").
+Before any request the servers are checked: healthy, serving the model, with enough context, and
+tokenizing probe prompts exactly as the target's tokenizer does. Faults cost seconds, not the run:
+timeouts, dropped connections, 429 and 5xx are retried with backoff and jitter, a server that stops
+answering is waited for (health polling), input errors go to failures.jsonl with their reason
+(context_overflow, http_4xx), and `finish_reason` "length" is recorded (01c drops those by default).
+Durable: each result is appended as one whole, flushed line as it arrives; a re-run after a kill at
+any moment skips the ids already written (a torn last line is cut), so every id lands exactly once.
+SIGINT/SIGTERM stop new requests, let those in flight finish for --shutdown-grace s, and exit;
+a second signal stops at once. Transient failures are retried by the next run; `--retry-failed`
+re-runs only the ids in failures.jsonl (context overflows included).
 Reads:  <work-dir>/01_prepared/<dataset>/records.jsonl (+ manifest.json)
 Writes: <work-dir>/01b_generated/<dataset>/{generated.jsonl, failures.jsonl, manifest.json},
         <work-dir>/01b_generated/manifest.json
 Real:   python 01b_generate_synthetic.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3 \
-            --generation-backend openai --server-url http://127.0.0.1:30000/v1 --concurrency 150
+            --server-url http://10.0.0.1:30000/v1 --server-url http://10.0.0.2:30000/v1 --concurrency 200
 Tiny:   python 01b_generate_synthetic.py --config configs/tiny.yaml --work-dir runs/tiny
 """
 from __future__ import annotations
 
+import argparse
+import asyncio
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 from common.config import base_parser, parse_args
+from common.generation import Progress, percentiles
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
 from common.stage import (StageError, is_complete, manifest_sha256, require_complete,
                           resolve_target, stage_dir, start_stage, write_manifest)
 
 STAGE, UPSTREAM = "01b_generate_synthetic", "01_prepare_datasets"
-# Failures that a re-run would repeat identically; others (timeouts, server errors) are retried.
+# Failures that a re-run would repeat identically (kept unless --retry-failed); others are retried.
 PERMANENT_FAILURES = {"context_overflow"}
+PARTITIONS = ("normal", "long")
+# Tokenizer probe: specials, a tool call, code, and non-ASCII text, through the target's own template.
+PROBE_MESSAGES = [
+    {"role": "system", "content": "You are Kimi. Réponds brièvement; 日本語も可. Tabs\tand  spaces."},
+    {"role": "user", "content": "def f(x):\n    return {'a': [1, 2.5e-3, None]}  # naïve café ✓ 🙂\n"},
+    {"role": "assistant", "content": "Sure.", "reasoning_content": "Check the dict.",
+     "tool_calls": [{"id": "functions.run:0", "type": "function",
+                     "function": {"name": "run", "arguments": "{\"cmd\": \"ls -la /tmp\"}"}}]},
+    {"role": "tool", "tool_call_id": "functions.run:0", "name": "run", "content": "total 0\r\n\u00a0ok"},
+]
+
+
+class ServerUrls(argparse.Action):
+    """Repeatable --server-url: the command line's URLs replace a --config default (string or list)
+    instead of adding to it."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        given = namespace.__dict__.setdefault("_server_url_given", False)
+        setattr(namespace, self.dest, (list(getattr(namespace, self.dest)) if given else []) + [value])
+        namespace._server_url_given = True
 
 
 def build_parser():
@@ -36,23 +69,45 @@ def build_parser():
     g.add_argument("--target-path", type=Path, default=None,
                    help="target model folder; default: the one 01 used (refused if its tokenizer differs)")
     g.add_argument("--generation-backend", choices=("hf", "openai"), default="openai",
-                   help="openai: an SGLang/vLLM server; hf: in-process transformers (tiny world)")
+                   help="openai: SGLang/vLLM server(s); hf: in-process transformers (tiny world)")
     g.add_argument("--max-new-tokens", type=int, default=4096, help="generation cap per response (tokens)")
     g.add_argument("--max-context", type=int, default=10240,
-                   help="prompt + response limit (tokens); longer prompts fail with context_overflow")
+                   help="prompt + response limit of the normal partition (tokens); longer prompts fail "
+                        "with context_overflow")
+    g.add_argument("--long-context", type=int, default=None,
+                   help="prompt + response limit of the long partition (tokens); none: --max-context")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (only used when temperature > 0)")
     g.add_argument("--datasets-only", nargs="+", default=None, metavar="NAME",
                    help="generate only these datasets of 01 (the stage manifest waits for the rest)")
+    g.add_argument("--retry-failed", action="store_true",
+                   help="re-run only the ids in failures.jsonl (any reason), also of complete datasets")
     g = p.add_argument_group("generate: openai backend")
-    g.add_argument("--server-url", default="http://127.0.0.1:30000/v1", help="OpenAI-compatible base URL")
+    g.add_argument("--server-url", action=ServerUrls, default="http://127.0.0.1:30000/v1",
+                   help="OpenAI-compatible base URL ending in /v1; repeat for several servers (requests go to "
+                        "the healthy one with the fewest in flight); a YAML list in --config")
     g.add_argument("--served-model-name", default=None,
-                   help="model name the server serves; default: ask the server (GET /v1/models)")
+                   help="model name the servers must serve; default: the one model the first server lists")
     g.add_argument("--api-key", default="EMPTY", help="API key sent to the server")
-    g.add_argument("--concurrency", type=int, default=150, help="requests in flight")
-    g.add_argument("--request-timeout", type=float, default=1800.0, help="per-request timeout (s)")
+    g.add_argument("--concurrency", type=int, default=150, help="requests in flight, normal partition")
+    g.add_argument("--long-concurrency", type=int, default=16, help="requests in flight, long partition")
+    g.add_argument("--long-after-normal", action="store_true",
+                   help="run the long partition after the normal one (default: both at once, separate limits)")
+    g.add_argument("--request-timeout", type=float, default=1800.0, help="per-attempt timeout (s)")
     g.add_argument("--request-retries", type=int, default=3,
-                   help="client retries of a request on connection errors, timeouts, 429, 5xx")
+                   help="retries of a request after a timeout, connection error, 429, 5xx (count; attempts "
+                        "while its server is down are not counted)")
+    g.add_argument("--retry-base-delay", type=float, default=2.0,
+                   help="first retry backoff (s); doubles per retry, x[0.5, 1.5) jitter")
+    g.add_argument("--retry-max-delay", type=float, default=120.0, help="backoff cap (s)")
+    g.add_argument("--health-interval", type=float, default=10.0, help="health polling period of a down server (s)")
+    g.add_argument("--health-timeout", type=float, default=30.0,
+                   help="timeout of a health/models/tokenize call (s; SGLang's /health may take 20 s)")
+    g.add_argument("--server-down-timeout", type=float, default=3600.0,
+                   help="stop the run when no server has been healthy this long (s)")
+    g.add_argument("--shutdown-grace", type=float, default=120.0,
+                   help="after SIGINT/SIGTERM, how long requests in flight may finish (s)")
+    g.add_argument("--summary-interval", type=float, default=60.0, help="period of the summary log line (s)")
     g.add_argument("--max-transient-failures", type=int, default=0,
                    help="requests that may fail for good (after retries) with the dataset still counted "
                         "complete; above it the dataset stays incomplete and a re-run retries them (count)")
@@ -64,17 +119,14 @@ def build_parser():
     return p
 
 
-
-
 def redacted(args):
     """The flags as recorded in manifests: never a real API key."""
-    import argparse
-
     return argparse.Namespace(**{**vars(args), "api_key": "EMPTY" if args.api_key == "EMPTY" else "<redacted>"})
 
 
 def make_jobs(records: list[dict], tok, args) -> tuple[list[dict], list[dict], list[dict]]:
-    """Render prompts; split into (to generate, passed through, context overflows)."""
+    """Render prompts; split into (to generate, passed through, context overflows). A job's response
+    budget is what its partition's context leaves after the prompt (at most --max-new-tokens)."""
     from common.chat_format import render_completion, render_prompt
 
     prompts = []
@@ -89,80 +141,116 @@ def make_jobs(records: list[dict], tok, args) -> tuple[list[dict], list[dict], l
     todo, passed, overflow = [], [], []
     for r, prompt, n in zip(records, prompts, lengths):
         base = {"id": r["id"], "source": r["source"], "prompt": prompt}
+        part = r.get("partition", "normal")
+        limit, flag = ((args.long_context, "--long-context") if part == "long" and args.long_context
+                       else (args.max_context, "--max-context"))
         if r["complete"]:
             passed.append({**base, "completion": completions[r["id"]], "finish_reason": "stop", "num_prompt_tokens": n,
                            "num_completion_tokens": n_completion[r["id"]], "origin": "dataset", "backend": None})
-        elif n >= args.max_context:
+        elif n >= limit:
             overflow.append({"id": r["id"], "reason": "context_overflow",
-                             "detail": f"prompt has {n} tokens, --max-context is {args.max_context}"})
+                             "detail": f"prompt has {n} tokens, {flag} is {limit} ({part} partition)"})
         else:
-            todo.append({**base, "n_prompt": n, "max_new": min(args.max_new_tokens, args.max_context - n)})
+            todo.append({**base, "n_prompt": n, "max_new": min(args.max_new_tokens, limit - n), "partition": part})
     return todo, passed, overflow
 
 
-class Progress:
-    """tqdm bar over requests with tokens/s in the postfix (requests/s and ETA come from tqdm)."""
+async def run_openai(pool, tok, jobs: dict, write, fail, args, bars: dict) -> str | None:
+    """Run every job through the server pool; returns the name of the signal that stopped it, if any."""
+    import signal
 
-    def __init__(self, total: int, name: str):
-        from tqdm import tqdm
+    from common.chat_format import render_prompt
+    from common.generation import RequestFailed, ServersDown, StartupCheckFailed, log
 
-        self.bar = tqdm(total=total, desc=f"[01b] {name}", unit="req", smoothing=0.05)
-        self.t0, self.tokens, self.done = time.time(), 0, 0
+    loop = asyncio.get_running_loop()
+    stop, stopped_by, main = asyncio.Event(), [], None
 
-    def update(self, n_requests: int, n_tokens: int):
-        self.tokens += n_tokens
-        self.done += n_requests
-        self.bar.update(n_requests)
-        self.bar.set_postfix_str(f"{self.tokens / max(time.time() - self.t0, 1e-9):.1f} tok/s", refresh=False)
+    def on_signal(name):
+        if not stopped_by:
+            stopped_by.append(name)
+            stop.set()
+            n = sum(b.in_flight for b in bars.values())
+            log(f"[01b] {name}: no new requests; {n} in flight may finish within {args.shutdown_grace:.0f} s "
+                "(send it again to stop now)")
+            loop.call_later(args.shutdown_grace, lambda: main and main.cancel())
+        elif main is not None:
+            main.cancel()
 
-    def close(self) -> float:
-        self.bar.close()
-        return time.time() - self.t0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
 
-
-def failure_reason(exc: Exception) -> str:
-    import openai
-
-    if isinstance(exc, openai.APITimeoutError):
-        return "timeout"
-    if isinstance(exc, openai.APIConnectionError):
-        return "connection_error"
-    if isinstance(exc, openai.APIStatusError):
-        return f"http_{exc.status_code}"
-    return "bad_response"
-
-
-async def run_openai(backend, todo, write, fail, concurrency: int, progress: Progress):
-    import asyncio
-
-    import openai
-
-    try:
-        await backend.resolve_model()
-    except (openai.APIError, ValueError) as e:
-        await backend.close()
-        raise StageError(f"cannot get the served model from {backend.client.base_url}: {e}. Start the server "
-                         "(e.g. `python -m sglang.launch_server ...`) or fix --server-url/--served-model-name") from None
-    queue = asyncio.Queue()
-    for job in todo:
-        queue.put_nowait(job)
-
-    async def worker():
-        while not queue.empty():
-            job = queue.get_nowait()
+    async def worker(queue, bar):
+        while queue and not stop.is_set():
+            job = queue.popleft()
+            t0 = time.monotonic()
+            bar.in_flight += 1
             try:
-                result = await backend.generate(job["prompt"], job["max_new"])
-            except (openai.APIError, ValueError) as e:
-                fail(job, failure_reason(e), str(e)[:500])
-                progress.update(1, 0)
-                continue
-            write(job, result)
-            progress.update(1, result["num_completion_tokens"] or 0)
+                result = await pool.generate(job["prompt"], job["max_new"], bar.errors)
+            except RequestFailed as e:
+                fail(job, e.kind, e.detail)
+                bar.update(failed=True)
+            else:
+                write(job, result)
+                bar.update(tokens=result["num_completion_tokens"] or 0, latency=time.monotonic() - t0)
+            finally:
+                bar.in_flight -= 1
 
+    async def partition(part, concurrency):
+        queue = deque(jobs[part])
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(concurrency, len(queue))):
+                group.create_task(worker(queue, bars[part]))
+
+    async def everything():
+        limits = {"normal": args.concurrency, "long": args.long_concurrency}
+        if args.long_after_normal:
+            for part in PARTITIONS:
+                await partition(part, limits[part])
+        else:
+            async with asyncio.TaskGroup() as group:
+                for part in PARTITIONS:
+                    group.create_task(partition(part, limits[part]))
+
+    async def ticker():
+        while True:
+            await asyncio.sleep(args.summary_interval)
+            for bar in bars.values():
+                if bar.total:
+                    log(bar.line())
+
+    need = max([j["n_prompt"] + j["max_new"] for part in PARTITIONS for j in jobs[part]] or [0])
+    probes = [render_prompt(tok, PROBE_MESSAGES, None, thinking=True),
+              next(j["prompt"] for part in PARTITIONS for j in jobs[part])]
+    tick = None
     try:
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(todo)))))
+        async with pool:
+            try:
+                found = await pool.startup_checks(tok, probes, need)
+            except StartupCheckFailed as e:
+                raise StageError(f"start-up check failed, nothing sent: {e}") from None
+            for url, info in found.items():
+                log(f"[01b] server {url}: model {info['model']!r}, context {info['max_model_len']}, "
+                    f"tokenizer agrees ({info['tokenizer_check']})")
+            tick = asyncio.ensure_future(ticker())
+            main = asyncio.ensure_future(everything())
+            try:
+                await main
+            except asyncio.CancelledError:
+                if not stopped_by:
+                    raise
+            except BaseExceptionGroup as eg:  # a worker's exception, from the TaskGroups
+                down = eg.subgroup(ServersDown)
+                if down is None:
+                    raise
+                while isinstance(down, BaseExceptionGroup):
+                    down = down.exceptions[0]
+                raise StageError(f"{down}; results so far are kept, re-run to resume") from None
     finally:
-        await backend.close()
+        if tick is not None:
+            tick.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return stopped_by[0] if stopped_by else None
 
 
 def run_hf(backend, todo, write, batch_size: int, progress: Progress):
@@ -177,19 +265,28 @@ def run_hf(backend, todo, write, batch_size: int, progress: Progress):
 
 
 def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir: Path, ids: dict,
-                     backends: dict) -> dict:
+                     backends: dict) -> dict | None:
+    """Generate what is missing of one dataset; its counts when complete, None when not yet."""
     records = list(iter_jsonl(upstream_dir / "records.jsonl"))
     gen_path, fail_path = out / "generated.jsonl", out / "failures.jsonl"
     done = {r["id"] for r in iter_jsonl(gen_path)} if gen_path.exists() else set()
     failed = [f for f in iter_jsonl(fail_path)] if fail_path.exists() else []
-    kept = [f for f in failed if f["reason"] in PERMANENT_FAILURES and f["id"] not in done]
+    if args.retry_failed:
+        kept, retry = [], {f["id"] for f in failed} - done
+    else:  # transient failures of an earlier run are retried now, permanent ones kept
+        kept, retry = [f for f in failed if f["reason"] in PERMANENT_FAILURES and f["id"] not in done], None
     if len(kept) != len(failed):
-        write_jsonl(fail_path, kept)  # transient failures of an earlier run are retried now
+        write_jsonl(fail_path, kept)
     settled = done | {f["id"] for f in kept}
     pending = [r for r in records if r["id"] not in settled]
-    if settled:
+    unattempted = 0
+    if retry is not None:
+        unattempted = sum(r["id"] not in retry for r in pending)
+        pending = [r for r in pending if r["id"] in retry]
+    if settled or retry is not None:
         print(f"[01b] {name}: resuming, {len(done)} generated and {len(kept)} failed before, "
-              f"{len(pending)} to go")
+              f"{len(pending)} to go" + (f" (--retry-failed; {unattempted} never tried are left)" if retry is not None
+                                         else ""))
     todo, passed, overflow = make_jobs(pending, tok, args)
     counts = Counter()
     with JsonlAppender(gen_path) as gen_out, JsonlAppender(fail_path) as fail_out:
@@ -206,48 +303,71 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
             gen_out.write(row)
         for row in overflow:
             fail_out.write(row)
-        progress = Progress(len(todo), name)
+        jobs = {part: [j for j in todo if j["partition"] == part] for part in PARTITIONS}
+        if args.generation_backend == "hf":  # one in-process model: the partitions run as one
+            bars = {"normal": Progress(len(todo), name)}
+        else:
+            bars = {part: Progress(len(jobs[part]), f"{name}/{part}", i) for i, part in enumerate(PARTITIONS)
+                    if jobs[part] or part == "normal"}
+        cpu0, stopped_by = time.process_time(), None
         try:
             if todo and args.generation_backend == "openai":
-                import asyncio
-
-                from common.generation import OpenAIBackend
+                from common.generation import ServerPool
 
                 specials = {i: t.content for i, t in tok.added_tokens_decoder.items() if t.special}
-                backend = OpenAIBackend(args.server_url, args.served_model_name, args.api_key, args.temperature,
-                                        args.request_timeout, args.request_retries,
-                                        args.seed if args.temperature > 0 else None, specials)
-                asyncio.run(run_openai(backend, todo, write, fail, args.concurrency, progress))
+                pool = ServerPool(args.server_url, args.served_model_name, args.api_key, args.temperature,
+                                  args.seed if args.temperature > 0 else None, specials, args.request_timeout,
+                                  args.request_retries, args.retry_base_delay, args.retry_max_delay,
+                                  args.health_interval, args.health_timeout, args.server_down_timeout)
+                stopped_by = asyncio.run(run_openai(pool, tok, jobs, write, fail, args, bars))
+                counts["requests_per_server"] = {s.url: s.num_requests for s in pool.servers}
             elif todo:
                 from common.generation import HFBackend
 
                 if "hf" not in backends:  # one model load for all datasets of this run
                     device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
                     backends["hf"] = HFBackend(target, tok, device, args.temperature, args.seed)
-                run_hf(backends["hf"], todo, write, args.hf_batch_size, progress)
+                run_hf(backends["hf"], todo, write, args.hf_batch_size, bars["normal"])
         finally:
-            seconds = progress.close()
+            cpu = time.process_time() - cpu0
+            seconds = max(bar.close() for bar in bars.values())
+    n_done = sum(b.done for b in bars.values())
+    if stopped_by:
+        raise StageError(f"stopped by {stopped_by} after {n_done} requests; everything finished is saved. "
+                         "Re-run the same command to resume")
     rows = list(iter_jsonl(gen_path))
     failures = list(iter_jsonl(fail_path))
     assert len({r["id"] for r in rows}) == len(rows), f"duplicate ids in {gen_path}"
     generated = [r for r in rows if r["origin"] == "target"]
-    new_tokens = sum(r["num_completion_tokens"] or 0 for r in generated if r["id"] not in settled)
+    new_tokens = sum(b.tokens for b in bars.values())
+    latencies = [x for b in bars.values() for x in b.latencies]
     result = {
         "num_records": len(records), "generated": len(generated), "passed_through": len(rows) - len(generated),
         "failed": dict(Counter(f["reason"] for f in failures)),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in rows)),
+        "partitions": dict(Counter(r.get("partition", "normal") for r in records)),
         "prompt_tokens": sum(r["num_prompt_tokens"] or 0 for r in rows),
         "completion_tokens": sum(r["num_completion_tokens"] or 0 for r in rows),
         "prompt_token_count_mismatch": counts["prompt_token_count_mismatch"],
-        "this_run": {"requests": progress.done, "seconds": round(seconds, 2),
-                     "requests_per_s": round(progress.done / max(seconds, 1e-9), 3),
-                     "completion_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1)}}
+        "this_run": {"requests": n_done, "seconds": round(seconds, 2),
+                     "requests_per_s": round(n_done / max(seconds, 1e-9), 3),
+                     "completion_tokens": new_tokens,
+                     "completion_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1),
+                     "errors": dict(sum((b.errors for b in bars.values()), Counter())),
+                     "latency_s": percentiles(latencies),
+                     "completion_tokens_per_request": percentiles(
+                         [r["num_completion_tokens"] or 0 for r in generated if r["id"] not in settled]),
+                     "client_cpu_ms_per_request": round(1000 * cpu / max(n_done, 1), 3),
+                     "requests_per_server": counts["requests_per_server"] or None}}
     transient = [f for f in failures if f["reason"] not in PERMANENT_FAILURES]
     if len(transient) > args.max_transient_failures:
         # Leave the dataset incomplete: a re-run keeps every result and retries only these.
         raise StageError(f"{out}: {len(transient)} requests failed ({dict(Counter(f['reason'] for f in transient))}; "
                          f"see failures.jsonl). Fix the cause and re-run the same command: it retries only them "
                          "(or raise --max-transient-failures to accept them)")
+    if unattempted:
+        print(f"[01b] {name}: {unattempted} records never tried; run without --retry-failed to finish it")
+        return None
     if len(rows) + len(failures) != len(records):
         # Only a failure of this process itself gets here (every job ends in write() or fail()).
         raise StageError(f"{out}: {len(records) - len(rows) - len(failures)} records neither generated nor "
@@ -255,12 +375,16 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
     write_manifest(out, STAGE, redacted(args), dataset=name, backend=args.generation_backend,
                    input_manifest_sha256=manifest_sha256(upstream_dir), **ids, counts=result)
     print(f"[01b] {name}: {result['generated']} generated, {result['passed_through']} passed through, "
-          f"failed {result['failed'] or 0}, finish {result['finish_reasons']}, {seconds:.1f} s")
+          f"failed {result['failed'] or 0}, finish {result['finish_reasons']}, {seconds:.1f} s, "
+          f"attempt errors {result['this_run']['errors'] or 0}")
     return result
 
 
 def main(argv=None):
     args = parse_args(build_parser(), argv)
+    vars(args).pop("_server_url_given", None)
+    urls = [args.server_url] if isinstance(args.server_url, str) else list(args.server_url or [])
+    args.server_url = urls
     up_dir = stage_dir(args.work_dir, UPSTREAM)
     upstream = require_complete(up_dir, UPSTREAM)
     target = resolve_target(args.target_path, upstream, up_dir, UPSTREAM)
@@ -268,13 +392,23 @@ def main(argv=None):
     unknown = sorted(set(args.datasets_only or []) - set(names))
     if unknown:
         raise StageError(f"--datasets-only {unknown}: not prepared by 01 (it has {names})")
+    if args.generation_backend == "openai" and not urls:
+        raise StageError("--server-url: give at least one server")
     out = stage_dir(args.work_dir, STAGE)
+    if args.retry_failed:  # reopen the datasets (and the stage) that have failures to retry
+        for name in names:
+            sub = stage_dir(args.work_dir, STAGE, name)
+            if (sub / "failures.jsonl").exists() and next(iter_jsonl(sub / "failures.jsonl"), None):
+                for folder in (sub, out):
+                    if is_complete(folder):
+                        (folder / "manifest.json").unlink()
     if not start_stage(out, args.overwrite, "01b"):
         return
     from common.tokenizer import load_tokenizer
 
     tok = load_tokenizer(target)
-    print(f"[01b] target {target} | backend {args.generation_backend} | datasets {names}")
+    print(f"[01b] target {target} | backend {args.generation_backend} | datasets {names}"
+          + (f" | servers {urls}" if args.generation_backend == "openai" else ""))
     ids = {"tokenizer": upstream["tokenizer"], "target": upstream["target"]}
     summary, backends = {}, {}
     for name in names:
@@ -285,8 +419,10 @@ def main(argv=None):
         if args.datasets_only and name not in args.datasets_only:
             continue
         sub.mkdir(parents=True, exist_ok=True)
-        summary[name] = generate_dataset(name, args, tok, target, sub, stage_dir(args.work_dir, UPSTREAM, name),
-                                         ids, backends)
+        result = generate_dataset(name, args, tok, target, sub, stage_dir(args.work_dir, UPSTREAM, name),
+                                  ids, backends)
+        if result is not None:
+            summary[name] = result
     missing = [n for n in names if n not in summary]
     if missing:
         print(f"[01b] not done yet: {missing}; the stage manifest is written when every dataset is")

@@ -3,18 +3,136 @@
 Both return, per prompt, `{"completion", "finish_reason", "num_prompt_tokens", "num_completion_tokens"}`
 where `completion` is exactly the target's tokens as text, special tokens kept, ending with
 `<|im_end|>` when finish_reason is "stop".
-  OpenAIBackend  async `generate(prompt_text, max_new_tokens)` against an OpenAI-compatible server
-                 (SGLang, vLLM) through `/v1/completions`; the caller runs many at once.
-  HFBackend      batched `generate_batch(prompt_texts, max_new_tokens)` in-process with transformers
-                 (the tiny world, tests).
+  ServerPool  async `generate(prompt_text, max_new_tokens)` against one or more OpenAI-compatible
+              servers (SGLang, vLLM) through `/v1/completions`, with start-up checks, retries with
+              backoff and jitter, and health polling of a server that stops answering.
+  Progress    a tqdm bar per partition with tokens/s and errors by kind, a log line, the manifest totals.
+  HFBackend   batched `generate_batch(prompt_texts, max_new_tokens)` in-process with transformers
+              (the tiny world, tests).
+
+Server endpoints relied on (checked against SGLang python/sglang/srt/entrypoints/http_server.py,
+openai/serving_tokenize.py and openai/protocol.py; vLLM's OpenAI server exposes the same shapes):
+  GET  <root>/health          200 when the server can generate (SGLang runs a 1-token request, up to
+                              20 s; 503 while starting or shutting down); vLLM: 200 when the engine is alive
+  GET  <base>/models          {"data": [{"id": served name, "max_model_len": context length}]}
+  POST <root>/tokenize        {"model", "prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
+  POST <base>/completions     the generation itself
+where <base> is the --server-url (ending in /v1) and <root> is it without the /v1.
 """
 from __future__ import annotations
 
+import asyncio
+import json
+import random
+import re
+import time
+from collections import Counter
+
 from common.chat_format import IM_END
 
+# Attempt outcomes that say "this server may be down": before charging the request a retry, the
+# server's health is probed; if it is down the request waits for it (or another server) instead.
+SERVER_DOWN_KINDS = {"connection_error", "timeout", "http_502", "http_503", "http_504"}
+# A 400 whose message says the prompt does not fit (SGLang: "The input (N tokens) is longer than the
+# model's context length (M tokens)" / "... exceeds the model's maximum context length"; vLLM:
+# "This model's maximum context length is M tokens. However, you requested N tokens").
+CONTEXT_OVERFLOW_RE = re.compile(r"context length|context window|maximum context|prompt is too long", re.I)
 
-class OpenAIBackend:
-    """Raw completions from an OpenAI-compatible server, prompt rendered by us.
+
+class RequestFailed(Exception):
+    """One attempt (or, re-raised, the whole request) failed; `kind` is the failures.jsonl reason."""
+
+    def __init__(self, kind: str, detail: str, retryable: bool, retry_after: float | None = None):
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail, self.retryable, self.retry_after = kind, detail[:500], retryable, retry_after
+
+
+class ServersDown(Exception):
+    """No server has been healthy for --server-down-timeout seconds: the run stops (and resumes later)."""
+
+
+class StartupCheckFailed(Exception):
+    """A server is unreachable or unhealthy, serves another model, or tokenizes differently."""
+
+
+def log(line: str) -> None:
+    """A log line that does not break the tqdm bars (stdout, for log files)."""
+    import sys
+
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"num": 0}
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    return {"num": len(s), "mean": round(sum(s) / len(s), 3), "p50": round(pick(0.5), 3),
+            "p99": round(pick(0.99), 3), "max": round(s[-1], 3)}
+
+
+class Progress:
+    """01b's progress of one partition: a tqdm bar (requests/s and ETA from tqdm; tokens/s and errors
+    by kind in the postfix) plus the totals behind the periodic log line and the manifest."""
+
+    def __init__(self, total: int, name: str, position: int = 0):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=f"[01b] {name}", unit="req", smoothing=0.05, position=position,
+                        mininterval=1.0, dynamic_ncols=True)
+        self.name, self.total = name, total
+        self.t0 = self._shown = time.time()
+        self.tokens = self.done = self.failed = self.in_flight = 0
+        self.errors: Counter = Counter()   # attempt errors by kind (retried or not)
+        self.latencies: list[float] = []    # s per successful request, retries and waits included
+
+    def update(self, n: int = 1, tokens: int = 0, latency: float | None = None, failed: bool = False):
+        self.tokens += tokens
+        self.done += n
+        self.failed += failed
+        if latency is not None:
+            self.latencies.append(latency)
+        now = time.time()
+        if now - self._shown > 0.5:  # formatting the postfix per request would cost CPU at 1000 req/s
+            self._shown = now
+            self.bar.set_postfix_str(self.postfix(), refresh=False)
+        self.bar.update(n)
+
+    def postfix(self) -> str:
+        err = " ".join(f"{k}={v}" for k, v in sorted(self.errors.items()))
+        return f"{self.tokens / max(time.time() - self.t0, 1e-9):.0f} tok/s" + (f" | err {err}" if err else "")
+
+    def line(self) -> str:
+        """One dense line for log files."""
+        dt = max(time.time() - self.t0, 1e-9)
+        rate = self.done / dt
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        eta = f"{eta / 3600:.1f} h" if eta > 5400 else f"{eta / 60:.1f} min" if eta > 90 else f"{eta:.0f} s"
+        err = ",".join(f"{k}={v}" for k, v in sorted(self.errors.items())) or "0"
+        return (f"[01b] {self.name} {self.done}/{self.total} | {rate:.2f} req/s | {self.tokens / dt:.0f} tok/s | "
+                f"in flight {self.in_flight} | failed {self.failed} | errors {err} | eta {eta}")
+
+    def close(self) -> float:
+        self.bar.set_postfix_str(self.postfix(), refresh=False)
+        self.bar.close()
+        return time.time() - self.t0
+
+
+class Server:
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")                                          # .../v1
+        self.root = self.url[:-3] if self.url.endswith("/v1") else self.url  # health, tokenize
+        self.up = asyncio.Event()
+        self.up.set()
+        self.in_flight, self.num_requests = 0, 0
+        self.probe: asyncio.Task | None = None  # the running health probe, shared by all requests
+        self.poller: asyncio.Task | None = None  # polls /health while the server is down
+
+
+class ServerPool:
+    """Raw completions from OpenAI-compatible servers, prompt rendered by us.
 
     Request fields, checked against SGLang `python/sglang/srt/entrypoints/openai/protocol.py`
     (CompletionRequest) and vLLM's CompletionRequest:
@@ -27,55 +145,265 @@ class OpenAIBackend:
     cut a matched stop string / eos token from the text by default, and older versions lack the
     keep-stop fields. The model DID emit `<|im_end|>` (that is what "stop" on that string means), and
     the draft must learn to predict it, so when finish_reason is "stop" and the text lacks it we append it.
+
+    Faults: each attempt has --request-timeout; timeouts, connection errors, 429, 5xx and malformed
+    answers are retried up to `max_retries` times with exponential backoff and jitter (a Retry-After
+    header is honoured); other 4xx are input errors, never retried (a context-length 400 is
+    `context_overflow`). A connection error, timeout or 502/503/504 first probes the server's health:
+    if it is down, the attempt is not charged, the server leaves the rotation and is polled every
+    `health_interval` s, and the request waits for a healthy server (at most `server_down_timeout` s,
+    then ServersDown stops the run). Requests go to the healthy server with the fewest in flight.
     """
 
-    name = "openai"
-
-    def __init__(self, server_url: str, model: str | None, api_key: str = "EMPTY", temperature: float = 0.0,
-                 request_timeout: float = 600.0, max_retries: int = 3, seed: int | None = None,
-                 special_tokens: dict[int, str] | None = None):
-        from openai import AsyncOpenAI
-
-        # The client retries connection errors, timeouts, 408/409/429 and 5xx with backoff.
-        self.client = AsyncOpenAI(base_url=server_url, api_key=api_key, timeout=request_timeout,
-                                  max_retries=max_retries)
-        self.model, self.temperature, self.seed = model, temperature, seed
+    def __init__(self, urls: list[str], model: str | None = None, api_key: str = "EMPTY",
+                 temperature: float = 0.0, seed: int | None = None, special_tokens: dict[int, str] | None = None,
+                 request_timeout: float = 1800.0, max_retries: int = 3, retry_base_delay: float = 1.0,
+                 retry_max_delay: float = 60.0, health_interval: float = 5.0, health_timeout: float = 30.0,
+                 server_down_timeout: float = 3600.0):
+        self.servers = [Server(u) for u in urls]
+        self.model, self.api_key, self.temperature, self.seed = model, api_key, temperature, seed
         self.special_tokens = special_tokens or {}
+        self.request_timeout, self.max_retries = request_timeout, max_retries
+        self.retry_base_delay, self.retry_max_delay = retry_base_delay, retry_max_delay
+        self.health_interval, self.health_timeout = health_interval, health_timeout
+        self.server_down_timeout = server_down_timeout
+        self.headers = {"Authorization": f"Bearer {api_key}"}
+        self.session = None
+        self._any_up = None  # asyncio.Event: set whenever some server is up
+        self._rng = random.Random()
+        self._next = 0
 
-    async def resolve_model(self) -> str:
-        """The served model name: the given one, else the server's only model (GET /v1/models)."""
-        if self.model is None:
-            models = [m.id async for m in self.client.models.list()]
-            if len(models) != 1:
-                raise ValueError(f"server serves {models}; pass --served-model-name")
-            self.model = models[0]
-        return self.model
+    async def __aenter__(self):
+        import aiohttp
 
-    async def generate(self, prompt_text: str, max_new_tokens: int) -> dict:
-        seed = {"seed": self.seed} if self.seed is not None else {}
-        resp = await self.client.completions.create(
-            model=self.model, prompt=prompt_text, max_tokens=max_new_tokens,
-            temperature=self.temperature, stop=[IM_END], **seed,
-            extra_body={"skip_special_tokens": False, "spaces_between_special_tokens": False,
-                        "no_stop_trim": True, "include_stop_str_in_output": True,
-                        "add_special_tokens": False})
-        choice = resp.choices[0]
-        text, finish = choice.text, choice.finish_reason
-        if finish not in ("stop", "length"):
-            raise ValueError(f"finish_reason {finish!r}")
+        # limit=0: the caller's worker count bounds the connections; keep-alive reuses them.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                                             headers=self.headers)
+        self._any_up = asyncio.Event()
+        self._any_up.set()
+        return self
+
+    async def __aexit__(self, *exc):
+        for s in self.servers:
+            for task in (s.probe, s.poller):
+                if task is not None:
+                    task.cancel()
+        await self.session.close()
+
+    # --- one HTTP exchange ---------------------------------------------------------------------
+    async def _request(self, method: str, url: str, body: dict | None, timeout: float) -> dict:
+        """JSON answer of one request; RequestFailed (classified) otherwise."""
+        import aiohttp
+
+        try:
+            async with self.session.request(method, url, json=body,
+                                            timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                raw = await r.read()
+                status, retry_after = r.status, r.headers.get("Retry-After")
+        except asyncio.TimeoutError:
+            raise RequestFailed("timeout", f"no answer within {timeout} s from {url}", True) from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            raise RequestFailed("connection_error", f"{type(e).__name__}: {e} ({url})", True) from None
+        if status != 200:
+            text = raw.decode("utf-8", "replace")
+            delay = float(retry_after) if retry_after and retry_after.replace(".", "", 1).isdigit() else None
+            if status == 429 or status >= 500:
+                raise RequestFailed(f"http_{status}", text, True, delay)
+            if status == 400 and CONTEXT_OVERFLOW_RE.search(text):
+                raise RequestFailed("context_overflow", text, False)
+            raise RequestFailed(f"http_{status}", text, False)
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise RequestFailed("bad_response", f"not JSON: {raw[:200]!r}", True) from None
+
+    # --- health --------------------------------------------------------------------------------
+    async def health(self, server: Server) -> str | None:
+        """None when healthy, else what is wrong. A server without /health (404) counts as healthy
+        when it lists its models."""
+        try:
+            await self._request("GET", server.root + "/health", None, self.health_timeout)
+            return None
+        except RequestFailed as e:
+            if e.kind == "bad_response":
+                return None  # 200 with a non-JSON body (SGLang answers an empty 200)
+            if e.kind != "http_404":
+                return f"GET {server.root}/health: {e}"
+        try:
+            await self._request("GET", server.url + "/models", None, self.health_timeout)
+            return None
+        except RequestFailed as e:
+            return f"GET {server.url}/models: {e}"
+
+    async def _is_up(self, server: Server) -> bool:
+        """Probe once (concurrent callers share the probe); mark the server down if it fails."""
+        if not server.up.is_set():
+            return False
+        if server.probe is None or server.probe.done():
+            server.probe = asyncio.ensure_future(self.health(server))
+        problem = await asyncio.shield(server.probe)
+        if problem is not None and server.up.is_set():
+            server.up.clear()
+            if not any(s.up.is_set() for s in self.servers):
+                self._any_up.clear()
+            log(f"[01b] server {server.root} is down ({problem}); polling /health every "
+                f"{self.health_interval} s, its requests wait")
+            server.poller = asyncio.ensure_future(self._poll_until_up(server))
+        return problem is None
+
+    async def _poll_until_up(self, server: Server):
+        t0 = time.monotonic()
+        while await self.health(server) is not None:
+            await asyncio.sleep(self.health_interval)
+        server.up.set()
+        self._any_up.set()
+        log(f"[01b] server {server.root} is back after {time.monotonic() - t0:.0f} s")
+
+    async def _acquire(self) -> Server:
+        """The healthy server with the fewest requests in flight (round robin among equals)."""
+        deadline = time.monotonic() + self.server_down_timeout
+        while True:
+            up = [s for s in self.servers if s.up.is_set()]
+            if up:
+                self._next += 1
+                n = len(up)
+                return min((up[(self._next + i) % n] for i in range(n)), key=lambda s: s.in_flight)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServersDown(f"no server healthy for {self.server_down_timeout:.0f} s "
+                                  f"({', '.join(s.root for s in self.servers)})")
+            try:
+                await asyncio.wait_for(self._any_up.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                pass
+
+    def backoff(self, attempt: int, retry_after: float | None = None) -> float:
+        """Exponential backoff with full jitter in [0.5, 1.5) x base x 2^(attempt-1), capped."""
+        delay = min(self.retry_max_delay, self.retry_base_delay * 2 ** (attempt - 1))
+        delay *= 0.5 + self._rng.random()
+        return max(delay, min(retry_after, self.retry_max_delay)) if retry_after else delay
+
+    # --- generation ----------------------------------------------------------------------------
+    async def generate(self, prompt_text: str, max_new_tokens: int, errors: Counter | None = None) -> dict:
+        """One completion, retried as the class doc says. Attempt errors are counted in `errors`
+        by kind; the final failure is raised as RequestFailed (kind = the failures.jsonl reason)."""
+        body = {"model": self.model, "prompt": prompt_text, "max_tokens": max_new_tokens,
+                "temperature": self.temperature, "stop": [IM_END], "skip_special_tokens": False,
+                "spaces_between_special_tokens": False, "no_stop_trim": True,
+                "include_stop_str_in_output": True, "add_special_tokens": False}
+        if self.seed is not None:
+            body["seed"] = self.seed
+        charged = 0
+        while True:
+            server = await self._acquire()
+            server.in_flight += 1
+            server.num_requests += 1
+            try:
+                return self._parse(await self._request("POST", server.url + "/completions", body,
+                                                       self.request_timeout))
+            except RequestFailed as e:
+                if errors is not None:
+                    errors[e.kind] += 1
+                if not e.retryable:
+                    raise
+                failed = e
+            finally:
+                server.in_flight -= 1
+            if failed.kind in SERVER_DOWN_KINDS and not await self._is_up(server):
+                continue  # the server is down: wait for one that is up, do not charge this request
+            charged += 1
+            if charged > self.max_retries:
+                raise failed
+            await asyncio.sleep(self.backoff(charged, failed.retry_after))
+
+    def _parse(self, data: dict) -> dict:
+        try:
+            choice = data["choices"][0]
+            text, finish = choice["text"], choice["finish_reason"]
+        except (KeyError, IndexError, TypeError):
+            raise RequestFailed("bad_response", f"no choices[0].text/finish_reason in {str(data)[:200]}",
+                                True) from None
+        if finish not in ("stop", "length"):  # e.g. SGLang "abort" when the server shuts down
+            raise RequestFailed("bad_response", f"finish_reason {finish!r}", True)
         if finish == "stop":
             # SGLang reports what stopped it in `matched_stop` (a stop string or an eos token id).
-            matched = getattr(choice, "matched_stop", None)
+            matched = choice.get("matched_stop")
             stop_text = self.special_tokens.get(matched, IM_END) if isinstance(matched, int) else (matched or IM_END)
             if not text.endswith(stop_text):
                 text += stop_text
-        usage = resp.usage
-        return {"completion": text, "finish_reason": finish,
-                "num_prompt_tokens": usage.prompt_tokens if usage else None,
-                "num_completion_tokens": usage.completion_tokens if usage else None}
+        usage = data.get("usage") or {}
+        return {"completion": text, "finish_reason": finish, "num_prompt_tokens": usage.get("prompt_tokens"),
+                "num_completion_tokens": usage.get("completion_tokens")}
 
-    async def close(self) -> None:
-        await self.client.close()
+    # --- start-up checks -----------------------------------------------------------------------
+    async def startup_checks(self, tok, probes: list[str], max_context: int) -> dict:
+        """Before any work: every server is healthy, serves the model (the named one, or one model
+        the same on all), has context for `max_context`, and tokenizes `probes` as `tok` does.
+        Returns what was found; raises StartupCheckFailed saying what differs."""
+        found = {}
+        for s in self.servers:
+            problem = await self.health(s)
+            if problem is not None:
+                raise StartupCheckFailed(f"server {s.url} is not reachable or not healthy: {problem}")
+            try:
+                cards = (await self._request("GET", s.url + "/models", None, self.health_timeout))["data"]
+            except (RequestFailed, KeyError, TypeError) as e:
+                raise StartupCheckFailed(f"cannot list the models of {s.url}: {e}") from None
+            names = [c.get("id") for c in cards]
+            if self.model is None:
+                if len(names) != 1:
+                    raise StartupCheckFailed(f"{s.url} serves {names}; name one with --served-model-name")
+                self.model = names[0]
+            if self.model not in names:
+                raise StartupCheckFailed(f"{s.url} serves {names}, not the model {self.model!r} named by "
+                                         "--served-model-name (or served by the first server)")
+            card = cards[names.index(self.model)]
+            ctx = card.get("max_model_len")
+            if isinstance(ctx, int) and ctx < max_context:
+                raise StartupCheckFailed(f"{s.url} serves {self.model!r} with a context of {ctx} tokens, "
+                                         f"less than the {max_context} this run needs (--max-context/--long-context)")
+            found[s.url] = {"model": self.model, "max_model_len": ctx,
+                            "tokenizer_check": await self._check_tokenizer(s, tok, probes)}
+        return found
+
+    async def _check_tokenizer(self, s: Server, tok, probes: list[str]) -> str:
+        for i, text in enumerate(probes):
+            ours = tok(text, add_special_tokens=False)["input_ids"]
+            try:
+                theirs = (await self._request("POST", s.root + "/tokenize", {
+                    "model": self.model, "prompt": text, "add_special_tokens": False},
+                    self.health_timeout))["tokens"]
+                how = "POST /tokenize"
+            except RequestFailed as e:
+                if e.kind not in ("http_404", "http_405"):
+                    raise StartupCheckFailed(f"{s.root}/tokenize failed: {e}") from None
+                theirs, how = None, "usage.prompt_tokens"
+            except KeyError:
+                raise StartupCheckFailed(f"{s.root}/tokenize answered without `tokens`") from None
+            if theirs is not None:
+                if theirs != ours:
+                    k = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+                    raise StartupCheckFailed(
+                        f"the tokenizer of {s.root} differs from ours (the target's) on probe {i}: "
+                        f"{len(theirs)} vs {len(ours)} tokens, first difference at token {k}: server "
+                        f"{theirs[k:k + 5]} vs ours {ours[k:k + 5]}. Serve the same model/tokenizer as --target-path")
+                continue
+            # No /tokenize route: a 1-token completion reports how many tokens the server saw.
+            try:
+                data = await self._request("POST", s.url + "/completions", {
+                    "model": self.model, "prompt": text, "max_tokens": 1, "temperature": 0.0,
+                    "add_special_tokens": False}, self.request_timeout)
+            except RequestFailed as e:
+                raise StartupCheckFailed(f"probe completion on {s.url} failed: {e}") from None
+            n = (data.get("usage") or {}).get("prompt_tokens")
+            if n is None:
+                raise StartupCheckFailed(f"{s.url} has no /tokenize and reports no usage: cannot check "
+                                         "that it tokenizes like the target")
+            if n != len(ours):
+                raise StartupCheckFailed(f"the tokenizer of {s.root} differs from ours (the target's) on probe "
+                                         f"{i}: it counts {n} prompt tokens, we count {len(ours)}. Serve the "
+                                         "same model/tokenizer as --target-path")
+        return how
 
 
 class HFBackend:

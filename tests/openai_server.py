@@ -1,25 +1,47 @@
-"""A real local HTTP server speaking the OpenAI completions API, generating with a transformers model.
+"""A real local HTTP server speaking the OpenAI completions API: a transformers model or instant canned
+text, with injectable faults.
 
 It behaves like SGLang/vLLM where 01b depends on it: the prompt text is tokenized by the server,
 `skip_special_tokens` defaults to True (special tokens vanish from the text unless the client asks),
 a matched stop is trimmed from the text unless the client asks to keep it (`no_stop_trim` SGLang,
-`include_stop_str_in_output` vLLM), `matched_stop` names what stopped it, usage counts tokens, and an
-unknown model name is a 404. Requests run in parallel threads; the model runs one request at a time
-and `delay_s` adds latency per request (so concurrency and kill-midway tests have something to overlap).
-Every request body is kept in `requests` for tests to inspect.
+`include_stop_str_in_output` vLLM), `matched_stop` names what stopped it, usage counts tokens, an
+unknown model name is a 404, a prompt over `max_model_len` is SGLang's context-length 400, and
+`GET /health`, `GET /v1/models` (with max_model_len) and `POST /tokenize` answer like SGLang's.
+Requests run in parallel threads; the model runs one request at a time and `delay_s` adds latency
+per request. Every completion request body is kept in `requests` for tests to inspect.
+
+Modes:
+  model    `OpenAICompletionsServer(model_dir)`: greedy/sampled tokens of the model (exactness tests).
+  instant  `OpenAICompletionsServer(None, tokenizer_dir=...)`: a canned answer that is a pure function
+           of the prompt (`canned_completion`), at once; for fault tests and the client benchmark.
+Faults (both modes), set on a running server:
+  `server.faults[substring] = ["503", "ok"]`  the next requests whose prompt contains `substring` take
+      these actions in order, then behave normally. Actions: ok, 500, 503, 429, 400 (context length),
+      422, drop (close the connection without an answer), stall (answer after `stall_s`), length
+      (finish by the token cap).
+  `server.default_fault = "500"`   the action of every other request.
+  `server.down = True`             stop answering anything (health included; connections are dropped,
+      also those of requests in flight when they would answer), like a crashed/restarting server.
+  `server.health_status = 503`     /health answers this.
+  `server.tokenize_route = False`  no /tokenize (clients fall back to usage.prompt_tokens).
 
 Use in tests:  `with OpenAICompletionsServer(model_dir) as server: ... server.base_url ...`
 By hand:       python tests/openai_server.py --model-dir build/tiny-kimi/target --port 30000
+               python tests/openai_server.py --instant --tokenizer-dir build/tiny-kimi/target --port 30000
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import socket
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+IM_END = "<|im_end|>"
 
 
 class HTTPError(Exception):
@@ -28,20 +50,51 @@ class HTTPError(Exception):
         self.status = status
 
 
-class OpenAICompletionsServer:
-    def __init__(self, model_dir: str | Path, served_model_name: str = "micro-target", host: str = "127.0.0.1",
-                 port: int = 0, delay_s: float = 0.0, honor_keep_stop: bool = True):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+class Drop(Exception):
+    """Close the connection without answering."""
 
-        self.torch = torch
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+def canned_completion(prompt: str) -> str:
+    """The instant mode's answer: a pure function of the prompt (so resumed == uninterrupted)."""
+    h = hashlib.sha256(prompt.encode()).hexdigest()
+    return f"{h[:6]}</think>ok {len(prompt)}"
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # listen backlog: C=200 clients connect at once (default 5 drops SYNs)
+
+    def handle_error(self, request, client_address):
+        pass  # a client that timed out or a dropped connection: expected here, not worth a traceback
+
+
+class OpenAICompletionsServer:
+    def __init__(self, model_dir: str | Path | None, served_model_name: str = "micro-target",
+                 host: str = "127.0.0.1", port: int = 0, delay_s: float = 0.0, honor_keep_stop: bool = True,
+                 tokenizer_dir: str | Path | None = None, max_model_len: int = 32768, stall_s: float = 30.0,
+                 keep_requests: bool = True):
+        self.model = self.tok = None
+        if model_dir is not None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            self.torch = torch
+            self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+            tokenizer_dir = tokenizer_dir or model_dir
+        if tokenizer_dir is not None:
+            from transformers import AutoTokenizer
+
+            self.tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         self.model_name, self.delay_s, self.honor_keep_stop = served_model_name, delay_s, honor_keep_stop
+        self.max_model_len, self.stall_s, self.keep_requests = max_model_len, stall_s, keep_requests
         self.requests: list[dict] = []
+        self.faults: dict[str, list[str]] = {}
+        self.fault_log: list[tuple[str, str]] = []   # (prompt head, action) of every completion request
+        self.default_fault = "ok"
+        self.down, self.health_status, self.tokenize_route = False, 200, True
+        self.num_health = 0
         self._model_lock, self._log_lock = threading.Lock(), threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler_class())
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer((host, port), self._handler_class())
         self._thread = None
 
     @property
@@ -66,11 +119,29 @@ class OpenAICompletionsServer:
 
     # --- the API ---------------------------------------------------------------------------------
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "test"}]}
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "test",
+                                            "root": self.model_name, "max_model_len": self.max_model_len}]}
+
+    def tokenize(self, body: dict) -> dict:
+        if not self.tokenize_route or self.tok is None:
+            raise HTTPError(404, "Not Found")
+        ids = self.tok.encode(body.get("prompt", ""), add_special_tokens=body.get("add_special_tokens", True))
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
+    def _fault(self, prompt: str) -> str:
+        with self._log_lock:
+            action = self.default_fault
+            for key, actions in self.faults.items():
+                if key in prompt and actions:
+                    action = actions.pop(0)
+                    break
+            self.fault_log.append((prompt[:80], action))
+        return action
 
     def completion(self, body: dict) -> dict:
-        with self._log_lock:
-            self.requests.append(body)
+        if self.keep_requests:
+            with self._log_lock:
+                self.requests.append(body)
         if body.get("model") != self.model_name:
             raise HTTPError(404, f"The model `{body.get('model')}` does not exist.")
         prompt = body.get("prompt")
@@ -79,6 +150,45 @@ class OpenAICompletionsServer:
         max_tokens = int(body.get("max_tokens", 16))
         if max_tokens <= 0:
             raise HTTPError(400, "max_tokens must be positive")
+        action = self._fault(prompt)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if action == "stall":
+            time.sleep(self.stall_s)
+        if self.down or action == "drop":
+            raise Drop()
+        if action in ("500", "503", "429", "422"):
+            raise HTTPError(int(action), f"injected {action}")
+        input_ids = (self.tok(prompt, add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
+                     if self.tok is not None else None)
+        n_prompt = len(input_ids) if input_ids is not None else len(prompt) // 4
+        if action == "400" or n_prompt + max_tokens > self.max_model_len:
+            raise HTTPError(400, f"The input ({n_prompt + max_tokens} tokens) is longer than the model's "
+                                 f"context length ({self.max_model_len} tokens).")
+        if self.model is None:
+            return self._instant(body, prompt, n_prompt, max_tokens, action == "length")
+        return self._model_completion(body, input_ids, max_tokens)
+
+    def _instant(self, body, prompt, n_prompt, max_tokens, force_length) -> dict:
+        text = canned_completion(prompt)
+        n_out = len(self.tok.encode(text, add_special_tokens=False)) if self.tok is not None else len(text) // 4
+        if force_length or n_out + 1 > max_tokens:
+            finish, matched, n_out = "length", None, min(n_out, max_tokens)
+        else:
+            keep = self.honor_keep_stop and (body.get("no_stop_trim") or body.get("include_stop_str_in_output"))
+            finish, matched, n_out = "stop", IM_END, n_out + 1
+            if keep and body.get("skip_special_tokens") is False:
+                text += IM_END
+        return self._answer(text, finish, matched, n_prompt, n_out)
+
+    def _answer(self, text, finish, matched, n_prompt, n_out) -> dict:
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                             "matched_stop": matched}],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+
+    def _model_completion(self, body, input_ids, max_tokens) -> dict:
         stops = body.get("stop") or []
         stops = [stops] if isinstance(stops, str) else stops
         stop_ids = {}
@@ -90,8 +200,6 @@ class OpenAICompletionsServer:
         eos = self.model.generation_config.eos_token_id
         for e in ([eos] if isinstance(eos, int) else (eos or [])):
             stop_ids.setdefault(e, e)  # eos token: matched_stop is its id, like SGLang
-        input_ids = self.tok(prompt, add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
-        time.sleep(self.delay_s)
         out = self._generate(input_ids, max_tokens, float(body.get("temperature", 1.0)), body.get("seed"),
                              list(stop_ids))
         finish, matched = "length", None
@@ -100,12 +208,7 @@ class OpenAICompletionsServer:
         keep_stop = self.honor_keep_stop and (body.get("no_stop_trim") or body.get("include_stop_str_in_output"))
         shown = out[:-1] if finish == "stop" and not keep_stop else out
         text = self.tok.decode(shown, skip_special_tokens=body.get("skip_special_tokens", True))
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                             "matched_stop": matched}],
-                "usage": {"prompt_tokens": len(input_ids), "completion_tokens": len(out),
-                          "total_tokens": len(input_ids) + len(out)}}
+        return self._answer(text, finish, matched, len(input_ids), len(out))
 
     def _generate(self, input_ids: list[int], max_tokens: int, temperature: float, seed, stop_ids) -> list[int]:
         torch = self.torch
@@ -128,8 +231,8 @@ class OpenAICompletionsServer:
             def log_message(self, *args):  # keep test output quiet
                 pass
 
-            def _send(self, status: int, obj: dict):
-                data = json.dumps(obj).encode()
+            def _send(self, status: int, obj: dict | None):
+                data = json.dumps(obj).encode() if obj is not None else b""
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -137,11 +240,24 @@ class OpenAICompletionsServer:
                 self.wfile.write(data)
 
             def _error(self, status: int, message: str):
-                self._send(status, {"error": {"message": message, "type": "invalid_request_error",
-                                              "code": status}})
+                self._send(status, {"object": "error", "message": message, "type": "invalid_request_error",
+                                    "code": status})
+
+            def _drop(self):
+                self.close_connection = True
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
             def do_GET(self):
-                if self.path.rstrip("/") == "/v1/models":
+                path = self.path.rstrip("/")
+                server.num_health += path == "/health"  # asked, answered or not
+                if server.down:
+                    return self._drop()
+                if path == "/health":
+                    self._send(server.health_status, None)
+                elif path == "/v1/models":
                     self._send(200, server.models())
                 else:
                     self._error(404, f"no route {self.path}")
@@ -150,9 +266,17 @@ class OpenAICompletionsServer:
                 length = int(self.headers.get("Content-Length") or 0)
                 try:
                     body = json.loads(self.rfile.read(length) or b"{}")
-                    if self.path.rstrip("/") != "/v1/completions":
+                    if server.down:
+                        raise Drop()
+                    path = self.path.rstrip("/")
+                    if path == "/v1/completions":
+                        self._send(200, server.completion(body))
+                    elif path in ("/tokenize", "/v1/tokenize"):
+                        self._send(200, server.tokenize(body))
+                    else:
                         raise HTTPError(404, f"no route {self.path}")
-                    self._send(200, server.completion(body))
+                except Drop:
+                    self._drop()
                 except HTTPError as e:
                     self._error(e.status, str(e))
                 except json.JSONDecodeError as e:
@@ -163,14 +287,22 @@ class OpenAICompletionsServer:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", type=Path, required=True, help="HF model folder with its tokenizer")
+    p.add_argument("--model-dir", type=Path, default=None, help="HF model folder with its tokenizer (model mode)")
+    p.add_argument("--instant", action="store_true", help="canned answers at once (no model)")
+    p.add_argument("--tokenizer-dir", type=Path, default=None, help="tokenizer for /tokenize and usage counts")
     p.add_argument("--served-model-name", default="micro-target")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--delay-s", type=float, default=0.0, help="added latency per request (s)")
+    p.add_argument("--max-model-len", type=int, default=32768, help="context length reported and enforced (tokens)")
     args = p.parse_args()
-    server = OpenAICompletionsServer(args.model_dir, args.served_model_name, args.host, args.port, args.delay_s)
-    print(f"serving {args.model_dir} as {args.served_model_name!r} at {server.base_url}", flush=True)
+    if (args.model_dir is None) != args.instant:
+        p.error("give exactly one of --model-dir or --instant")
+    server = OpenAICompletionsServer(args.model_dir, args.served_model_name, args.host, args.port, args.delay_s,
+                                     tokenizer_dir=args.tokenizer_dir, max_model_len=args.max_model_len,
+                                     keep_requests=False)
+    print(f"serving {args.model_dir or 'canned answers'} as {args.served_model_name!r} at {server.base_url}",
+          flush=True)
     server.httpd.serve_forever()
 
 

@@ -184,7 +184,7 @@ def test_refusals(prepared, other_micro_target, tmp_path):
     work = copy_prepared(prepared, tmp_path)
     with pytest.raises(StageError, match="tokenizer"):
         gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--target-path", str(other_micro_target)])
-    with pytest.raises(StageError, match="cannot get the served model"):
+    with pytest.raises(StageError, match="not reachable or not healthy"):
         gen.main(["--work-dir", str(work), "--generation-backend", "openai", "--server-url",
                   "http://127.0.0.1:9/v1", "--request-retries", "0", "--request-timeout", "2"])
 
@@ -194,10 +194,14 @@ def test_failed_requests_keep_dataset_incomplete_then_retry(prepared, stopping_t
     base = ["--work-dir", str(work), "--generation-backend", "openai", "--max-new-tokens", "4",
             "--datasets-only", "msg"]
     with OpenAICompletionsServer(stopping_target) as server:
-        with pytest.raises(StageError, match="9 requests failed"):  # wrong model name: every request is a 404
-            gen.main(base + ["--server-url", server.base_url, "--served-model-name", "other-model"])
-        assert {f["reason"] for f in rows(work, file="failures.jsonl")} == {"http_404"}
+        server.default_fault = "422"  # an input error: recorded at once, never retried
+        with pytest.raises(StageError, match="9 requests failed"):
+            gen.main(base + ["--server-url", server.base_url])
+        assert len(server.requests) == 9
+        assert {f["reason"] for f in rows(work, file="failures.jsonl")} == {"http_422"}
         assert not (work / "01b_generated" / "msg" / "manifest.json").exists()
+        server.default_fault = "ok"
         gen.main(base + ["--server-url", server.base_url])  # fixed: only the failed ones are retried
+        assert len(server.requests) == 18
     assert len(rows(work)) == 9 and rows(work, file="failures.jsonl") == []
     assert (work / "01b_generated" / "msg" / "manifest.json").exists()

@@ -1,0 +1,258 @@
+"""01b against a fault-injecting instant server: start-up refusals, each fault class retried or
+recorded, a server that goes down is waited for, several servers, --retry-failed, and random
+kill -9 / SIGTERM then resume with every id exactly once and identical text."""
+import importlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from common.chat_format import IM_END
+from common.io import iter_jsonl, read_json
+from common.stage import StageError
+from openai_server import OpenAICompletionsServer, canned_completion
+
+prep = importlib.import_module("01_prepare_datasets")
+gen = importlib.import_module("01b_generate_synthetic")
+REPO = Path(__file__).resolve().parent.parent
+NUM_ROWS = 60
+# Short timeouts and backoffs: every fault costs milliseconds here.
+FAST = ["--generation-backend", "openai", "--max-new-tokens", "40", "--request-timeout", "1",
+        "--retry-base-delay", "0.01", "--retry-max-delay", "0.05", "--health-interval", "0.05",
+        "--health-timeout", "1", "--summary-interval", "0.5", "--concurrency", "8", "--long-concurrency", "2"]
+
+
+def tag(i: int) -> str:
+    return f"[t{i:02d}]"
+
+
+@pytest.fixture(scope="module")
+def prepared(micro_target, tmp_path_factory):
+    """60 prompts; every 10th is long (the long partition: --max-context 120, --long-context 600)."""
+    root = tmp_path_factory.mktemp("faults")
+    rows = []
+    for i in range(NUM_ROWS):
+        text = f"{tag(i)} Write a function number {i} that adds two numbers."
+        if i % 10 == 9:
+            text += " Explain every step of the return value in detail." * 8
+        rows.append({"id": f"u{i:02d}", "messages": [{"role": "user", "content": text}]})
+    data = root / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    work = root / "work"
+    prep.main(["--work-dir", str(work), "--target-path", str(micro_target), "--max-new-tokens", "8",
+               "--max-context", "120", "--long-context", "600",
+               "--datasets", json.dumps([{"name": "d", "adapter": "messages", "path": str(data)}])])
+    parts = Counter(r["partition"] for r in iter_jsonl(work / "01_prepared" / "d" / "records.jsonl"))
+    assert parts == {"normal": 54, "long": 6}, parts
+    return work
+
+
+def fresh(prepared, tmp_path) -> Path:
+    work = tmp_path / "work"
+    shutil.copytree(prepared, work)
+    return work
+
+
+def args(work, *servers, extra=()):
+    urls = [x for s in servers for x in ("--server-url", s.base_url)]
+    return ["--work-dir", str(work), *FAST, "--max-context", "120", "--long-context", "600", *urls, *extra]
+
+
+def rows(work, file="generated.jsonl"):
+    path = work / "01b_generated" / "d" / file
+    return list(iter_jsonl(path)) if path.exists() else []
+
+
+def expected(row) -> str:
+    return canned_completion(row["prompt"]) + IM_END
+
+
+def attempts(server) -> Counter:
+    """Completion requests per prompt tag."""
+    return Counter(head.split("<|im_middle|>", 2)[1][:5] for head, _ in server.fault_log)
+
+
+def test_startup_checks_refuse_before_any_work(prepared, micro_target, other_micro_target, tmp_path):
+    work = fresh(prepared, tmp_path)
+    cases = [  # (server settings, extra flags, message)
+        ({"served_model_name": "other-model"}, ["--served-model-name", "micro-target"],
+         r"serves \['other-model'\], not the model 'micro-target'"),
+        ({"tokenizer_dir": other_micro_target}, [], "tokenizer of .* differs .* first difference at token"),
+        ({"tokenizer_dir": other_micro_target, "tokenize_route": False}, [], "it counts \\d+ prompt tokens, we count"),
+        ({"health_status": 503}, [], "not reachable or not healthy: GET .*/health: http_503"),
+        ({"max_model_len": 100}, [], r"context of 100 tokens, less than the \d+ this run needs"),
+    ]
+    for settings, extra, message in cases:
+        tokenize_route = settings.pop("tokenize_route", True)
+        health = settings.pop("health_status", 200)
+        settings.setdefault("tokenizer_dir", micro_target)
+        with OpenAICompletionsServer(None, **settings) as server:
+            server.tokenize_route, server.health_status = tokenize_route, health
+            with pytest.raises(StageError, match=message):
+                gen.main(args(work, server, extra=extra))
+            # The fallback probe is a 1-token completion; real work is never sent.
+            assert all(b["max_tokens"] == 1 for b in server.requests)
+        assert rows(work) == [] and rows(work, "failures.jsonl") == []
+    # The same checks pass on a matching server, with /tokenize or without it (usage count fallback).
+    # --long-after-normal: the long partition starts when the normal one is done.
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
+        server.tokenize_route = False
+        gen.main(args(work, server, extra=["--long-after-normal"]))
+        order = [b["prompt"].split("<|im_middle|>", 2)[1][:5] for b in server.requests if b["max_tokens"] > 1]
+    assert len(rows(work)) == NUM_ROWS
+    long_tags = {tag(i) for i in range(9, NUM_ROWS, 10)}
+    assert len(order) == NUM_ROWS and set(order[-6:]) == long_tags, order
+
+
+def test_each_fault_is_retried_or_recorded(prepared, micro_target, tmp_path):
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target, stall_s=1.5) as server:
+        server.faults.update({
+            tag(3): ["500", "ok"], tag(4): ["503", "503", "ok"], tag(5): ["429", "ok"],
+            tag(6): ["drop", "ok"], tag(7): ["stall", "ok"], tag(19): ["503", "ok"],  # a long one
+            tag(8): ["500"] * 10,       # more than the retry budget: fails as http_500
+            tag(10): ["400"],           # context length exceeded: recorded, never retried
+            tag(11): ["422"],           # another input error: recorded, never retried
+            tag(12): ["length"]})       # finish_reason "length": kept and counted
+        gen.main(args(work, server, extra=["--request-retries", "2", "--max-transient-failures", "2"]))
+        n = attempts(server)
+        assert (n[tag(3)], n[tag(4)], n[tag(5)], n[tag(6)], n[tag(7)], n[tag(19)]) == (2, 3, 2, 2, 2, 2)
+        assert (n[tag(8)], n[tag(10)], n[tag(11)], n[tag(12)]) == (3, 1, 1, 1)
+        assert n[tag(0)] == 1 and sum(n.values()) == NUM_ROWS + 1 + 2 + 1 + 1 + 1 + 1 + 2
+        fails = {f["id"]: f["reason"] for f in rows(work, "failures.jsonl")}
+        assert fails == {"d/u08": "http_500", "d/u10": "context_overflow", "d/u11": "http_422"}
+        out = {r["id"]: r for r in rows(work)}
+        assert len(out) == NUM_ROWS - 3 and not set(out) & set(fails)
+        assert out["d/u12"]["finish_reason"] == "length" and not out["d/u12"]["completion"].endswith(IM_END)
+        assert all(r["completion"] == expected(r) for k, r in out.items() if k != "d/u12")
+        m = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]
+        assert m["failed"] == {"http_500": 1, "context_overflow": 1, "http_422": 1}
+        assert m["finish_reasons"] == {"stop": NUM_ROWS - 4, "length": 1}
+        assert m["this_run"]["errors"] == {"http_500": 4, "http_503": 3, "http_429": 1, "connection_error": 1,
+                                           "timeout": 1, "context_overflow": 1, "http_422": 1}
+        assert m["this_run"]["latency_s"]["num"] == NUM_ROWS - 3 and m["this_run"]["latency_s"]["p99"] > 0
+        assert m["partitions"] == {"normal": 54, "long": 6}
+        # --retry-failed re-runs exactly the three failed ids, the complete stage is reopened for them.
+        server.faults.clear()  # the cause is fixed
+        before = len(server.fault_log)
+        gen.main(args(work, server, extra=["--retry-failed"]))
+        assert sorted(attempts(server) - n) == [tag(8), tag(10), tag(11)] and len(server.fault_log) == before + 3
+    assert len(rows(work)) == NUM_ROWS and rows(work, "failures.jsonl") == []
+    assert read_json(work / "01b_generated" / "manifest.json")["counts"]["d"]["generated"] == NUM_ROWS
+
+
+def test_server_down_is_waited_for_not_charged(prepared, micro_target, tmp_path):
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target, delay_s=0.05) as server:
+        def outage():
+            while len(server.fault_log) < 15:
+                time.sleep(0.01)
+            server.down = True   # in-flight requests are dropped, /health stops answering
+            time.sleep(1.0)
+            server.down = False
+        t = threading.Thread(target=outage)
+        t.start()
+        # --request-retries 0: had the outage been charged, every request in flight would fail.
+        gen.main(args(work, server, extra=["--request-retries", "0"]))
+        t.join()
+        assert server.num_health >= 5  # it was polled while down (every 0.05 s for 1 s)
+    assert len(rows(work)) == NUM_ROWS and rows(work, "failures.jsonl") == []
+    errors = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]["this_run"]["errors"]
+    assert errors.get("connection_error", 0) >= 1
+    # A server that never comes back stops the run (results kept) after --server-down-timeout.
+    work2 = fresh(prepared, tmp_path / "b")
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target, delay_s=0.05) as server:
+        server.faults[tag(20)] = ["drop"]
+
+        def crash():
+            while not any(tag(20) in h for h, _ in server.fault_log):
+                time.sleep(0.005)
+            server.down = True
+        threading.Thread(target=crash, daemon=True).start()
+        with pytest.raises(StageError, match="no server healthy for 0 s"):
+            gen.main(args(work2, server, extra=["--server-down-timeout", "0.3"]))
+    done = rows(work2)
+    assert 0 < len(done) < NUM_ROWS and len({r["id"] for r in done}) == len(done)
+
+
+def test_several_servers_share_work_and_fail_over(prepared, micro_target, tmp_path):
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target, delay_s=0.02) as a, \
+            OpenAICompletionsServer(None, tokenizer_dir=micro_target, delay_s=0.02) as b:
+        def crash_b():
+            while len(b.fault_log) < 10:
+                time.sleep(0.005)
+            b.down = True  # b dies for good: a takes the rest
+        threading.Thread(target=crash_b, daemon=True).start()
+        gen.main(args(work, a, b, extra=["--request-retries", "0", "--server-down-timeout", "30"]))
+        assert len(a.fault_log) >= NUM_ROWS // 2 and len(b.fault_log) >= 10
+    out = rows(work)
+    assert len(out) == NUM_ROWS and all(r["completion"] == expected(r) for r in out)
+    per_server = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]["this_run"]["requests_per_server"]
+    assert sorted(per_server) == sorted([a.base_url, b.base_url]) and min(per_server.values()) >= 10
+
+
+def test_config_server_url_list_or_string(tmp_path):
+    for value, cli, want in [("http://h1/v1", [], ["http://h1/v1"]),
+                             (["http://h1/v1", "http://h2/v1"], [], ["http://h1/v1", "http://h2/v1"]),
+                             (["http://h1/v1", "http://h2/v1"], ["--server-url", "http://h3/v1"], ["http://h3/v1"])]:
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(json.dumps({"server-url": value}))
+        parsed = gen.parse_args(gen.build_parser(), ["--config", str(cfg), "--work-dir", "w", *cli])
+        got = [parsed.server_url] if isinstance(parsed.server_url, str) else parsed.server_url
+        assert got == want
+
+
+def test_random_kills_then_resume_exactly_once(prepared, micro_target, tmp_path):
+    """SIGKILL twice and SIGTERM once at seeded random moments, then finish: every id once, and the
+    text of every id written before a kill is unchanged (identical to the uninterrupted answer)."""
+    work = fresh(prepared, tmp_path)
+    gen_path = work / "01b_generated" / "d" / "generated.jsonl"
+    rng = random.Random(1234)
+    snapshots = []
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target, delay_s=0.2) as server:
+        cmd = [sys.executable, "01b_generate_synthetic.py", *args(work, server, extra=[
+            "--concurrency", "2", "--long-concurrency", "1", "--shutdown-grace", "10"])]
+        for sig in (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM):
+            time.sleep(0.3)  # requests a killed client sent are all logged by the server
+            n_rows = len(gen_path.read_bytes().splitlines()) if gen_path.exists() else 0
+            wait_rows, n_requests = n_rows + rng.randint(0 if sig == signal.SIGKILL else 2, 6), len(server.requests)
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+            deadline = time.time() + 60
+            while time.time() < deadline and proc.poll() is None:
+                if gen_path.exists() and len(gen_path.read_bytes().splitlines()) >= wait_rows:
+                    break
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 0.2))
+            assert proc.poll() is None, "01b finished before it could be stopped"
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=60)
+            done = {r["id"]: r["completion"] for r in iter_jsonl(gen_path)} if gen_path.exists() else {}
+            snapshots.append(done)
+            if sig == signal.SIGTERM:
+                # Graceful: exit status 1 with a message, and every request it sent was answered and kept.
+                assert proc.returncode == 1 and "stopped by SIGTERM" in err, err[-2000:]
+                assert len(done) - len(snapshots[-2]) == len(server.requests) - n_requests
+                assert gen_path.read_bytes().endswith(b"\n")
+            else:
+                assert proc.returncode == -signal.SIGKILL
+        assert 0 < len(snapshots[-1]) < NUM_ROWS
+        gen.main(args(work, server))
+    out = rows(work)
+    ids = [r["id"] for r in out]
+    assert len(ids) == len(set(ids)) == NUM_ROWS  # every id exactly once
+    final = {r["id"]: r["completion"] for r in out}
+    for snap in snapshots:
+        assert all(final[k] == v for k, v in snap.items())  # complete before a kill == final
+    assert all(r["completion"] == expected(r) for r in out)  # == the uninterrupted answer
+    assert read_json(work / "01b_generated" / "manifest.json")["counts"]["d"]["generated"] == NUM_ROWS
