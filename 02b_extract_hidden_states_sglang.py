@@ -6,7 +6,8 @@ state (the lm_head input, [T, H]), input_ids and loss_mask. Samples go to shards
 shard k holds samples [k*S, (k+1)*S) of tokenized_data.jsonl, packed along tokens (no padding rows).
 A shard that exists is kept (resume); `*.tmp` files are partial and redone. Before the model loads,
 the disk the remaining shards need is printed, and the run refuses when the disk cannot hold it.
-Capture backends sit behind common/capture.py: `hf` (transformers, CPU or one GPU) now.
+Backends: `hf` (common/capture.py: transformers, CPU or one GPU) and `sglang` (common/capture_sglang.py:
+SGLang's model runner on the GPU box, tensor parallel via torchrun; see docs/sglang.md).
 
 Reads:  <work-dir>/01c_merged/tokenized_data.jsonl (+ manifest.json: tokenizer, target)
 Writes: <work-dir>/02b_hidden_states/shard_00000.safetensors ..., manifest.json
@@ -38,8 +39,16 @@ def build_parser():
     g = p.add_argument_group("extract")
     g.add_argument("--target-path", type=Path, default=None,
                    help="target model folder; read from the 01c manifest, and when given it must match")
-    g.add_argument("--capture-backend", choices=("hf",), default="hf",
-                   help="how the target runs: hf = transformers forward with output_hidden_states")
+    g.add_argument("--capture-backend", choices=("hf", "sglang"), default="hf",
+                   help="how the target runs: hf = transformers forward with output_hidden_states; "
+                        "sglang = SGLang model runner (GPU; run under torchrun --nproc_per_node TP)")
+    g.add_argument("--sglang-tp-size", type=int, default=1,
+                   help="SGLang tensor-parallel size (GPUs) for the target, in 02b and 05's servers")
+    g.add_argument("--mem-fraction-static", type=float, default=0.85,
+                   help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
+    g.add_argument("--capture-engine-args", default=None,
+                   help="JSON object of extra SGLang ServerArgs fields for the sglang backend, e.g. "
+                        "'{\"attention_backend\": \"flashinfer\"}'; pp_size > 1 and two-batch overlap are refused")
     g.add_argument("--capture-points", type=int, nargs="+", default=None,
                    help="h_i indices (INPUT of decoder layer i), 3 ascending in 1..N-1; "
                         "default [2, N//2, N-3] from the target config")
@@ -168,6 +177,9 @@ def main(argv=None):
     target_dir = resolve_target(args.target_path, upstream, src, UPSTREAM)
     if args.samples_per_shard < 1 or args.capture_batch_tokens < 1:
         raise StageError("--samples-per-shard and --capture-batch-tokens must be >= 1")
+    if args.capture_backend == "sglang":
+        from common.capture_sglang import engine_kwargs
+        engine_args = engine_kwargs(args.sglang_tp_size, args.mem_fraction_static, args.capture_engine_args)
     out = stage_dir(args.work_dir, STAGE)
     if not start_stage(out, args.overwrite, "02b"):
         return
@@ -208,7 +220,8 @@ def main(argv=None):
     check_disk(out, todo_tokens, bytes_per_token, args.disk_margin)
 
     import torch
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if args.capture_backend == "sglang" else (
+        args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # fp32 on CPU (tests compare against fp32 references); bf16 on CUDA (the checkpoint's dtype).
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     written = dict(done)
@@ -217,7 +230,17 @@ def main(argv=None):
 
         from common.capture import capture_hf
         from common.shards import write_shard
-        model = load_model(target_dir, device, compute_dtype)
+        rank = 0
+        if args.capture_backend == "sglang":  # GPU box: SGLang runner, rank 0 writes
+            from common import capture_sglang as cs
+            model = cs.build_backend(target_dir, points, engine_args, args.sglang_tp_size)
+            rank = cs.check_world(args.sglang_tp_size)
+            capture = lambda m, rows, cb: cs.capture_samples_sglang(  # noqa: E731
+                m, rows, cs.capture_rows, args.capture_batch_tokens, hidden, store_dtype, on_batch=cb)
+        else:
+            model = load_model(target_dir, device, compute_dtype)
+            capture = lambda m, rows, cb: capture_samples(  # noqa: E731
+                m, rows, capture_hf, points, args.capture_batch_tokens, device, store_dtype, on_batch=cb)
         store_dtype = getattr(torch, args.hidden_states_dtype)
         todo_set = set(todo)
         bar = tqdm(total=todo_tokens, unit="tok", desc="02b capture")
@@ -228,12 +251,14 @@ def main(argv=None):
                 assert row["id"] == plan[k][i % S]["id"], "tokenized_data.jsonl changed during the run"
                 rows.append(row)
             if k in todo_set and (len(rows) == len(plan[k])):
-                samples = capture_samples(model, rows, capture_hf, points, args.capture_batch_tokens,
-                                          device, store_dtype, on_batch=bar.update)
-                written[k] = write_shard(out / shard_name(k), samples, store_dtype)
+                samples = capture(model, rows, bar.update)
+                written[k] = (write_shard(out / shard_name(k), samples, store_dtype) if rank == 0
+                              else sum(len(r["input_ids"]) for r in rows))
                 rows = []
         bar.close()
         assert not rows and set(written) == set(plan), "tokenized_data.jsonl changed during the run"
+        if rank != 0:
+            return
 
     shards = {}
     for k, members in plan.items():

@@ -8,7 +8,8 @@ shard by shard in a seeded order and packed into batches by a token budget. Chec
 optimizer, scheduler, RNG and the data cursor; a re-run resumes from the newest complete one.
 Reads:  <work-dir>/02b_hidden_states/shard_*.safetensors (+ manifest.json),
         <work-dir>/03_vocab/vocab_mapping.safetensors (+ manifest.json), the target (02b manifest)
-Writes: <work-dir>/04_draft/checkpoints/step_NNNNNN/, train_log.jsonl, export_sglang/, manifest.json
+Writes: <work-dir>/04_draft/checkpoints/step_NNNNNN/, train_log.jsonl, export_sglang/,
+        export_speculators/ (vLLM speculators layout), manifest.json
 Real:   python 04_train.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
 Tiny:   python 04_train.py --config configs/tiny.yaml --work-dir runs/tiny
 """
@@ -382,10 +383,13 @@ def main(argv=None):
             print(f"[04] final eval | {fmt(final_eval)}")
 
     export_dir = export_sglang(model, out / "export_sglang", points)
+    from common.export_speculators import export_speculators  # speculators/vLLM layout of the same draft
+    spec_dir = export_speculators(export_dir, out / "export_speculators", points, target_path,
+                                  json.loads((Path(target_path) / "config.json").read_text()).get("architectures", []))
     write_manifest(out, STAGE, args, draft_config=cfg, capture_points=points,
                    draft_vocab_size=cfg["draft_vocab_size"], vocab_size=cfg["vocab_size"],
                    num_steps=total, num_train_samples=len(train_idx), num_eval_samples=len(eval_idx),
-                   final_eval=final_eval, export_dir=str(export_dir),
+                   final_eval=final_eval, export_dir=str(export_dir), export_speculators_dir=str(spec_dir),
                    tokenizer=m02["tokenizer"], target=m02["target"],
                    inputs={"02b_hidden_states/manifest.json": manifest_sha256(hs_dir),
                            "03_vocab/manifest.json": manifest_sha256(vocab_dir)})

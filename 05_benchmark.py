@@ -8,16 +8,23 @@ drafts + 1 bonus per verify round, SGLang's definition), per-position acceptance
 accepted lengths, speculative vs target-only tokens/s (interleaved per prompt, same run), and the tau
 of an untrained draft of the same shape (seeded) for contrast. Every speculative output must equal
 target-only greedy decoding; otherwise the differences go to mismatches.json and the run raises.
-Float32 throughout: a reference measures acceptance, not engine speed. (`server` mode: SGLang, later.)
+Float32 throughout: a reference measures acceptance, not engine speed.
+Mode `server` (common/server_bench.py, docs/sglang.md): launches (or attaches to) a baseline and EAGLE3
+SGLang servers per --spec-settings and --cuda-graph mode, preflights each EAGLE3 server (EAGLE3, 04's
+draft, draft config vs manifests, warm-up tau above chance), then reports output tok/s, TTFT, tau and
+the ratio to the baseline at each --bench-concurrency.
 
 Reads:  <work-dir>/04_draft/export_sglang/{config.json,model.safetensors} (+ 04_draft/manifest.json),
         <work-dir>/01c_merged/benchmark_prompts.jsonl (+ manifest.json), the target from the manifests
 Writes: <work-dir>/05_benchmark/reference/{metrics.json,report.md,acceptance.png,manifest.json}
+        <work-dir>/05_benchmark/server/{metrics.json,report.md,tokens_per_s.png,accept_length.png,
+        commands.json,server_logs/,manifest.json} (server mode; also reads 02b_hidden_states/manifest.json)
 Real:   python 05_benchmark.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
 Tiny:   python 05_benchmark.py --config configs/tiny.yaml --work-dir runs/tiny
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from common.config import base_parser, parse_args
@@ -26,14 +33,14 @@ from common.stage import (StageError, check_same_tokenizer, manifest_sha256, req
                           resolve_target, stage_dir, start_stage, write_manifest)
 
 STAGE = "05_benchmark"
-MODES = ("reference",)
+MODES = ("reference", "server")
 
 
 def build_parser():
     p = base_parser(__doc__)
     g = p.add_argument_group("benchmark")
     g.add_argument("--mode", choices=MODES, default="reference",
-                   help="reference = HF target + exported draft in transformers (SGLang server: later)")
+                   help="reference = HF target + exported draft in transformers; server = SGLang servers")
     g.add_argument("--num-draft-tokens", type=int, nargs="+", default=[5],
                    help="tokens k the draft proposes per verify round (several values = a sweep); "
                         "SGLang topk 1: --speculative-num-steps k, --speculative-num-draft-tokens k+1")
@@ -49,6 +56,27 @@ def build_parser():
     g.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on CPU (threads); batch-1 decoding of a small model is "
                         "latency-bound and extra threads mostly add synchronisation")
+    s = p.add_argument_group("server mode (SGLang; docs/sglang.md)")
+    s.add_argument("--spec-settings", nargs="+", default=["3,1,4", "5,1,6", "7,1,8"],
+                   help="EAGLE3 settings 'steps,topk,num_draft_tokens' to sweep (topk > 1 = tree)")
+    s.add_argument("--bench-concurrency", type=int, nargs="+", default=[1, 8],
+                   help="concurrent requests per run (batch 1 is always included)")
+    s.add_argument("--cuda-graph", nargs="+", choices=("on", "off"), default=["on", "off"],
+                   help="CUDA-graph modes to run every server in")
+    s.add_argument("--baseline-url", default=None, help="attach to this running baseline server instead")
+    s.add_argument("--eagle3-url", default=None, help="attach to this running EAGLE3 server instead")
+    s.add_argument("--baseline-port", type=int, default=30010, help="port of launched baseline servers")
+    s.add_argument("--eagle3-port", type=int, default=30020, help="port of launched EAGLE3 servers")
+    s.add_argument("--sglang-tp-size", type=int, default=1, help="SGLang tensor-parallel size (GPUs)")
+    s.add_argument("--mem-fraction-static", type=float, default=0.85,
+                   help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
+    s.add_argument("--server-extra-args", default="", help="extra launch_server arguments (one string)")
+    s.add_argument("--sglang-python", default=sys.executable, help="python that has sglang installed")
+    s.add_argument("--server-timeout", type=float, default=3600, help="seconds to wait for readiness")
+    s.add_argument("--request-timeout", type=float, default=1800, help="seconds for one request")
+    s.add_argument("--warmup-requests", type=int, default=4, help="preflight warm-up requests (64 tokens each)")
+    s.add_argument("--min-accept-length", type=float, default=1.3,
+                   help="preflight refuses a warm-up tau below this (1.0 = chance: only the bonus token)")
     return p
 
 
@@ -269,6 +297,15 @@ def main(argv=None):
     export_dir, m04, rows = load_inputs(args)
     target_dir = resolve_target(args.target_path, m04, stage_dir(args.work_dir, "04_train"), "04_train")
     if not start_stage(out, args.overwrite, "05"):
+        return
+    if args.mode == "server":
+        from common.server_bench import server_main
+        metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir)
+        write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
+                       inputs={"04_draft": manifest_sha256(stage_dir(args.work_dir, "04_train"))},
+                       counts={"num_prompts": len(rows)}, preflight=metrics["preflight"],
+                       runs=list(metrics["runs"]))
+        print(f"[05] wrote {out}")
         return
     import torch
 

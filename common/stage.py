@@ -24,7 +24,8 @@ STAGE_DIRS = {
 }
 MANIFEST = "manifest.json"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TRACKED_PACKAGES = ("torch", "transformers", "tokenizers", "datasets", "safetensors", "openai", "sglang")
+TRACKED_PACKAGES = ("torch", "transformers", "tokenizers", "datasets", "safetensors", "openai", "sglang",
+                    "specforge")
 # Files that define how text becomes ids; their hash is the tokenizer's identity.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model",
                    "chat_template.jinja", "special_tokens_map.json", "tokenization_kimi.py")

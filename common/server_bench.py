@@ -1,0 +1,240 @@
+"""05 `--mode server`: the same prompts against a baseline and EAGLE3 SGLang servers; tok/s, TTFT, tau.
+
+Requests go to SGLang's native POST /generate with token ids (`input_ids`, greedy, `stream: true`):
+the time to the first streamed chunk is the TTFT; the final chunk's `meta_info` carries
+`completion_tokens` and, on a speculative server, `spec_verify_ct` (verify rounds), so per-request
+tau = completion_tokens / spec_verify_ct (bonus token included; SGLang's definition, tokenizer_manager).
+Chunks are SSE lines `data: {json}` ending with `data: [DONE]` (srt/entrypoints/http_server.py).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def generate_stream(base_url: str, input_ids: list[int], max_new_tokens: int, timeout: float) -> dict:
+    """One greedy request; returns {ttft_s, latency_s, completion_tokens, spec_verify_ct, output_ids}."""
+    payload = {"input_ids": input_ids, "stream": True,
+               "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}}
+    req = urllib.request.Request(base_url.rstrip("/") + "/generate", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            body = line[len("data:"):].strip()
+            if body == "[DONE]":
+                break
+            chunk = json.loads(body)
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = chunk
+    if last is None:
+        raise RuntimeError(f"{base_url}/generate streamed no chunk")
+    return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, **parse_meta(last.get("meta_info", {})),
+            "output_ids": last.get("output_ids")}
+
+
+def parse_meta(meta: dict) -> dict:
+    """completion_tokens, spec_verify_ct (None on a non-speculative server) and per-request tau."""
+    n = int(meta["completion_tokens"])
+    ct = meta.get("spec_verify_ct")
+    ct = None if ct is None else int(ct)
+    return {"completion_tokens": n, "spec_verify_ct": ct,
+            "accept_length": (n / ct) if ct else None}
+
+
+def run_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int,
+                timeout: float, request_fn=generate_stream) -> dict:
+    """All prompts at a given concurrency; the summary over the wall time of the whole set."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(lambda ids: request_fn(base_url, ids, max_new_tokens, timeout), prompts))
+    return summarize(results, time.perf_counter() - t0, concurrency)
+
+
+def summarize(results: list[dict], wall_s: float, concurrency: int) -> dict:
+    tokens = sum(r["completion_tokens"] for r in results)
+    verify = [r["spec_verify_ct"] for r in results if r["spec_verify_ct"]]
+    taus = [r["accept_length"] for r in results if r["accept_length"] is not None]
+    ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    return {
+        "concurrency": concurrency, "num_requests": len(results), "completion_tokens": tokens,
+        "wall_s": wall_s, "output_tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "per_request_tokens_per_s": statistics.mean(r["completion_tokens"] / r["latency_s"]
+                                                    for r in results if r["latency_s"] > 0),
+        "ttft_mean_s": statistics.mean(ttfts) if ttfts else None,
+        "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        # tau two ways: mean of per-request ratios, and pooled (sum tokens / sum verify rounds,
+        # the SpecForge bench definition, weighting long answers more)
+        "accept_length_mean": statistics.mean(taus) if taus else None,
+        "accept_length_pooled": (sum(r["completion_tokens"] for r in results if r["spec_verify_ct"])
+                                 / sum(verify)) if verify else None,
+    }
+
+
+def warmup(base_url: str, prompts: list[list[int]], max_new_tokens: int, timeout: float,
+           request_fn=generate_stream) -> float:
+    """Pooled tau over a few short sequential requests (the preflight's acceptance probe)."""
+    res = [request_fn(base_url, ids, max_new_tokens, timeout) for ids in prompts]
+    verify = sum(r["spec_verify_ct"] or 0 for r in res)
+    if not verify:
+        raise RuntimeError(f"{base_url} returned no spec_verify_ct: not a speculative server")
+    return sum(r["completion_tokens"] for r in res) / verify
+
+
+def setting_name(setting, cuda_graph: bool) -> str:
+    """'3-1-4/graph' style key (steps-topk-draft tokens / cuda graph on|off)."""
+    base = "baseline" if setting is None else "-".join(str(x) for x in setting)
+    return f"{base}/{'graph' if cuda_graph else 'nograph'}"
+
+
+def add_ratios(metrics: dict) -> None:
+    """speed_ratio = EAGLE3 output tok/s / baseline output tok/s at the same concurrency and graph mode."""
+    for key, entry in metrics["runs"].items():
+        base = metrics["runs"].get(setting_name(None, entry["cuda_graph"]))
+        for c, summ in entry["by_concurrency"].items():
+            ref = (base or {}).get("by_concurrency", {}).get(c)
+            summ["speed_ratio"] = (summ["output_tokens_per_s"] / ref["output_tokens_per_s"]
+                                   if ref and ref["output_tokens_per_s"] else None)
+
+
+def fmt(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def write_report(out: Path, metrics: dict) -> None:
+    lines = ["# 05 server benchmark (SGLang)", "",
+             f"Target `{metrics['target']}`, draft `{metrics['draft']}`, {metrics['num_prompts']} prompts, "
+             f"max {metrics['max_new_tokens']} new tokens, greedy. Preflight: "
+             f"`{json.dumps(metrics.get('preflight', {}))}`.", "",
+             "| setting | concurrency | output tok/s | x baseline | TTFT mean (s) | tau (mean) | tau (pooled) "
+             "| server tau |", "|---|---|---|---|---|---|---|---|"]
+    for key, entry in metrics["runs"].items():
+        for c, s in entry["by_concurrency"].items():
+            lines.append(f"| {key} | {c} | {fmt(s['output_tokens_per_s'], 1)} | {fmt(s.get('speed_ratio'))} "
+                         f"| {fmt(s['ttft_mean_s'], 3)} | {fmt(s['accept_length_mean'])} "
+                         f"| {fmt(s['accept_length_pooled'])} | {fmt(entry.get('server_accept_length'))} |")
+    lines += ["", "tau = completion_tokens / spec_verify_ct per request (bonus token included); server tau = "
+              "`internal_states[0].avg_spec_accept_length` after the run. Launch commands: `commands.json`."]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def plot(out: Path, metrics: dict) -> None:
+    """tokens_per_s.png (bars per setting, one group per concurrency) and accept_length.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(metrics["runs"])
+    concs = sorted({int(c) for e in metrics["runs"].values() for c in e["by_concurrency"]})
+    for fname, field, ylabel, only_spec in (("tokens_per_s.png", "output_tokens_per_s", "output tok/s", False),
+                                            ("accept_length.png", "accept_length_pooled", "tau", True)):
+        shown = [k for k in keys if not (only_spec and k.startswith("baseline"))]
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shown)), 4))
+        width = 0.8 / max(1, len(concs))
+        for j, c in enumerate(concs):
+            vals = [(metrics["runs"][k]["by_concurrency"].get(str(c)) or {}).get(field) or 0 for k in shown]
+            ax.bar([i + j * width for i in range(len(shown))], vals, width, label=f"concurrency {c}")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shown))])
+        ax.set_xticklabels(shown, rotation=30, ha="right")
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=100)
+        plt.close(fig)
+
+
+def run_server_benchmark(args, out: Path, export_dir: Path, target_dir: Path, m02b: dict, m04: dict,
+                         prompts: list[list[int]], request_fn=generate_stream) -> dict:
+    """The sweep: per CUDA-graph mode, a baseline server and one EAGLE3 server per spec setting.
+
+    Attached servers (--baseline-url / --eagle3-url) are used as they are (their own setting and
+    graph mode, read from the info document); launched ones are started from the config, logged,
+    polled until ready and shut down before the next one (one model in GPU memory at a time).
+    Every EAGLE3 server passes the preflight before it is measured.
+    """
+    from common import sglang_server as srv
+
+    graphs = [{"on": True, "off": False}[m] for m in args.cuda_graph]
+    settings = [srv.parse_spec_setting(s) for s in args.spec_settings]
+    concs = sorted({1, *[int(c) for c in args.bench_concurrency]})
+    warm = prompts[:max(1, args.warmup_requests)]
+    metrics = {"target": str(target_dir), "draft": str(export_dir), "num_prompts": len(prompts),
+               "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": concs, "runs": {},
+               "commands": {}, "preflight": {}}
+
+    def measure(url: str, key: str, graph: bool, setting) -> None:
+        entry = {"cuda_graph": graph, "setting": setting, "url": url, "by_concurrency": {}}
+        if setting is not None:
+            entry["preflight"] = srv.preflight(
+                url, export_dir, m02b, m04, min_accept_length=args.min_accept_length, target_dir=target_dir,
+                warmup_fn=lambda u: warmup(u, warm, 64, args.request_timeout, request_fn))
+            metrics["preflight"] = entry["preflight"]
+        for c in concs:
+            s = run_prompts(url, prompts, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn)
+            entry["by_concurrency"][str(c)] = s
+            print(f"[05] {key} c={c}: {fmt(s['output_tokens_per_s'], 1)} tok/s, TTFT "
+                  f"{fmt(s['ttft_mean_s'], 3)} s, tau {fmt(s['accept_length_pooled'])}")
+        if setting is not None:
+            entry["server_accept_length"] = srv.server_accept_length(srv.get_server_info(url))
+        metrics["runs"][key] = entry
+
+    def launched(port: int, graph: bool, setting, key: str) -> None:
+        cmd = srv.server_command(target_dir, port, args.sglang_tp_size, args.mem_fraction_static, graph,
+                                 export_dir if setting else None, setting, args.sglang_python,
+                                 args.server_extra_args)
+        metrics["commands"][key] = cmd
+        url = f"http://127.0.0.1:{port}"
+        log = out / "server_logs" / (key.replace("/", "_") + ".log")
+        proc = srv.launch_server(cmd, log)
+        try:
+            srv.wait_ready(url, proc, args.server_timeout, log_path=log)
+            measure(url, key, graph, setting)
+        finally:
+            srv.stop_server(proc)
+
+    if args.baseline_url:
+        info = srv.get_server_info(args.baseline_url)
+        graph = not info.get("disable_cuda_graph", False)
+        measure(args.baseline_url, setting_name(None, graph), graph, None)
+    if args.eagle3_url:
+        info = srv.get_server_info(args.eagle3_url)
+        srv.check_server_info(info, export_dir, target_dir)
+        graph, setting = not info.get("disable_cuda_graph", False), srv.spec_settings_of(info)
+        measure(args.eagle3_url, setting_name(setting, graph), graph, setting)
+    if not (args.baseline_url or args.eagle3_url):
+        for graph in graphs:
+            launched(args.baseline_port, graph, None, setting_name(None, graph))
+            for setting in settings:
+                launched(args.eagle3_port, graph, setting, setting_name(setting, graph))
+    add_ratios(metrics)
+    return metrics
+
+
+def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], target_dir: Path,
+                work_dir: Path) -> dict:
+    """05 --mode server after the shared input checks: sweep, then metrics.json, report.md, plots."""
+    import shlex
+
+    from common.io import write_json
+    from common.stage import require_complete, stage_dir
+
+    m02b = require_complete(stage_dir(work_dir, "02b_extract_hidden_states_sglang"),
+                            "02b_extract_hidden_states_sglang")
+    if isinstance(args.server_extra_args, str):
+        args.server_extra_args = shlex.split(args.server_extra_args)
+    prompts = [list(r["prompt_ids"]) for r in rows]
+    metrics = run_server_benchmark(args, out, export_dir, target_dir, m02b, m04, prompts)
+    write_json(out / "metrics.json", metrics)
+    write_json(out / "commands.json", metrics["commands"])
+    write_report(out, metrics)
+    plot(out, metrics)
+    return metrics

@@ -1,0 +1,111 @@
+"""A fake SGLang HTTP server on localhost returning SGLang's real document shapes (a test fixture).
+
+GET /health -> 200. GET /get_server_info -> {**ServerArgs fields, **scheduler_info, "internal_states":
+[{..., "avg_spec_accept_length"}], "version"} (srt/entrypoints/http_server.py); /server_info is 404
+unless `new_info_path` (older releases). POST /generate with `input_ids` + `stream: true` -> SSE
+`data: {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+"cached_tokens", "spec_verify_ct"?, "e2e_latency"}}` lines, then `data: [DONE]`. A speculative server
+verifies `accept_length` tokens per round, so completion_tokens / spec_verify_ct = accept_length.
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class StubState:
+    def __init__(self, algorithm=None, draft_path=None, model_path="/models/target", accept_length=3.0,
+                 setting=(3, 1, 4), new_info_path=False, disable_cuda_graph=False):
+        self.server_args = {
+            "model_path": model_path, "tokenizer_path": model_path, "tp_size": 1, "pp_size": 1,
+            "dp_size": 1, "mem_fraction_static": 0.85, "disable_radix_cache": False,
+            "disable_cuda_graph": disable_cuda_graph, "enable_two_batch_overlap": False,
+            "speculative_algorithm": algorithm, "speculative_draft_model_path": draft_path,
+            "speculative_num_steps": setting[0] if algorithm else None,
+            "speculative_eagle_topk": setting[1] if algorithm else None,
+            "speculative_num_draft_tokens": setting[2] if algorithm else None,
+        }
+        self.accept_length = accept_length
+        self.new_info_path = new_info_path
+        self.tokens = 0
+        self.verify = 0
+        self.requests = []
+        self.lock = threading.Lock()
+
+    def info(self) -> dict:
+        state = {"last_gen_throughput": 0.0, "memory_usage": {"kvcache": 1.0}}
+        if self.server_args["speculative_algorithm"] and self.verify:
+            state["avg_spec_accept_length"] = self.tokens / self.verify
+        return {**self.server_args, "max_total_num_tokens": 100000, "internal_states": [state],
+                "version": "0.5.6"}
+
+
+def make_handler(state: StubState):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _json(self, code, doc):
+            body = json.dumps(doc).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path == "/health":
+                return self._json(200, {})
+            if self.path == "/get_server_info" or (self.path == "/server_info" and state.new_info_path):
+                return self._json(200, state.info())
+            self._json(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            if self.path != "/generate":
+                return self._json(404, {"detail": "Not Found"})
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ids, sp = req["input_ids"], req["sampling_params"]
+            n = int(sp["max_new_tokens"])
+            spec = bool(state.server_args["speculative_algorithm"])
+            rounds = math.ceil(n / state.accept_length) if spec else n
+            with state.lock:
+                state.requests.append(req)
+                state.tokens += n if spec else 0
+                state.verify += rounds if spec else 0
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            out = [(sum(ids) + k) % 97 for k in range(n)]  # deterministic "greedy" output
+            step = max(1, round(state.accept_length)) if spec else 1
+            t0 = time.time()
+            for k in range(step, n + step, step):
+                done = k >= n
+                meta = {"id": "r", "finish_reason": {"type": "length", "length": n} if done else None,
+                        "prompt_tokens": len(ids), "completion_tokens": min(k, n), "cached_tokens": 0,
+                        "e2e_latency": time.time() - t0}
+                if spec:
+                    meta["spec_verify_ct"] = rounds if done else math.ceil(min(k, n) / state.accept_length)
+                chunk = {"text": "x" * min(k, n), "output_ids": out[:min(k, n)], "meta_info": meta}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    return Handler
+
+
+class StubServer:
+    """`with StubServer(StubState(...)) as url:` serves on a free localhost port."""
+
+    def __init__(self, state: StubState):
+        self.state = state
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
+
+    def __enter__(self) -> str:
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()

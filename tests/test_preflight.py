@@ -1,0 +1,85 @@
+"""Preflight against a local HTTP server returning SGLang's real info document: EAGLE refused, EAGLE3 with
+04's draft accepted, chance-level acceptance refused, draft config checked against the manifests."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.eagle3 import Eagle3DraftModel, draft_config, export_sglang
+from common.server_bench import warmup
+from common.sglang_server import check_draft_files, get_server_info, preflight
+from common.stage import StageError
+from tests.sglang_server_stub import StubServer, StubState
+
+POINTS = [2, 4, 5]
+TARGET = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 600}
+M02B = {"capture_points": POINTS, "hidden_size": 32, "vocab_size": 600}
+M04 = {"capture_points": POINTS, "draft_vocab_size": 64}
+PROMPTS = [[5, 6, 7], [8, 9]]
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    model = Eagle3DraftModel(draft_config(TARGET, draft_vocab_size=64))
+    return export_sglang(model, tmp_path_factory.mktemp("d") / "export_sglang", POINTS, "float32")
+
+
+def run_preflight(url, export, min_tau=1.3):
+    return preflight(url, export, M02B, M04, lambda u: warmup(u, PROMPTS, 16, 30), min_tau)
+
+
+def test_eagle_is_refused(export):
+    with StubServer(StubState(algorithm="EAGLE", draft_path=str(export))) as url:
+        with pytest.raises(StageError, match="speculative_algorithm='EAGLE', not 'EAGLE3'"):
+            run_preflight(url, export)
+
+
+def test_eagle3_with_our_draft_passes(export):
+    state = StubState(algorithm="EAGLE3", draft_path=str(export), accept_length=3.0)
+    with StubServer(state) as url:
+        rec = run_preflight(url, export)
+    assert rec["speculative_algorithm"] == "EAGLE3" and rec["warmup_tau"] == pytest.approx(16 / 6)
+    assert rec["server_avg_spec_accept_length"] == pytest.approx(16 / 6)
+    assert [r["input_ids"] for r in state.requests] == PROMPTS
+
+
+def test_info_path_new_and_old(export):
+    for new in (False, True):
+        with StubServer(StubState(algorithm="EAGLE3", draft_path=str(export), new_info_path=new)) as url:
+            info = get_server_info(url)
+        assert info["speculative_algorithm"] == "EAGLE3" and "internal_states" in info
+
+
+def test_other_draft_path_is_refused(export, tmp_path):
+    with StubServer(StubState(algorithm="EAGLE3", draft_path=str(tmp_path))) as url:
+        with pytest.raises(StageError, match="not 04's export"):
+            run_preflight(url, export)
+
+
+def test_chance_acceptance_is_refused(export):
+    with StubServer(StubState(algorithm="EAGLE3", draft_path=str(export), accept_length=1.0)) as url:
+        with pytest.raises(StageError, match="at chance.*EAGLE instead of EAGLE3"):
+            run_preflight(url, export)
+
+
+def test_draft_config_against_manifests(export, tmp_path):
+    check_draft_files(export, M02B, M04)  # the right one passes
+    with pytest.raises(StageError, match=r"capture points - 1 = \[2, 4, 6\]"):
+        check_draft_files(export, {**M02B, "capture_points": [3, 5, 7]}, {**M04, "capture_points": [3, 5, 7]})
+    with pytest.raises(StageError, match="3 x target hidden = 192"):
+        check_draft_files(export, {**M02B, "hidden_size": 64}, M04)
+    with pytest.raises(StageError, match="draft_vocab_size 64 != 04's 32"):
+        check_draft_files(export, M02B, {**M04, "draft_vocab_size": 32})
+    # a folder without d2t (the key SGLang needs to map draft ids) is refused
+    from safetensors.torch import load_file, save_file
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    t = load_file(str(export / "model.safetensors"))
+    del t["d2t"]
+    save_file(t, str(bad / "model.safetensors"))
+    (bad / "config.json").write_text((export / "config.json").read_text())
+    with pytest.raises(StageError, match="d2t None must be present"):
+        check_draft_files(bad, M02B, M04)
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
