@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import shutil
@@ -21,14 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 LENGTHS = [9, 23, 5, 17, 12]  # 5 samples -> with 2 per shard: 3 shards, the last one partial
 
 
-def load_stage(fname: str):
-    spec = importlib.util.spec_from_file_location(f"_t_{Path(fname).stem}", REPO / fname)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
-
-STAGE = load_stage("02b_extract_hidden_states_sglang.py")
+STAGE = importlib.import_module("02b_extract_hidden_states_sglang")
 
 
 def make_01c(work: Path, target: Path, lengths=LENGTHS, seed: int = 0) -> list[dict]:

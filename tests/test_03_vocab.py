@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 from collections import Counter
 from pathlib import Path
 
@@ -19,14 +19,8 @@ H = 4
 IM_END_ID = 2  # third Kimi special in the micro tokenizer
 
 
-def load_stage(fname: str):
-    spec = importlib.util.spec_from_file_location(f"_t_{Path(fname).stem}", REPO / fname)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
-
-STAGE = load_stage("03_build_vocab_mapping.py")
+STAGE = importlib.import_module("03_build_vocab_mapping")
 
 # Supervised (loss_mask 1): 10 x5, 20 x3, 30 x2, 40 x1. Unsupervised (prompt): 7 x50, 10 x1 more.
 SAMPLES = [
@@ -120,7 +114,7 @@ def test_chain_from_02b_matches_direct_count(micro_target, tmp_path):
     write_jsonl(tmp_path / "01c_merged/tokenized_data.jsonl", rows)
     write_manifest(tmp_path / "01c_merged", "01c_merge_datasets", argparse.Namespace(),
                    tokenizer=tokenizer_identity(micro_target), target=target_identity(micro_target))
-    load_stage("02b_extract_hidden_states_sglang.py").main(
+    importlib.import_module("02b_extract_hidden_states_sglang").main(
         ["--work-dir", str(tmp_path), "--device", "cpu", "--samples-per-shard", "2"])
     maps, man = run(tmp_path, 10)
     direct = Counter(t for r in rows for t, m in zip(r["input_ids"], r["loss_mask"]) if m)

@@ -102,6 +102,10 @@ def test_train_end_to_end_improves_and_exports(upstream, tmp_path, micro_target)
         d2t = f.get_tensor("d2t")
     assert "embed_tokens.weight" not in keys and "fc.weight" in keys and len(keys) == 15
     assert torch.equal(d2t, load_file(str(work / "03_vocab" / "vocab_mapping.safetensors"))["d2t"])
+    spec = json.loads((out / "export_speculators" / "config.json").read_text())  # the vLLM layout too
+    assert spec["eagle_aux_hidden_state_layer_ids"] == POINTS and spec["norm_before_residual"] is False
+    assert (out / "export_speculators" / "model.safetensors").is_file()
+    assert man["export_speculators_dir"] == str(out / "export_speculators")
     # a complete stage re-run is a no-op
     mtime = (out / "manifest.json").stat().st_mtime_ns
     train.main(argv)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -20,12 +20,6 @@ POINTS = [2, 4, 6]  # capture points h_i of the 8-layer micro target
 TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.path.join('a', 'b'))",
          "class Point:\n    def __init__(self, x):", "for i in range(10):\n    total += i"]
 
-
-def load_stage():
-    spec = importlib.util.spec_from_file_location("_t_05_benchmark", REPO / "05_benchmark.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -251,7 +245,7 @@ def make_chain(work: Path, micro_target: Path, target, prompts) -> None:
 
 def test_main_writes_metrics_report_plot(micro_target, target, prompts, tmp_path, capsys):
     make_chain(tmp_path, micro_target, target, prompts)
-    stage = load_stage()
+    stage = importlib.import_module("05_benchmark")
     argv = ["--work-dir", str(tmp_path), "--num-draft-tokens", "2", "4", "--benchmark-max-new-tokens", "10",
             "--num-prompts", "2", "--device", "cpu", "--target-path", str(micro_target)]
     stage.main(argv)
@@ -282,7 +276,7 @@ def test_main_raises_and_records_when_output_differs(micro_target, target, promp
         return res
     monkeypatch.setattr(sd, "speculative_decode", corrupted)
     with pytest.raises(sd.LosslessError):
-        load_stage().main(["--work-dir", str(tmp_path), "--benchmark-max-new-tokens", "6", "--num-prompts", "1",
+        importlib.import_module("05_benchmark").main(["--work-dir", str(tmp_path), "--benchmark-max-new-tokens", "6", "--num-prompts", "1",
                            "--device", "cpu"])
     out = tmp_path / "05_benchmark" / "reference"
     bad = json.loads((out / "mismatches.json").read_text())
