@@ -20,4 +20,10 @@ for stage in 01_prepare_datasets.py 01b_generate_synthetic.py 01c_merge_datasets
              02b_extract_hidden_states_sglang.py 03_build_vocab_mapping.py 04_train.py 05_benchmark.py; do
   if [ -f "$stage" ]; then run "$stage" --config "$CONFIG" --work-dir "$WORK"; fi
 done
-echo "demo outputs are under $WORK/"
+report="$WORK/05_benchmark/reference/report.md"
+if [ -f "$report" ]; then
+  echo; sed -n '/^| k /,/^$/p' "$report"
+  # The draft can only be as good as what it imitates: show how varied the target's own text is.
+  "$PY" -c "import json,sys; q=json.load(open(sys.argv[1]))['quality']; print('tiny target quality:', ', '.join(f'{k} {q[k]}' for k in ('held_out_loss','distinct_token_ids','repeated_4gram_rate','ends_with_im_end_share')))" build/tiny-kimi/manifest.json
+fi
+echo "demo outputs are under $WORK/ (report: $report); the tiny target is in build/tiny-kimi/"
