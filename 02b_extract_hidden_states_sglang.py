@@ -106,17 +106,13 @@ def scan_samples(path: Path, vocab_size: int) -> list[dict]:
 
 def existing_shard_tokens(path: Path, expected_ids: list[str]) -> int:
     """Tokens in a complete shard, after checking it holds exactly the samples planned for it."""
-    import json
+    from common.shards import ShardReader
 
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        ids = json.loads(f.metadata()["sample_ids"])
-        num_tokens = int(f.get_tensor("offsets")[-1])
-    if ids != expected_ids:
+    shard = ShardReader(path)
+    if shard.sample_ids != expected_ids:
         raise StageError(f"{path} holds other samples than tokenized_data.jsonl assigns to it (another "
                          "01c run or --samples-per-shard?): re-run this stage with --overwrite")
-    return num_tokens
+    return shard.num_tokens
 
 
 def pack_batches(lengths: list[int], budget: int) -> list[list[int]]:

@@ -44,13 +44,14 @@ def count_supervised(shard_paths: list[Path], vocab_size: int):
     Reads only the input_ids and loss_mask tensors of each shard (never the hidden states).
     """
     import torch
-    from safetensors import safe_open
+
+    from common.shards import ShardReader
 
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for path in shard_paths:
-        with safe_open(str(path), framework="pt") as f:
-            ids = f.get_tensor("input_ids")  # [sum_T] int64
-            mask = f.get_tensor("loss_mask").bool()  # [sum_T]
+        shard = ShardReader(path)
+        ids = shard.tensor("input_ids")  # [sum_T] int64
+        mask = shard.tensor("loss_mask").bool()  # [sum_T]
         counts += torch.bincount(ids[mask], minlength=vocab_size)
     return counts
 

@@ -77,35 +77,31 @@ def is_eval(sample_id: str, fraction: float) -> bool:
 
 
 class ShardData:
-    """Sample-level access to 02b shards: reads only the rows of one sample (safetensors slices)."""
+    """Sample-level access to all 02b shards, keeping at most `max_open` shards open."""
 
     def __init__(self, shard_dir: Path, names: list[str], max_open: int = 32):
-        from safetensors import safe_open
-        self._open = lambda path: safe_open(str(path), framework="pt")
-        self.paths = [shard_dir / n for n in names]
-        self.entries = []  # (shard index, start row, length, sample id)
-        for si, path in enumerate(self.paths):
-            with self._open(path) as f:
-                ids = json.loads(f.metadata()["sample_ids"])
-                offsets = f.get_tensor("offsets").tolist()
-            self.entries += [(si, offsets[i], offsets[i + 1] - offsets[i], sid) for i, sid in enumerate(ids)]
-        self.handles, self.max_open = OrderedDict(), max_open
+        from common.shards import ShardReader
 
-    def _handle(self, si: int):
-        if si not in self.handles:
-            if len(self.handles) >= self.max_open:
-                self.handles.popitem(last=False)
-            self.handles[si] = self._open(self.paths[si]).__enter__()
-        self.handles.move_to_end(si)
-        return self.handles[si]
+        self._open = ShardReader
+        self.paths = [shard_dir / n for n in names]
+        self.entries = []  # (shard index, index in shard, length, sample id)
+        for si, path in enumerate(self.paths):
+            shard = self._open(path)
+            lengths = (shard.offsets[1:] - shard.offsets[:-1]).tolist()
+            self.entries += [(si, i, n, sid) for i, (n, sid) in enumerate(zip(lengths, shard.sample_ids))]
+        self.readers, self.max_open = OrderedDict(), max_open
+
+    def _reader(self, si: int):
+        if si not in self.readers:
+            if len(self.readers) >= self.max_open:
+                self.readers.popitem(last=False)
+            self.readers[si] = self._open(self.paths[si])
+        self.readers.move_to_end(si)
+        return self.readers[si]
 
     def sample(self, i: int, max_len: int) -> dict:
-        si, a, n, _ = self.entries[i]
-        b = a + min(n, max_len)
-        f = self._handle(si)
-        return {key: f.get_slice(name)[a:b] for key, name in (
-            ("aux", "aux_hidden_states"), ("final", "final_hidden_states"),
-            ("input_ids", "input_ids"), ("loss_mask", "loss_mask"))}
+        si, j, _, _ = self.entries[i]
+        return self._reader(si).sample(j, max_len)
 
 
 def epoch_order(entries: list, idx: list[int], seed: int, epoch: int) -> list[int]:

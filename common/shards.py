@@ -51,14 +51,14 @@ def write_shard(path: str | Path, samples: list[dict], dtype: torch.dtype = torc
 
 
 class ShardReader:
-    """Random access to the samples of one shard; tensors are loaded once, sliced per sample."""
+    """The one reader of the shard format: the header and offsets are read when it opens; tensors
+    and samples are read on demand (safetensors slices), so other samples' states stay on disk."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        with safe_open(str(self.path), framework="pt") as f:
-            self.sample_ids: list[str] = json.loads(f.metadata()["sample_ids"])
-            self._t = {k: f.get_tensor(k) for k in f.keys()}
-        self.offsets = self._t["offsets"]
+        self._f = safe_open(str(self.path), framework="pt")
+        self.sample_ids: list[str] = json.loads(self._f.metadata()["sample_ids"])
+        self.offsets = self._f.get_tensor("offsets")  # [n + 1] int64
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -67,15 +67,23 @@ class ShardReader:
     def num_tokens(self) -> int:
         return int(self.offsets[-1])
 
-    def __getitem__(self, i: int) -> dict:
+    def tensor(self, name: str) -> torch.Tensor:
+        """One whole packed tensor, e.g. `input_ids` [sum_T] (03 counts tokens without the states)."""
+        return self._f.get_tensor(name)
+
+    def sample(self, i: int, max_len: int | None = None) -> dict:
+        """Sample i (its first `max_len` tokens when given): id, input_ids [T], loss_mask [T] bool,
+        aux [T, 3H], final [T, H]."""
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return {
-            "id": self.sample_ids[i],
-            "input_ids": self._t["input_ids"][a:b],
-            "loss_mask": self._t["loss_mask"][a:b].bool(),
-            "aux": self._t["aux_hidden_states"][a:b],
-            "final": self._t["final_hidden_states"][a:b],
-        }
+        if max_len is not None:
+            b = min(b, a + max_len)
+        rows = {key: self._f.get_slice(name)[a:b] for key, name in (
+            ("input_ids", "input_ids"), ("loss_mask", "loss_mask"),
+            ("aux", "aux_hidden_states"), ("final", "final_hidden_states"))}
+        return {"id": self.sample_ids[i], **rows, "loss_mask": rows["loss_mask"].bool()}
+
+    def __getitem__(self, i: int) -> dict:
+        return self.sample(i)
 
 
 def list_shards(directory: str | Path) -> list[Path]:

@@ -167,7 +167,9 @@ def test_resume_redoes_only_missing_shards_and_rerun_is_noop(extracted, tmp_path
     work = tmp_path / "w"
     shutil.copytree(work0, work)
     out = work / "02b_hidden_states"
-    before = {p.name: ShardReader(p) for p in list_shards(out)}
+    keys = ("aux_hidden_states", "final_hidden_states", "input_ids", "offsets")
+    before = {p.name: (ShardReader(p).sample_ids, {k: ShardReader(p).tensor(k) for k in keys})
+              for p in list_shards(out)}
     (out / "manifest.json").unlink()
     (out / shard_name(1)).unlink()
     (out / shard_name(2)).rename(out / (shard_name(2) + ".tmp"))  # a killed write
@@ -178,9 +180,9 @@ def test_resume_redoes_only_missing_shards_and_rerun_is_noop(extracted, tmp_path
     assert not list(out.glob("*.tmp"))
     for name in (shard_name(1), shard_name(2)):
         again = ShardReader(out / name)
-        assert again.sample_ids == before[name].sample_ids
-        for key in ("aux_hidden_states", "final_hidden_states", "input_ids", "offsets"):
-            assert torch.equal(again._t[key], before[name]._t[key])
+        assert again.sample_ids == before[name][0]
+        for key in keys:
+            assert torch.equal(again.tensor(key), before[name][1][key])
     assert read_manifest(out)["num_tokens"] == sum(LENGTHS)
 
     stamps = mtimes(out)
