@@ -64,6 +64,18 @@ def require_field(row: dict, field: str, types, reason: str | None = None):
     return value
 
 
+def conversation_turns(row: dict) -> list[tuple[str, str]]:
+    """`conversations` [{from, value}] (a list or JSON text) -> [(from, value)] with string values;
+    BadRow when the field is missing or empty, or a turn is malformed."""
+    turns = _maybe_json(require_field(row, "conversations", (str, list), "no_messages"), "bad_conversations_json")
+    if not isinstance(turns, list) or not turns:
+        raise BadRow("no_messages")
+    for turn in turns:
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise BadRow("bad_turn", str(turn)[:80])
+    return [(str(turn.get("from", "")), turn["value"]) for turn in turns]
+
+
 def normalize_schema(schema):
     """JSON-Schema-ify a tool parameter schema in place of dataset quirks (`dict`, `float`, ...)."""
     if isinstance(schema, list):
@@ -251,16 +263,11 @@ def adapt_hermes(row: dict, index: int):
     """NousResearch/hermes-function-calling-v1: `conversations` [{from, value}], `tools` (JSON text).
     The Hermes system prompt that lists `<tools>` and teaches the `<tool_call>` text format is dropped:
     the tools go to the template natively, so the target answers in its own call format."""
-    turns = _maybe_json(require_field(row, "conversations", (str, list), "no_messages"), "bad_conversations_json")
-    if not isinstance(turns, list) or not turns:
-        raise BadRow("no_messages")
     out, pending, n_calls = [], [], 0
-    for turn in turns:
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise BadRow("bad_turn", str(turn)[:80])
-        role, text = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower()), turn["value"]
+    for speaker, text in conversation_turns(row):
+        role = SHAREGPT_ROLES.get(speaker.lower())
         if role is None:
-            raise BadRow("unknown_role", str(turn.get("from")))
+            raise BadRow("unknown_role", speaker)
         if role == "system":
             if "<tools>" not in text:
                 out.append({"role": "system", "content": text})
@@ -338,14 +345,8 @@ def adapt_toolace(row: dict, index: int):
     tools = _tools_in_text(system)
     if not tools:
         raise BadRow("no_tools_in_system")
-    turns = _maybe_json(require_field(row, "conversations", (str, list), "no_messages"), "bad_conversations_json")
-    if not isinstance(turns, list) or not turns:
-        raise BadRow("no_messages")
     out, pending, n_calls = [], [], 0
-    for turn in turns:
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise BadRow("bad_turn", str(turn)[:80])
-        role, text = turn.get("from"), turn["value"]
+    for role, text in conversation_turns(row):
         if role == "user":
             out.append({"role": "user", "content": text})
         elif role == "assistant" and BRACKET_CALLS.match(text):

@@ -11,7 +11,7 @@ import math
 import re
 
 from common.adapters import SHAREGPT_ROLES, BadRow, _drop_none, _maybe_json, clean_message, row_key
-from common.adapters_agentic import FilteredRow, require_field
+from common.adapters_agentic import FilteredRow, conversation_turns, require_field
 
 
 def _text(row: dict, field: str) -> str:
@@ -87,23 +87,19 @@ def adapt_openthoughts(row: dict, index: int, keep_system: bool = False):
     """open-thoughts/OpenThoughts-114k: `system`, `conversations` [{from: user|assistant, value}];
     assistant values carry thought/solution markers, split into reasoning_content and content.
     The dataset's system prompt (it asks for those markers) is dropped unless `keep_system`."""
-    turns = _maybe_json(require_field(row, "conversations", (str, list), "no_messages"), "bad_conversations_json")
-    if not isinstance(turns, list) or not turns:
-        raise BadRow("no_messages")
+    turns = conversation_turns(row)
     messages = []
     if keep_system and isinstance(row.get("system"), str) and row["system"].strip():
         messages.append({"role": "system", "content": row["system"]})
-    for turn in turns:
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise BadRow("bad_turn", str(turn)[:80])
-        role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
+    for speaker, text in turns:
+        role = SHAREGPT_ROLES.get(speaker.lower())
         if role not in ("user", "assistant"):
-            raise BadRow("unknown_role", str(turn.get("from")))
+            raise BadRow("unknown_role", speaker)
         if role == "assistant":
-            thought, solution = split_thought(turn["value"])
+            thought, solution = split_thought(text)
             messages.append({"role": "assistant", "content": solution, "reasoning_content": thought})
         else:
-            messages.append({"role": "user", "content": turn["value"]})
+            messages.append({"role": "user", "content": text})
     return row_key(row, index), messages, None, {}
 
 
@@ -122,18 +118,13 @@ def adapt_ultrachat(row: dict, index: int):
 def adapt_sharegpt(row: dict, index: int):
     """Aeala/ShareGPT_Vicuna_unfiltered: `id`, `conversations` [{from: human|gpt|system|..., value}];
     speakers other than the mapped ones (SpecForge's mapping) are dropped and counted in meta."""
-    turns = _maybe_json(require_field(row, "conversations", (str, list), "no_messages"), "bad_conversations_json")
-    if not isinstance(turns, list) or not turns:
-        raise BadRow("no_messages")
     messages, dropped = [], 0
-    for turn in turns:
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise BadRow("bad_turn", str(turn)[:80])
-        role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
+    for speaker, text in conversation_turns(row):
+        role = SHAREGPT_ROLES.get(speaker.lower())
         if role in (None, "tool"):
             dropped += 1
             continue
-        messages.append({"role": role, "content": turn["value"]})
+        messages.append({"role": role, "content": text})
     if not messages:
         raise BadRow("no_messages")
     return row_key(row, index), messages, None, {"dropped_turns": dropped} if dropped else {}
