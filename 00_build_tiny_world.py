@@ -1,7 +1,7 @@
 """Build the tiny Kimi-shaped world: a small tokenizer, a trained DeepSeek-V3 target, and a prompt set.
 
 The embedded default that lets the whole pipeline run on a CPU in minutes. Tasks come from the
-Python standard library's own functions (common/tiny_world.py): signature -> body, docstring ->
+Python standard library's own functions (common/worlds/tiny_tasks.py): signature -> body, docstring ->
 summary, and a get_source tool call followed by an answer, rendered in the Kimi-K2.5 chat format.
 Functions are split by a stable hash into target-train and held-out; the target trains on the
 first, the prompt set and the quality gates use only the second. Deterministic for a given seed;
@@ -98,12 +98,12 @@ def build(args, tiny_dir: Path) -> None:
     import torch
     from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
-    from common import tiny_world as tw
-    from common import tiny_world_train as tt
-    from common.chat_format import render_prompt
+    from common.worlds import tiny_tasks as tw
+    from common.worlds import tiny_train as tt
+    from common.data.chat_format import render_prompt
     from common.io import write_jsonl
-    from common.tiny_target import deepseek_v3_config
-    from common.tiny_tokenizer import build_tokenizer
+    from common.worlds.tiny_target import deepseek_v3_config
+    from common.worlds.tiny_tokenizer import build_tokenizer
 
     print(f"[00] building the tiny world in {tiny_dir} (seed {args.seed}, "
           f"{args.tiny_train_steps} train steps, torch threads {torch.get_num_threads()})")

@@ -2,9 +2,9 @@
 
 Each dataset named in `--datasets` is loaded through the `datasets` library (a hub id with config and
 split, or local JSONL / JSON / parquet files), mapped to unified chat records by its adapter
-(common/adapters.py), cut to a prompt (the next assistant turn is the target's to write in 01b), its
+(common/data/adapters.py), cut to a prompt (the next assistant turn is the target's to write in 01b), its
 tool-call ids rewritten to Kimi's `functions.NAME:IDX`, and literal special-token strings scrubbed.
-v4 adapters (common/adapters_v4.py) add per-dataset `cut` (last | random | every assistant turn),
+v4 adapters (common/data/adapters_v4.py) add per-dataset `cut` (last | random | every assistant turn),
 `thinking-ratio` and `filters`, and `max-records` stops a dataset after that many records.
 Each prompt is rendered with the target's template and marked by its token length: `normal` when
 prompt + --max-new-tokens fits --max-context, `long` when it fits --long-context (01b runs those with
@@ -24,8 +24,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common.adapters import ADAPTERS, BadRow
-from common.adapters_v4 import V4_SPEC_KEYS, FilteredRow, check_v4_spec, expand_row, length_partition
+from common.data.adapters import ADAPTERS, BadRow
+from common.data.adapters_v4 import V4_SPEC_KEYS, FilteredRow, check_v4_spec, expand_row, length_partition
 from common.config import base_parser, parse_args
 from common.io import write_jsonl
 from common.stage import (StageError, is_complete, read_manifest, stage_dir, start_stage,
@@ -141,7 +141,7 @@ def load_rows(spec: dict):
 
 def rendered_lengths(tok, record: dict) -> tuple[int, int]:
     """(prompt tokens, prompt + kept answer tokens) of a record rendered by the target's template."""
-    from common.chat_format import render_completion, render_prompt
+    from common.data.chat_format import render_completion, render_prompt
 
     msgs = record["messages"][:-1] if record["complete"] else record["messages"]
     prompt = render_prompt(tok, msgs, record.get("tools"), thinking=record["thinking"])
@@ -239,8 +239,8 @@ def main(argv=None):
     out = stage_dir(args.work_dir, STAGE)
     if not start_stage(out, args.overwrite, "01"):
         return
-    from common.chat_format import special_token_pattern
-    from common.tokenizer import load_tokenizer
+    from common.data.chat_format import special_token_pattern
+    from common.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.target_path)
     scrub = special_token_pattern(tok)

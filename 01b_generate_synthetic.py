@@ -1,10 +1,10 @@
 """Generate synthetic responses: the target writes the answer to every prompt-only record.
 
 Each record's prompt is rendered with the target's own chat template (generation prompt included)
-and completed by the target through a backend (common/generation.py): `openai` (one or more
+and completed by the target through a backend: `openai` (common/data/server_pool.py: one or more
 SGLang/vLLM servers, `--concurrency` requests in flight for the normal partition and
-`--long-concurrency` for the long one, together or one after the other) or `hf` (in-process
-transformers, the tiny world). The completion is kept as raw text, special tokens included, so
+`--long-concurrency` for the long one, together or one after the other) or `hf` (common/data/generation.py:
+in-process transformers, the tiny world). The completion is kept as raw text, special tokens included, so
 prompt + completion is exactly what the target emits. Records that already end with the target's own
 assistant turn (`complete`) are passed through (origin "dataset").
 Before any request the servers are checked: healthy, serving the model, with enough context, and
@@ -33,7 +33,7 @@ from collections import Counter, deque
 from pathlib import Path
 
 from common.config import base_parser, parse_args
-from common.generation import Progress, percentiles
+from common.data.generation import Progress, percentiles
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
 from common.stage import (StageError, is_complete, manifest_sha256, require_complete,
                           resolve_target, stage_dir, start_stage, write_manifest)
@@ -127,7 +127,7 @@ def redacted(args):
 def make_jobs(records: list[dict], tok, args) -> tuple[list[dict], list[dict], list[dict]]:
     """Render prompts; split into (to generate, passed through, context overflows). A job's response
     budget is what its partition's context leaves after the prompt (at most --max-new-tokens)."""
-    from common.chat_format import render_completion, render_prompt
+    from common.data.chat_format import render_completion, render_prompt
 
     prompts = []
     for r in records:
@@ -159,8 +159,10 @@ async def run_openai(pool, tok, jobs: dict, write, fail, args, bars: dict) -> st
     """Run every job through the server pool; returns the name of the signal that stopped it, if any."""
     import signal
 
-    from common.chat_format import render_prompt
-    from common.generation import RequestFailed, ServersDown, StartupCheckFailed, log
+    from common.data.chat_format import render_prompt
+    from common.data.generation import log
+    from common.data.server_checks import StartupCheckFailed, startup_checks
+    from common.data.server_pool import RequestFailed, ServersDown
 
     loop = asyncio.get_running_loop()
     stop, stopped_by, main = asyncio.Event(), [], None
@@ -225,7 +227,7 @@ async def run_openai(pool, tok, jobs: dict, write, fail, args, bars: dict) -> st
     try:
         async with pool:
             try:
-                found = await pool.startup_checks(tok, probes, need)
+                found = await startup_checks(pool, tok, probes, need)
             except StartupCheckFailed as e:
                 raise StageError(f"start-up check failed, nothing sent: {e}") from None
             for url, info in found.items():
@@ -312,7 +314,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
         cpu0, stopped_by = time.process_time(), None
         try:
             if todo and args.generation_backend == "openai":
-                from common.generation import ServerPool
+                from common.data.server_pool import ServerPool
 
                 specials = {i: t.content for i, t in tok.added_tokens_decoder.items() if t.special}
                 pool = ServerPool(args.server_url, args.served_model_name, args.api_key, args.temperature,
@@ -322,7 +324,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
                 stopped_by = asyncio.run(run_openai(pool, tok, jobs, write, fail, args, bars))
                 counts["requests_per_server"] = {s.url: s.num_requests for s in pool.servers}
             elif todo:
-                from common.generation import HFBackend
+                from common.data.generation import HFBackend
 
                 if "hf" not in backends:  # one model load for all datasets of this run
                     device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
@@ -404,7 +406,7 @@ def main(argv=None):
                         (folder / "manifest.json").unlink()
     if not start_stage(out, args.overwrite, "01b"):
         return
-    from common.tokenizer import load_tokenizer
+    from common.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(target)
     print(f"[01b] target {target} | backend {args.generation_backend} | datasets {names}"

@@ -6,7 +6,7 @@ state (the lm_head input, [T, H]), input_ids and loss_mask. Samples go to shards
 shard k holds samples [k*S, (k+1)*S) of tokenized_data.jsonl, packed along tokens (no padding rows).
 A shard that exists is kept (resume); `*.tmp` files are partial and redone. Before the model loads,
 the disk the remaining shards need is printed, and the run refuses when the disk cannot hold it.
-Backends: `hf` (common/capture.py: transformers, CPU or one GPU) and `sglang` (common/capture_sglang.py:
+Backends: `hf` (common/draft/capture.py: transformers, CPU or one GPU) and `sglang` (common/sglang/capture.py:
 SGLang's model runner on the GPU box, tensor parallel via torchrun; see docs/sglang.md).
 
 Reads:  <work-dir>/01c_merged/tokenized_data.jsonl (+ manifest.json: tokenizer, target)
@@ -106,7 +106,7 @@ def scan_samples(path: Path, vocab_size: int) -> list[dict]:
 
 def existing_shard_tokens(path: Path, expected_ids: list[str]) -> int:
     """Tokens in a complete shard, after checking it holds exactly the samples planned for it."""
-    from common.shards import ShardReader
+    from common.draft.shards import ShardReader
 
     shard = ShardReader(path)
     if shard.sample_ids != expected_ids:
@@ -174,14 +174,14 @@ def main(argv=None):
     if args.samples_per_shard < 1 or args.capture_batch_tokens < 1:
         raise StageError("--samples-per-shard and --capture-batch-tokens must be >= 1")
     if args.capture_backend == "sglang":
-        from common.capture_sglang import engine_kwargs
+        from common.sglang.capture import engine_kwargs
         engine_args = engine_kwargs(args.sglang_tp_size, args.mem_fraction_static, args.capture_engine_args)
     out = stage_dir(args.work_dir, STAGE)
     if not start_stage(out, args.overwrite, "02b"):
         return
     t0 = time.time()
 
-    from common.capture import (default_capture_points, load_target_config, target_dims,
+    from common.draft.capture import (default_capture_points, load_target_config, target_dims,
                                 validate_capture_points)
     dims = target_dims(load_target_config(target_dir))
     n_layers, hidden, vocab = dims["num_hidden_layers"], dims["hidden_size"], dims["vocab_size"]
@@ -196,7 +196,7 @@ def main(argv=None):
     num_shards = math.ceil(len(meta) / S)
     plan = {k: meta[k * S:(k + 1) * S] for k in range(num_shards)}  # shard k -> its samples
 
-    from common.shards import list_shards, shard_name
+    from common.draft.shards import list_shards, shard_name
     for tmp in sorted(out.glob("*.tmp")):  # partial writes of a killed run: redone below
         tmp.unlink()
     planned = {shard_name(k): k for k in plan}
@@ -224,11 +224,11 @@ def main(argv=None):
     if todo:
         from tqdm import tqdm
 
-        from common.capture import capture_hf
-        from common.shards import write_shard
+        from common.draft.capture import capture_hf
+        from common.draft.shards import write_shard
         rank = 0
         if args.capture_backend == "sglang":  # GPU box: SGLang runner, rank 0 writes
-            from common import capture_sglang as cs
+            from common.sglang import capture as cs
             model = cs.build_backend(target_dir, points, engine_args, args.sglang_tp_size)
             rank = cs.check_world(args.sglang_tp_size)
             capture = lambda m, rows, cb: cs.capture_samples_sglang(  # noqa: E731

@@ -45,7 +45,7 @@ def count_supervised(shard_paths: list[Path], vocab_size: int):
     """
     import torch
 
-    from common.shards import ShardReader
+    from common.draft.shards import ShardReader
 
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for path in shard_paths:
@@ -93,7 +93,7 @@ def main(argv=None):
         return
     t0 = time.time()
 
-    from common.shards import list_shards
+    from common.draft.shards import list_shards
     shards = list_shards(src)
     missing = sorted(set(upstream["shards"]) - {p.name for p in shards})
     if missing:
@@ -113,7 +113,7 @@ def main(argv=None):
     coverage = covered / total
     distinct = int((counts > 0).sum())
 
-    from common.tokenizer import load_tokenizer
+    from common.data.tokenizer import load_tokenizer
     tok = load_tokenizer(upstream["tokenizer"]["path"])
     im_end = tok.convert_tokens_to_ids(IM_END)
     im_end = im_end if isinstance(im_end, int) and im_end != tok.unk_token_id else None

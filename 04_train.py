@@ -1,9 +1,9 @@
 """Train the EAGLE-3 draft on the stored target hidden states (training-time test), export for SGLang.
 
-The draft (common/eagle3.py) learns, at every position t and TTT step k, the target's distribution at
+The draft (common/draft/model.py) learns, at every position t and TTT step k, the target's distribution at
 t+1+k restricted to the draft vocab, from fc(target features at t) (step 0) or its own previous output,
 plus the ground-truth token t+1+k. The teacher is the target's lm_head over the stored final hidden
-state; only the target's embedding and lm_head are read (common/target_head.py). Samples are streamed
+state; only the target's embedding and lm_head are read (common/draft/target_head.py). Samples are streamed
 shard by shard in a seeded order and packed into batches by a token budget. Checkpoints hold weights,
 optimizer, scheduler, RNG and the data cursor; a re-run resumes from the newest complete one.
 Reads:  <work-dir>/02b_hidden_states/shard_*.safetensors (+ manifest.json),
@@ -80,7 +80,7 @@ class ShardData:
     """Sample-level access to all 02b shards, keeping at most `max_open` shards open."""
 
     def __init__(self, shard_dir: Path, names: list[str], max_open: int = 32):
-        from common.shards import ShardReader
+        from common.draft.shards import ShardReader
 
         self._open = ShardReader
         self.paths = [shard_dir / n for n in names]
@@ -204,7 +204,7 @@ def cosine_with_warmup(warmup: int, total: int):
 # ---- one batch: teacher, TTT unroll, loss ----
 
 def run_batch(model, lm_head, batch: dict, ttt_steps: int, autocast):
-    from common.eagle3_loss import teacher_targets, ttt_loss
+    from common.draft.loss import teacher_targets, ttt_loss
     teach = teacher_targets(batch["final"], lm_head, model.d2t, model.t2d)
     with autocast():
         logits = model.forward_ttt(batch["aux"], batch["input_ids"], ttt_steps)
@@ -213,7 +213,7 @@ def run_batch(model, lm_head, batch: dict, ttt_steps: int, autocast):
 
 def evaluate(model, lm_head, data, batches, args, device, autocast) -> dict | None:
     import torch
-    from common.eagle3_loss import TTTMeter
+    from common.draft.loss import TTTMeter
     if not batches:
         return None
     meter = TTTMeter(args.ttt_steps)
@@ -231,38 +231,30 @@ def fmt(summary: dict) -> str:
             + f" | tau {summary['tau']:.2f}")
 
 
-def main(argv=None):
-    args = parse_args(build_parser(), argv)
-    import contextlib
-
-    import torch
-    from safetensors.torch import load_file
-    from tqdm import tqdm
-
-    from common.eagle3 import Eagle3DraftModel, draft_config, export_sglang
-    from common.eagle3_loss import TTTMeter
-    from common.target_head import load_target_head, read_target_text_config
-
-    if args.keep_checkpoints < 2:
-        raise StageError("--keep-checkpoints must be >= 2 (never overwrite the only good checkpoint)")
-    out = stage_dir(args.work_dir, STAGE)
+def load_inputs(args) -> dict:
+    """The 02b and 03 manifests (same tokenizer), their folders and the target folder."""
     hs_dir = stage_dir(args.work_dir, "02b_extract_hidden_states_sglang")
     vocab_dir = stage_dir(args.work_dir, "03_build_vocab_mapping")
     m02 = require_complete(hs_dir, "02b_extract_hidden_states_sglang")
     m03 = require_complete(vocab_dir, "03_build_vocab_mapping")
     check_same_tokenizer(m02["tokenizer"], m03["tokenizer"], vocab_dir, "03_build_vocab_mapping")
     target_path = resolve_target(args.target_path, m02, hs_dir, "02b_extract_hidden_states_sglang")
-    if args.overwrite and out.exists() and not (out / "manifest.json").exists():
-        shutil.rmtree(out)     # --overwrite also drops the checkpoints of an unfinished run
-    if not start_stage(out, args.overwrite, "04"):
-        return
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    on_gpu = device.type == "cuda"
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else contextlib.nullcontext
+    return {"hs_dir": hs_dir, "vocab_dir": vocab_dir, "m02": m02, "m03": m03, "target_path": target_path}
 
-    # ---- the target's facts, embedding and head; the draft ----
+
+def build_draft(args, inputs: dict, device):
+    """The draft (seeded init, frozen target embedding, d2t/t2d) and the target's lm_head, on `device`.
+    Refuses when the target, 02b and 03 disagree on hidden size or vocabulary."""
+    import torch
+    from safetensors.torch import load_file
+
+    from common.draft.model import Eagle3DraftModel, draft_config
+    from common.draft.target_head import load_target_head, read_target_text_config
+
+    on_gpu = device.type == "cuda"
+    target_path, m02 = inputs["target_path"], inputs["m02"]
     tcfg = read_target_text_config(target_path)
-    mapping = load_file(str(vocab_dir / "vocab_mapping.safetensors"))
+    mapping = load_file(str(inputs["vocab_dir"] / "vocab_mapping.safetensors"))
     d2t, t2d = mapping["d2t"], mapping["t2d"]
     embed, lm_head = load_target_head(target_path, dtype=torch.bfloat16 if on_gpu else torch.float32)
     hidden, points = int(m02["hidden_size"]), [int(p) for p in m02["capture_points"]]
@@ -270,7 +262,7 @@ def main(argv=None):
         raise StageError(f"shapes disagree: 02b hidden {hidden}, target config hidden {tcfg['hidden_size']} "
                          f"vocab {tcfg['vocab_size']}, embedding {tuple(embed.shape)}, t2d {tuple(t2d.shape)}: "
                          "re-run 02b/03 for this target")
-    cfg = draft_config(tcfg, int(m03["draft_vocab_size"]), args.draft_num_attention_heads,
+    cfg = draft_config(tcfg, int(inputs["m03"]["draft_vocab_size"]), args.draft_num_attention_heads,
                        args.draft_num_key_value_heads, args.draft_intermediate_size)
     torch.manual_seed(args.seed)
     model = Eagle3DraftModel(cfg)
@@ -280,12 +272,15 @@ def main(argv=None):
     model.to(device)
     if on_gpu:
         model.embed_tokens.to(torch.bfloat16)  # frozen: no fp32 master copy needed
-    lm_head = lm_head.to(device)
     print(f"[04] target {target_path} (hidden {hidden}, vocab {cfg['vocab_size']}, capture points {points}); "
           f"draft {json.dumps(cfg)}; device {device}")
+    return model, lm_head.to(device), cfg
 
-    # ---- data plan ----
-    from common.shards import list_shards
+
+def plan_data(args, hs_dir: Path) -> dict:
+    """The held-out split (by sample-id hash) and every epoch's batches, fixed by the seed."""
+    from common.draft.shards import list_shards
+
     data = ShardData(hs_dir, [p.name for p in list_shards(hs_dir)])
     lengths = [e[2] for e in data.entries]
     eval_idx = [i for i, e in enumerate(data.entries) if is_eval(e[3], args.eval_fraction)]
@@ -300,15 +295,13 @@ def main(argv=None):
     eval_batches = make_batches(sorted(eval_idx), lengths, args.batch_tokens, args.max_seq_len)
     print(f"[04] {len(train_idx)} train / {len(eval_idx)} eval samples, {total} steps "
           f"({args.num_epochs} epochs of ~{len(epochs[0])} batches, budget {args.batch_tokens} tokens)")
+    return {"data": data, "lengths": lengths, "epochs": epochs, "total": total, "eval_batches": eval_batches,
+            "num_train": len(train_idx), "num_eval": len(eval_idx)}
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
-    warmup = max(1, round(args.warmup_ratio * total))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(warmup, total))
-    plan = {k: getattr(args, k) for k in PLAN_KEYS}
 
-    # ---- resume from the newest complete checkpoint ----
-    ckpt_root, log_path = out / "checkpoints", out / "train_log.jsonl"
+def resume(ckpt_root: Path, log_path: Path, plan: dict, model, opt, sched, device) -> tuple[int, dict]:
+    """(step, data cursor) of the newest complete checkpoint, its state loaded, or a fresh start.
+    Refuses a checkpoint made with other PLAN_KEYS; drops log rows written after it."""
     step, cursor = 0, {"epoch": 0, "batch": 0, "position": 0}
     done = complete_checkpoints(ckpt_root)
     if done:
@@ -320,10 +313,21 @@ def main(argv=None):
         state = load_checkpoint(done[-1], model, opt, sched, device)
         step, cursor = state["step"], state["cursor"]
         print(f"[04] resumed from {done[-1]} (step {step}, epoch {cursor['epoch']}, batch {cursor['batch']})")
-    if log_path.exists():   # drop log rows written after the checkpoint we resume from
+    if log_path.exists():
         write_jsonl(log_path, [r for r in iter_jsonl(log_path) if r["step"] <= step])
+    return step, cursor
 
-    # ---- the loop (fresh and resumed runs alike) ----
+
+def train_loop(args, model, lm_head, opt, sched, params, dp: dict, step: int, cursor: dict, plan: dict,
+               out: Path, device, autocast) -> tuple[int, dict | None]:
+    """The loop, fresh and resumed runs alike: (last step, final eval or None when stopped early)."""
+    import torch
+    from tqdm import tqdm
+
+    from common.draft.loss import TTTMeter
+
+    data, lengths, epochs, total = dp["data"], dp["lengths"], dp["epochs"], dp["total"]
+    ckpt_root, log_path = out / "checkpoints", out / "train_log.jsonl"
     model.train()
     meter, interval_tokens, t_interval, t_start = TTTMeter(args.ttt_steps), 0, time.time(), time.time()
     start_step = last_log = step
@@ -363,7 +367,7 @@ def main(argv=None):
                 meter, interval_tokens, t_interval = TTTMeter(args.ttt_steps), 0, time.time()
                 last_log = step
             if step % args.eval_every == 0 and step < total:
-                ev = evaluate(model, lm_head, data, eval_batches, args, device, autocast)
+                ev = evaluate(model, lm_head, data, dp["eval_batches"], args, device, autocast)
                 if ev:
                     log.write({"step": step, "split": "eval", **ev})
                     tqdm.write(f"eval step {step} | {fmt(ev)}")
@@ -371,25 +375,67 @@ def main(argv=None):
                 save_checkpoint(ckpt_root, step, model, opt, sched, cursor, plan, args.keep_checkpoints)
         bar.close()
         if step < total:
-            print(f"[04] stopped at step {step} of {total} (--stop-at-step); re-run to resume")
-            return
-        final_eval = evaluate(model, lm_head, data, eval_batches, args, device, autocast)
+            return step, None
+        final_eval = evaluate(model, lm_head, data, dp["eval_batches"], args, device, autocast)
         if final_eval:
             log.write({"step": step, "split": "eval", **final_eval})
             print(f"[04] final eval | {fmt(final_eval)}")
+    return step, final_eval
 
+
+def export(args, model, cfg: dict, inputs: dict, dp: dict, final_eval: dict | None, out: Path) -> None:
+    """The SGLang and speculators folders, then the manifest (last: it marks the stage complete)."""
+    from common.draft.export_speculators import export_speculators
+    from common.draft.model import export_sglang
+
+    m02, target_path = inputs["m02"], inputs["target_path"]
+    points = [int(p) for p in m02["capture_points"]]
     export_dir = export_sglang(model, out / "export_sglang", points)
-    from common.export_speculators import export_speculators  # speculators/vLLM layout of the same draft
     spec_dir = export_speculators(export_dir, out / "export_speculators", points, target_path,
                                   json.loads((Path(target_path) / "config.json").read_text()).get("architectures", []))
     write_manifest(out, STAGE, args, draft_config=cfg, capture_points=points,
                    draft_vocab_size=cfg["draft_vocab_size"], vocab_size=cfg["vocab_size"],
-                   num_steps=total, num_train_samples=len(train_idx), num_eval_samples=len(eval_idx),
+                   num_steps=dp["total"], num_train_samples=dp["num_train"], num_eval_samples=dp["num_eval"],
                    final_eval=final_eval, export_dir=str(export_dir), export_speculators_dir=str(spec_dir),
                    tokenizer=m02["tokenizer"], target=m02["target"],
-                   inputs={"02b_hidden_states/manifest.json": manifest_sha256(hs_dir),
-                           "03_vocab/manifest.json": manifest_sha256(vocab_dir)})
+                   inputs={"02b_hidden_states/manifest.json": manifest_sha256(inputs["hs_dir"]),
+                           "03_vocab/manifest.json": manifest_sha256(inputs["vocab_dir"])})
     print(f"[04] exported {export_dir}")
+
+
+def main(argv=None):
+    args = parse_args(build_parser(), argv)
+    import contextlib
+
+    import torch
+
+    if args.keep_checkpoints < 2:
+        raise StageError("--keep-checkpoints must be >= 2 (never overwrite the only good checkpoint)")
+    out = stage_dir(args.work_dir, STAGE)
+    inputs = load_inputs(args)
+    if args.overwrite and out.exists() and not (out / "manifest.json").exists():
+        shutil.rmtree(out)     # --overwrite also drops the checkpoints of an unfinished run
+    if not start_stage(out, args.overwrite, "04"):
+        return
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
+                else contextlib.nullcontext)
+
+    model, lm_head, cfg = build_draft(args, inputs, device)
+    dp = plan_data(args, inputs["hs_dir"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, round(args.warmup_ratio * dp["total"]))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(warmup, dp["total"]))
+    plan = {k: getattr(args, k) for k in PLAN_KEYS}
+
+    step, cursor = resume(out / "checkpoints", out / "train_log.jsonl", plan, model, opt, sched, device)
+    step, final_eval = train_loop(args, model, lm_head, opt, sched, params, dp, step, cursor, plan,
+                                  out, device, autocast)
+    if step < dp["total"]:
+        print(f"[04] stopped at step {step} of {dp['total']} (--stop-at-step); re-run to resume")
+        return
+    export(args, model, cfg, inputs, dp, final_eval, out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark the exported EAGLE-3 draft: acceptance length (tau), speed, and losslessness.
 
-Mode `reference`: real greedy speculative decoding in transformers (common/spec_decode.py) with the
+Mode `reference`: real greedy speculative decoding in transformers (common/draft/spec_decode.py) with the
 HF target and the draft loaded from the SGLang export exactly as an engine does (the draft gets the
 target's embedding; d2t maps draft ids to target ids; aux states come from the capture points in the
 export config). For each k in --num-draft-tokens, on the held-out prompts, it measures tau (accepted
@@ -9,7 +9,7 @@ accepted lengths, speculative vs target-only tokens/s (interleaved per prompt, s
 of an untrained draft of the same shape (seeded) for contrast. Every speculative output must equal
 target-only greedy decoding; otherwise the differences go to mismatches.json and the run raises.
 Float32 throughout: a reference measures acceptance, not engine speed.
-Mode `server` (common/server_bench.py, docs/sglang.md): launches (or attaches to) a baseline and EAGLE3
+Mode `server` (common/sglang/bench.py, docs/sglang.md): launches (or attaches to) a baseline and EAGLE3
 SGLang servers per --spec-settings and --cuda-graph mode, preflights each EAGLE3 server (EAGLE3, 04's
 draft, draft config vs manifests, warm-up tau above chance), then reports output tok/s, TTFT, tau and
 the ratio to the baseline at each --bench-concurrency.
@@ -104,7 +104,7 @@ def load_inputs(args):
 
 def read_capture_points(export_cfg: dict, m04: dict, num_hidden_layers: int) -> list[int]:
     """Capture points (h_i indices) from the export config, cross-checked against SGLang's ids."""
-    from common.capture import validate_capture_points
+    from common.draft.capture import validate_capture_points
 
     points = export_cfg.get("eagle_aux_hidden_state_layer_ids")
     if points is None:
@@ -127,7 +127,7 @@ def load_models(target_dir: Path, export_dir: Path, device: str, seed: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.eagle3 import Eagle3DraftModel, load_sglang_export
+    from common.draft.model import Eagle3DraftModel, load_sglang_export
 
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32,
                                                   trust_remote_code=True)
@@ -167,7 +167,7 @@ def run_reference(args, target, drafts: dict, rows: list[dict], points: list[int
     """Interleave per prompt: target-only greedy, then every (draft, k). Returns (metrics, mismatches)."""
     from tqdm import tqdm
 
-    from common import spec_decode as sd
+    from common.draft import spec_decode as sd
 
     ks = sorted(set(args.num_draft_tokens))
     results = {(name, k): [] for name in drafts for k in ks}
@@ -299,7 +299,7 @@ def main(argv=None):
     if not start_stage(out, args.overwrite, "05"):
         return
     if args.mode == "server":
-        from common.server_bench import server_main
+        from common.sglang.bench import server_main
         metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir)
         write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
                        inputs={"04_draft": manifest_sha256(stage_dir(args.work_dir, "04_train"))},
@@ -309,8 +309,8 @@ def main(argv=None):
         return
     import torch
 
-    from common.capture import load_target_config, target_dims
-    from common.spec_decode import LosslessError, eos_ids_of
+    from common.draft.capture import load_target_config, target_dims
+    from common.draft.spec_decode import LosslessError, eos_ids_of
 
     dims = target_dims(load_target_config(target_dir))
     export_cfg = read_json(export_dir / "config.json")

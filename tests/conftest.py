@@ -17,8 +17,8 @@ def stdlib_texts(limit: int) -> list[str]:
 
 
 def make_micro_target(out_dir: Path, seed: int = 0, vocab_size: int = 600) -> Path:
-    from common.tiny_target import save_random_target
-    from common.tiny_tokenizer import build_tokenizer
+    from common.worlds.tiny_target import save_random_target
+    from common.worlds.tiny_tokenizer import build_tokenizer
 
     tok = build_tokenizer(stdlib_texts(12), vocab_size, out_dir)
     save_random_target(out_dir, tok, seed=seed, hidden_size=32, num_hidden_layers=8,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from common.chat_format import IM_END
+from common.data.chat_format import IM_END
 from common.io import iter_jsonl, read_json
 from common.stage import StageError
 from openai_server import OpenAICompletionsServer, canned_completion

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.capture import (capture_hf, default_capture_points, target_dims,
+from common.draft.capture import (capture_hf, default_capture_points, target_dims,
                             validate_capture_points)
 from common.io import write_jsonl
-from common.shards import ShardReader, list_shards, shard_name
+from common.draft.shards import ShardReader, list_shards, shard_name
 from common.stage import StageError, read_manifest, target_identity, tokenizer_identity, write_manifest
 
 REPO = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from common.shards import shard_name, write_shard
+from common.draft.shards import shard_name, write_shard
 from common.stage import StageError, is_complete, target_identity, tokenizer_identity, write_manifest
 
 train = importlib.import_module("04_train")

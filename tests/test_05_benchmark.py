@@ -1,4 +1,4 @@
-"""05 + common/spec_decode.py: lossless speculative decoding, exact acceptance accounting, the stage."""
+"""05 + common/draft/spec_decode.py: lossless speculative decoding, exact acceptance accounting, the stage."""
 from __future__ import annotations
 
 import argparse
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import spec_decode as sd
-from common.eagle3 import Eagle3DraftModel, draft_config, export_sglang, load_sglang_export
+from common.draft import spec_decode as sd
+from common.draft.model import Eagle3DraftModel, draft_config, export_sglang, load_sglang_export
 from common.io import write_jsonl
 from common.stage import read_manifest, target_identity, tokenizer_identity, write_manifest
-from common.tokenizer import load_tokenizer
+from common.data.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 POINTS = [2, 4, 6]  # capture points h_i of the 8-layer micro target

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import capture_sglang as cs
-from common.capture import capture_hf
-from common.shards import ShardReader, list_shards, shard_name
+from common.sglang import capture as cs
+from common.draft.capture import capture_hf
+from common.draft.shards import ShardReader, list_shards, shard_name
 from common.stage import StageError, read_manifest
 from tests.test_02b_extract import STAGE, make_01c
 

@@ -2,7 +2,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from common import chat_format as cf
+from common.data import chat_format as cf
 
 TOOLS = [{"type": "function", "function": {"name": "echo", "description": "Echo a string back to the caller.",
           "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft (common/eagle3.py), its TTT loss (common/eagle3_loss.py), the target head loader."""
+"""The EAGLE-3 draft (common/draft/model.py), its TTT loss (common/draft/loss.py), the target head loader."""
 import json
 from pathlib import Path
 
@@ -7,11 +7,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from common.eagle3 import (DraftCache, Eagle3DraftModel, draft_config, export_sglang, export_shapes,
+from common.draft.model import (DraftCache, Eagle3DraftModel, draft_config, export_sglang, export_shapes,
                            load_sglang_export)
-from common.eagle3_loss import simulated_tau, teacher_targets, ttt_loss
+from common.draft.loss import simulated_tau, teacher_targets, ttt_loss
 from common.stage import StageError
-from common.target_head import load_target_head, read_target_text_config
+from common.draft.target_head import load_target_head, read_target_text_config
 
 H, V, DV = 16, 40, 24
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from common.eagle3 import Eagle3DraftModel, draft_config, export_sglang, export_shapes, load_sglang_export
-from common.export_speculators import export_speculators, speculators_to_sglang
+from common.draft.model import Eagle3DraftModel, draft_config, export_sglang, export_shapes, load_sglang_export
+from common.draft.export_speculators import export_speculators, speculators_to_sglang
 
 POINTS = [2, 4, 5]
 TARGET = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 600,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from common import sglang_server as srv
-from common.eagle3 import Eagle3DraftModel, draft_config, export_sglang
+from common.sglang import server as srv
+from common.draft.model import Eagle3DraftModel, draft_config, export_sglang
 from common.io import write_jsonl
-from common.server_bench import parse_meta, run_prompts, summarize
+from common.sglang.bench import parse_meta, run_prompts, summarize
 from common.stage import StageError, target_identity, tokenizer_identity, write_manifest
 from tests.sglang_server_stub import StubServer, StubState
 

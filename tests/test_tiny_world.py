@@ -12,7 +12,7 @@ spec = importlib.util.spec_from_file_location("build_tiny_world", REPO / "00_bui
 stage = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(stage)
 
-from common import tiny_world as tw  # noqa: E402
+from common.worlds import tiny_tasks as tw  # noqa: E402
 
 # Small everything: ~20 stdlib modules, a 600-token vocab, hidden 32, a few steps.
 SMALL = ["--tiny-train-steps", "3", "--tiny-batch-size", "4", "--tiny-stdlib-files", "20",

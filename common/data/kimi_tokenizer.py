@@ -8,7 +8,7 @@ the others `<|reserved_token_{id}|>`), special-token strings in the text become 
 Chat rendering goes through transformers' own `apply_chat_template` (its Jinja environment and
 settings) with K2.5's `tools_ts_str` injected, as K2.5's tokenizer code does.
 
-Use `common.tokenizer.load_tokenizer(path)`; this module is what it returns for a folder that has a
+Use `common.data.tokenizer.load_tokenizer(path)`; this module is what it returns for a folder that has a
 `tiktoken.model` but no tokenizer code, and `load_kimi_k25_tokenizer()` / `write_kimi_k25_model_dir()`
 give the bundled K2.5 tokenizer with no model folder at all.
 """
@@ -27,7 +27,7 @@ from transformers import AddedToken, BatchEncoding, PreTrainedTokenizer
 from transformers.utils import PaddingStrategy
 from transformers.tokenization_utils_base import TruncationStrategy
 
-from common.kimi_tool_declaration import encode_tools_to_typescript
+from common.data.kimi_tool_declaration import encode_tools_to_typescript
 from common.stage import REPO_ROOT
 
 log = logging.getLogger(__name__)
@@ -324,7 +324,7 @@ def load_kimi_k25_tokenizer(**kwargs) -> KimiK25Tokenizer:
 def tokenizer_config() -> dict:
     """The tokenizer_config.json written beside a materialised tiktoken.model."""
     return {
-        "offline_tokenizer": "common.kimi_tokenizer.KimiK25Tokenizer",
+        "offline_tokenizer": "common.data.kimi_tokenizer.KimiK25Tokenizer",
         **ROLE_TOKENS,
         "added_tokens_decoder": {str(i): {"content": n, "special": True, "normalized": False,
                                           "lstrip": False, "rstrip": False, "single_word": False}

@@ -215,7 +215,7 @@ def preflight(base_url: str, export_dir: Path, m02b: dict, m04: dict, warmup_fn,
               target_dir: Path | None = None) -> dict:
     """Run every check against a live server; returns a record for metrics.json.
 
-    warmup_fn(base_url) -> per-request tau over a few short requests (common/server_bench.warmup).
+    warmup_fn(base_url) -> per-request tau over a few short requests (common/sglang/bench.warmup).
     """
     info = get_server_info(base_url)
     check_server_info(info, export_dir, target_dir)

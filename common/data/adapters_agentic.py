@@ -1,10 +1,10 @@
 """v4 adapters for agent and function-calling datasets: native tool calls, and text-encoded calls parsed.
 
 Each adapter is `fn(row, index, **options) -> (key, messages, tools, meta)` (the contract of
-common/adapters.py) and raises `BadRow(reason)` for a broken row or `FilteredRow(reason)` for a good row
+common/data/adapters.py) and raises `BadRow(reason)` for a broken row or `FilteredRow(reason)` for a good row
 a configured filter rejects (counted apart). Messages come out as whole conversations with the
 dataset's own call ids; cutting at an assistant turn, id rewriting to `functions.NAME:IDX` and
-scrubbing happen later (common/adapters_v4.expand_row, common/adapters.unify). Schemas:
+scrubbing happen later (common/data/adapters_v4.expand_row, common/data/adapters.unify). Schemas:
 research/kimi_and_datasets.md Part B (#10-#18); fields marked (verify) there are handled both ways.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import ast
 import json
 import re
 
-from common.adapters import (SHAREGPT_ROLES, BadRow, _content_text, _drop_none, _maybe_json, _tools,
+from common.data.adapters import (SHAREGPT_ROLES, BadRow, _content_text, _drop_none, _maybe_json, _tools,
                              clean_message, row_key)
 
 

@@ -27,7 +27,7 @@ def load_tokenizer(model_dir: str | Path):
     if not model_dir.is_dir():
         raise StageError(f"target folder {model_dir} does not exist")
     if tokenizer_kind(model_dir) == "kimi_tiktoken":
-        from common.kimi_tokenizer import KimiK25Tokenizer
+        from common.data.kimi_tokenizer import KimiK25Tokenizer
 
         try:
             return KimiK25Tokenizer.from_model_dir(model_dir)

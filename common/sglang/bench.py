@@ -161,7 +161,7 @@ def run_server_benchmark(args, out: Path, export_dir: Path, target_dir: Path, m0
     polled until ready and shut down before the next one (one model in GPU memory at a time).
     Every EAGLE3 server passes the preflight before it is measured.
     """
-    from common import sglang_server as srv
+    from common.sglang import server as srv
 
     graphs = [{"on": True, "off": False}[m] for m in args.cuda_graph]
     settings = [srv.parse_spec_setting(s) for s in args.spec_settings]

@@ -1,7 +1,7 @@
 """Greedy EAGLE-3 speculative decoding with an HF target (the reference loop) and its acceptance statistics.
 
 Batch size 1, greedy everywhere. The draft is anything with the `Eagle3DraftModel` surface
-(`project`, `step`, `draft_to_target`, see common/eagle3.py); the target is an HF causal LM whose
+(`project`, `step`, `draft_to_target`, see common/draft/model.py); the target is an HF causal LM whose
 hidden states are captured at the draft's capture points (h_i = input of decoder layer i =
 HF `hidden_states[i]`, REFERENCE section 1).
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.eagle3 import DraftCache
+from common.draft.model import DraftCache
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """The v4 dataset mix: adapter registry, per-dataset options, trajectory cutting, thinking ratio, length partition.
 
-`V4_ADAPTERS` maps adapter names to `fn(row, index)` with the contract of common/adapters.py (each with
-its default filters); importing this module registers them in `common.adapters.ADAPTERS`.
+`V4_ADAPTERS` maps adapter names to `fn(row, index)` with the contract of common/data/adapters.py (each with
+its default filters); importing this module registers them in `common.data.adapters.ADAPTERS`.
 `expand_row(row, index, spec, ...)` is what 01 calls for every dataset: the entry's `filters` become
 adapter options (v4 adapters), the conversation is cut at one or more assistant turns (`cut`: last |
 random | every), each cut gets thinking on or off by the entry's `thinking-ratio`, and every cut goes
-through common.adapters.finish_record (id rewriting, scrubbing, validation). Per-dataset keys it reads:
+through common.data.adapters.finish_record (id rewriting, scrubbing, validation). Per-dataset keys it reads:
   cut             last (default) | random (one turn, RNG keyed by seed and row key) |
                   every (one record per assistant turn, ids `<key>#turn<N>`, N = 1-based turn number)
   thinking-ratio  share of records rendered with thinking on, in [0, 1] (RNG keyed by seed and id);
@@ -18,10 +18,10 @@ from __future__ import annotations
 import inspect
 import random
 
-from common.adapters import ADAPTERS, BadRow, finish_record
-from common.adapters_agentic import (FilteredRow, adapt_hermes, adapt_open_swe, adapt_swe_rebench,
+from common.data.adapters import ADAPTERS, BadRow, finish_record
+from common.data.adapters_agentic import (FilteredRow, adapt_hermes, adapt_open_swe, adapt_swe_rebench,
                                      adapt_swe_smith, adapt_toolace, adapt_toucan, adapt_xlam)
-from common.adapters_text import (adapt_magicoder_evol, adapt_magicoder_oss, adapt_opc_sft,
+from common.data.adapters_text import (adapt_magicoder_evol, adapt_magicoder_oss, adapt_opc_sft,
                                   adapt_opencodeinstruct, adapt_opencodereasoning, adapt_openthoughts,
                                   adapt_sharegpt, adapt_ultrachat, adapt_wildchat)
 
@@ -72,10 +72,10 @@ def _registered(name: str):
 
 
 V4_ADAPTERS = {name: _registered(name) for name in RAW_ADAPTERS}
-# Registered by name so 01 (and common.adapters.unify) find them; a name taken by another adapter is
+# Registered by name so 01 (and common.data.adapters.unify) find them; a name taken by another adapter is
 # an error, not a silent override.
 _taken = sorted(n for n in V4_ADAPTERS if n in ADAPTERS and ADAPTERS[n].__name__ != f"v4_{n}")
-assert not _taken, f"v4 adapter names already used in common.adapters: {_taken}"
+assert not _taken, f"v4 adapter names already used in common.data.adapters: {_taken}"
 ADAPTERS.update(V4_ADAPTERS)
 
 

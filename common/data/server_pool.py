@@ -1,14 +1,10 @@
-"""Generation backends for 01b: the target writes the response to a rendered prompt.
+"""01b's client for OpenAI-compatible servers (SGLang, vLLM): raw completions of prompts we render.
 
-Both return, per prompt, `{"completion", "finish_reason", "num_prompt_tokens", "num_completion_tokens"}`
-where `completion` is exactly the target's tokens as text, special tokens kept, ending with
-`<|im_end|>` when finish_reason is "stop".
-  ServerPool  async `generate(prompt_text, max_new_tokens)` against one or more OpenAI-compatible
-              servers (SGLang, vLLM) through `/v1/completions`, with start-up checks, retries with
-              backoff and jitter, and health polling of a server that stops answering.
-  Progress    a tqdm bar per partition with tokens/s and errors by kind, a log line, the manifest totals.
-  HFBackend   batched `generate_batch(prompt_texts, max_new_tokens)` in-process with transformers
-              (the tiny world, tests).
+`ServerPool.generate(prompt_text, max_new_tokens)` returns `{"completion", "finish_reason",
+"num_prompt_tokens", "num_completion_tokens"}` where `completion` is exactly the target's tokens as
+text, special tokens kept, ending with `<|im_end|>` when finish_reason is "stop". Retries with backoff
+and jitter, health polling of a server that stops answering; the start-up checks that run before any
+work are in common/data/server_checks.py.
 
 Server endpoints relied on (checked against SGLang python/sglang/srt/entrypoints/http_server.py,
 openai/serving_tokenize.py and openai/protocol.py; vLLM's OpenAI server exposes the same shapes):
@@ -28,7 +24,8 @@ import re
 import time
 from collections import Counter
 
-from common.chat_format import IM_END
+from common.data.chat_format import IM_END
+from common.data.generation import log
 
 # Attempt outcomes that say "this server may be down": before charging the request a retry, the
 # server's health is probed; if it is down the request waits for it (or another server) instead.
@@ -49,75 +46,6 @@ class RequestFailed(Exception):
 
 class ServersDown(Exception):
     """No server has been healthy for --server-down-timeout seconds: the run stops (and resumes later)."""
-
-
-class StartupCheckFailed(Exception):
-    """A server is unreachable or unhealthy, serves another model, or tokenizes differently."""
-
-
-def log(line: str) -> None:
-    """A log line that does not break the tqdm bars (stdout, for log files)."""
-    import sys
-
-    from tqdm import tqdm
-
-    tqdm.write(line, file=sys.stdout)
-
-
-def percentiles(xs: list[float]) -> dict:
-    if not xs:
-        return {"num": 0}
-    s = sorted(xs)
-    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    return {"num": len(s), "mean": round(sum(s) / len(s), 3), "p50": round(pick(0.5), 3),
-            "p99": round(pick(0.99), 3), "max": round(s[-1], 3)}
-
-
-class Progress:
-    """01b's progress of one partition: a tqdm bar (requests/s and ETA from tqdm; tokens/s and errors
-    by kind in the postfix) plus the totals behind the periodic log line and the manifest."""
-
-    def __init__(self, total: int, name: str, position: int = 0):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, desc=f"[01b] {name}", unit="req", smoothing=0.05, position=position,
-                        mininterval=1.0, dynamic_ncols=True)
-        self.name, self.total = name, total
-        self.t0 = self._shown = time.time()
-        self.tokens = self.done = self.failed = self.in_flight = 0
-        self.errors: Counter = Counter()   # attempt errors by kind (retried or not)
-        self.latencies: list[float] = []    # s per successful request, retries and waits included
-
-    def update(self, n: int = 1, tokens: int = 0, latency: float | None = None, failed: bool = False):
-        self.tokens += tokens
-        self.done += n
-        self.failed += failed
-        if latency is not None:
-            self.latencies.append(latency)
-        now = time.time()
-        if now - self._shown > 0.5:  # formatting the postfix per request would cost CPU at 1000 req/s
-            self._shown = now
-            self.bar.set_postfix_str(self.postfix(), refresh=False)
-        self.bar.update(n)
-
-    def postfix(self) -> str:
-        err = " ".join(f"{k}={v}" for k, v in sorted(self.errors.items()))
-        return f"{self.tokens / max(time.time() - self.t0, 1e-9):.0f} tok/s" + (f" | err {err}" if err else "")
-
-    def line(self) -> str:
-        """One dense line for log files."""
-        dt = max(time.time() - self.t0, 1e-9)
-        rate = self.done / dt
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        eta = f"{eta / 3600:.1f} h" if eta > 5400 else f"{eta / 60:.1f} min" if eta > 90 else f"{eta:.0f} s"
-        err = ",".join(f"{k}={v}" for k, v in sorted(self.errors.items())) or "0"
-        return (f"[01b] {self.name} {self.done}/{self.total} | {rate:.2f} req/s | {self.tokens / dt:.0f} tok/s | "
-                f"in flight {self.in_flight} | failed {self.failed} | errors {err} | eta {eta}")
-
-    def close(self) -> float:
-        self.bar.set_postfix_str(self.postfix(), refresh=False)
-        self.bar.close()
-        return time.time() - self.t0
 
 
 class Server:
@@ -191,7 +119,7 @@ class ServerPool:
         await self.session.close()
 
     # --- one HTTP exchange ---------------------------------------------------------------------
-    async def _request(self, method: str, url: str, body: dict | None, timeout: float) -> dict:
+    async def request(self, method: str, url: str, body: dict | None, timeout: float) -> dict:
         """JSON answer of one request; RequestFailed (classified) otherwise."""
         import aiohttp
 
@@ -222,7 +150,7 @@ class ServerPool:
         """None when healthy, else what is wrong. A server without /health (404) counts as healthy
         when it lists its models."""
         try:
-            await self._request("GET", server.root + "/health", None, self.health_timeout)
+            await self.request("GET", server.root + "/health", None, self.health_timeout)
             return None
         except RequestFailed as e:
             if e.kind == "bad_response":
@@ -230,7 +158,7 @@ class ServerPool:
             if e.kind != "http_404":
                 return f"GET {server.root}/health: {e}"
         try:
-            await self._request("GET", server.url + "/models", None, self.health_timeout)
+            await self.request("GET", server.url + "/models", None, self.health_timeout)
             return None
         except RequestFailed as e:
             return f"GET {server.url}/models: {e}"
@@ -299,7 +227,7 @@ class ServerPool:
             server.in_flight += 1
             server.num_requests += 1
             try:
-                return self._parse(await self._request("POST", server.url + "/completions", body,
+                return self._parse(await self.request("POST", server.url + "/completions", body,
                                                        self.request_timeout))
             except RequestFailed as e:
                 if errors is not None:
@@ -334,121 +262,3 @@ class ServerPool:
         usage = data.get("usage") or {}
         return {"completion": text, "finish_reason": finish, "num_prompt_tokens": usage.get("prompt_tokens"),
                 "num_completion_tokens": usage.get("completion_tokens")}
-
-    # --- start-up checks -----------------------------------------------------------------------
-    async def startup_checks(self, tok, probes: list[str], max_context: int) -> dict:
-        """Before any work: every server is healthy, serves the model (the named one, or one model
-        the same on all), has context for `max_context`, and tokenizes `probes` as `tok` does.
-        Returns what was found; raises StartupCheckFailed saying what differs."""
-        found = {}
-        for s in self.servers:
-            problem = await self.health(s)
-            if problem is not None:
-                raise StartupCheckFailed(f"server {s.url} is not reachable or not healthy: {problem}")
-            try:
-                cards = (await self._request("GET", s.url + "/models", None, self.health_timeout))["data"]
-            except (RequestFailed, KeyError, TypeError) as e:
-                raise StartupCheckFailed(f"cannot list the models of {s.url}: {e}") from None
-            names = [c.get("id") for c in cards]
-            if self.model is None:
-                if len(names) != 1:
-                    raise StartupCheckFailed(f"{s.url} serves {names}; name one with --served-model-name")
-                self.model = names[0]
-            if self.model not in names:
-                raise StartupCheckFailed(f"{s.url} serves {names}, not the model {self.model!r} named by "
-                                         "--served-model-name (or served by the first server)")
-            card = cards[names.index(self.model)]
-            ctx = card.get("max_model_len")
-            if isinstance(ctx, int) and ctx < max_context:
-                raise StartupCheckFailed(f"{s.url} serves {self.model!r} with a context of {ctx} tokens, "
-                                         f"less than the {max_context} this run needs (--max-context/--long-context)")
-            found[s.url] = {"model": self.model, "max_model_len": ctx,
-                            "tokenizer_check": await self._check_tokenizer(s, tok, probes)}
-        return found
-
-    async def _check_tokenizer(self, s: Server, tok, probes: list[str]) -> str:
-        for i, text in enumerate(probes):
-            ours = tok(text, add_special_tokens=False)["input_ids"]
-            try:
-                theirs = (await self._request("POST", s.root + "/tokenize", {
-                    "model": self.model, "prompt": text, "add_special_tokens": False},
-                    self.health_timeout))["tokens"]
-                how = "POST /tokenize"
-            except RequestFailed as e:
-                if e.kind not in ("http_404", "http_405"):
-                    raise StartupCheckFailed(f"{s.root}/tokenize failed: {e}") from None
-                theirs, how = None, "usage.prompt_tokens"
-            except KeyError:
-                raise StartupCheckFailed(f"{s.root}/tokenize answered without `tokens`") from None
-            if theirs is not None:
-                if theirs != ours:
-                    k = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-                    raise StartupCheckFailed(
-                        f"the tokenizer of {s.root} differs from ours (the target's) on probe {i}: "
-                        f"{len(theirs)} vs {len(ours)} tokens, first difference at token {k}: server "
-                        f"{theirs[k:k + 5]} vs ours {ours[k:k + 5]}. Serve the same model/tokenizer as --target-path")
-                continue
-            # No /tokenize route: a 1-token completion reports how many tokens the server saw.
-            try:
-                data = await self._request("POST", s.url + "/completions", {
-                    "model": self.model, "prompt": text, "max_tokens": 1, "temperature": 0.0,
-                    "add_special_tokens": False}, self.request_timeout)
-            except RequestFailed as e:
-                raise StartupCheckFailed(f"probe completion on {s.url} failed: {e}") from None
-            n = (data.get("usage") or {}).get("prompt_tokens")
-            if n is None:
-                raise StartupCheckFailed(f"{s.url} has no /tokenize and reports no usage: cannot check "
-                                         "that it tokenizes like the target")
-            if n != len(ours):
-                raise StartupCheckFailed(f"the tokenizer of {s.root} differs from ours (the target's) on probe "
-                                         f"{i}: it counts {n} prompt tokens, we count {len(ours)}. Serve the "
-                                         "same model/tokenizer as --target-path")
-        return how
-
-
-class HFBackend:
-    """Left-padded batched generation with transformers (fp32 on CPU, bf16 on CUDA)."""
-
-    name = "hf"
-
-    def __init__(self, model_path, tokenizer, device: str = "cpu", temperature: float = 0.0, seed: int = 0):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch, self.tok, self.device = torch, tokenizer, device
-        dtype = torch.float32 if device == "cpu" else torch.bfloat16
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
-        self.temperature, self.seed = temperature, seed
-        self.eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
-
-    def generate_batch(self, prompt_texts: list[str], max_new_tokens: list[int]) -> list[dict]:
-        torch = self.torch
-        ids = self.tok(prompt_texts, add_special_tokens=False)["input_ids"]
-        width = max(len(x) for x in ids)
-        # Left padding: every prompt ends at the same column, so generated tokens line up.
-        input_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)  # [B, T]
-        attention = torch.zeros((len(ids), width), dtype=torch.long)                # [B, T]
-        for i, x in enumerate(ids):
-            input_ids[i, width - len(x):] = torch.tensor(x)
-            attention[i, width - len(x):] = 1
-        sample = self.temperature > 0
-        if sample:
-            torch.manual_seed(self.seed)
-        with torch.no_grad():
-            out = self.model.generate(
-                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                max_new_tokens=max(max_new_tokens), do_sample=sample,
-                temperature=self.temperature if sample else None, top_p=None, top_k=None,
-                eos_token_id=self.eos_id, pad_token_id=self.pad_id)
-        gen = out[:, width:].tolist()                                                  # [B, new]
-        results = []
-        for x, row, cap in zip(ids, gen, max_new_tokens):
-            row = row[:cap]
-            finish = "length"
-            if self.eos_id in row:
-                row, finish = row[:row.index(self.eos_id) + 1], "stop"
-            results.append({"completion": self.tok.decode(row, skip_special_tokens=False),
-                            "finish_reason": finish, "num_prompt_tokens": len(x),
-                            "num_completion_tokens": len(row)})
-        return results

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-from common.chat_format import normalize_tool_call_ids, scrub_messages
+from common.data.chat_format import normalize_tool_call_ids, scrub_messages
 
 ROLES = ("system", "user", "assistant", "tool")
 ID_FIELDS = ("id", "prompt_id", "uuid", "trajectory_id", "conversation_id")

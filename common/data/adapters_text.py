@@ -1,6 +1,6 @@
 """v4 adapters for code-instruction, reasoning and general-chat datasets (prompt sources).
 
-Same contract as common/adapters_agentic.py: `fn(row, index, **options) -> (key, messages, tools,
+Same contract as common/data/adapters_agentic.py: `fn(row, index, **options) -> (key, messages, tools,
 meta)`, `BadRow` for broken rows, `FilteredRow` for rows a filter drops. Every answer here was written
 by another model, so these datasets are prompts: 01 cuts the answer off and the target writes its own
 in 01b. Schemas: research/kimi_and_datasets.md Part B (#1-#3, #5-#9, #19).
@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import re
 
-from common.adapters import SHAREGPT_ROLES, BadRow, _drop_none, _maybe_json, clean_message, row_key
-from common.adapters_agentic import FilteredRow, conversation_turns, require_field
+from common.data.adapters import SHAREGPT_ROLES, BadRow, _drop_none, _maybe_json, clean_message, row_key
+from common.data.adapters_agentic import FilteredRow, conversation_turns, require_field
 
 
 def _text(row: dict, field: str) -> str:
