@@ -3,7 +3,13 @@
 Each dataset named in `--datasets` is loaded through the `datasets` library (a hub id with config and
 split, or local JSONL / JSON / parquet files), mapped to unified chat records by its adapter
 (common/data/adapters.py), cut to a prompt (the next assistant turn is the target's to write in 01b), its
-tool-call ids rewritten to Kimi's `functions.NAME:IDX`, and literal special-token strings scrubbed.
+tool-call ids rewritten to Kimi's `functions.NAME:IDX` (Kimi-format targets only), and literal
+special-token strings scrubbed. What the target's text format is (Kimi's or another template; its
+end of turn; whether it renders thinking, tools and tool calls) is derived once from its tokenizer,
+template and generation config (common/data/target_format.py) and recorded in the manifests: a
+template without a thinking switch makes every record thinking off; records whose tools or tool calls
+the template would drop are skipped by default (--tools-not-rendered); `complete` answers are rendered
+through the target's own template and skipped, counted, where it cannot render them.
 v4 adapters (common/data/adapters_v4.py) add per-dataset `cut` (last | random | every assistant turn),
 `thinking-ratio` and `filters`, and `max-records` stops a dataset after that many records.
 Each prompt is rendered with the target's template and marked by its token length: `normal` when
@@ -33,7 +39,7 @@ from common.stage import (StageError, is_complete, read_manifest, stage_dir, sta
 
 STAGE = "01_prepare_datasets"
 SPEC_KEYS = {"name", "adapter", "path", "hf-id", "hf-config", "split", "max-rows", "complete",
-             "max-records"} | V4_SPEC_KEYS
+             "max-records", "benchmark-only"} | V4_SPEC_KEYS
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -54,7 +60,8 @@ def build_parser():
                    help="target model folder (HF layout with tokenizer); its tokenizer defines the text format")
     g.add_argument("--datasets", type=dataset_list, default=None,
                    help='list of {name, adapter, path} or {name, adapter, hf-id, hf-config, split}, optional '
-                        'max-rows (rows read) and complete (true: last assistant turn is the target\'s own); '
+                        'max-rows (rows read), complete (true: last assistant turn is the target\'s own) and '
+                        'benchmark-only (true: held out whole for 05, never trained, not generated); '
                         f'JSON on the command line. Adapters: {", ".join(ADAPTERS)}')
     g.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
                    help="render prompts with thinking on (generation prompt ends with <think>) for "
@@ -68,6 +75,10 @@ def build_parser():
                    help="prompt + response limit of the normal partition (tokens)")
     g.add_argument("--long-context", type=int, default=None,
                    help="prompt + response limit of the long partition (tokens); none: no long partition")
+    g.add_argument("--tools-not-rendered", choices=("drop", "keep", "refuse"), default="drop",
+                   help="records with tools or tool calls the target's chat template does not render (e.g. "
+                        "ChatML): drop (skip, counted by reason), keep (rendered without them, counted), or "
+                        "refuse (stop)")
     return p
 
 
@@ -91,6 +102,10 @@ def check_specs(specs) -> list[dict]:
             raise StageError(f"dataset {name}: adapter {spec.get('adapter')!r} is not one of {sorted(ADAPTERS)}")
         if ("path" in spec) == ("hf-id" in spec):
             raise StageError(f"dataset {name}: give exactly one of `path` (local files) or `hf-id`")
+        if not isinstance(spec.get("benchmark-only", False), bool):
+            raise StageError(f"dataset {name}: benchmark-only must be true or false")
+        if spec.get("benchmark-only") and spec.get("complete"):
+            raise StageError(f"dataset {name}: benchmark-only prompts need no answer; drop `complete`")
         try:
             check_v4_spec(spec)
         except ValueError as e:
@@ -139,17 +154,35 @@ def load_rows(spec: dict):
         yield row
 
 
-def rendered_lengths(tok, record: dict) -> tuple[int, int]:
-    """(prompt tokens, prompt + kept answer tokens) of a record rendered by the target's template."""
-    from common.data.chat_format import render_completion, render_prompt
+def rendered_lengths(tok, record: dict, fmt) -> tuple[int, int]:
+    """(prompt tokens, prompt + kept answer tokens) of a record rendered by the target's template.
+    Raises target_format.FormatError (the skip reason) when the template refuses the conversation or
+    cannot render a complete record's answer."""
+    from jinja2 import TemplateError
+
+    from common.data.chat_format import render_prompt
+    from common.data.target_format import FormatError, render_final_turn
 
     msgs = record["messages"][:-1] if record["complete"] else record["messages"]
-    prompt = render_prompt(tok, msgs, record.get("tools"), thinking=record["thinking"])
+    try:  # templates refuse some conversations with raise_exception (e.g. roles that do not alternate)
+        prompt = render_prompt(tok, msgs, record.get("tools"), thinking=record["thinking"])
+        answer = (render_final_turn(tok, fmt, record["messages"], record.get("tools"), record["thinking"])
+                  if record["complete"] else None)
+    except TemplateError as e:
+        raise FormatError("template_error", str(e)) from None
     n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
-    if not record["complete"]:
+    if answer is None:
         return n_prompt, n_prompt
-    answer = render_completion(record["messages"][-1], thinking=record["thinking"])
     return n_prompt, n_prompt + len(tok(answer, add_special_tokens=False)["input_ids"])
+
+
+def unrendered_tools(record: dict, fmt) -> str | None:
+    """The skip reason of a record whose tool calls or tools the target's template would drop, else None."""
+    if not fmt.renders_tool_calls and any(m.get("tool_calls") for m in record["messages"]):
+        return "tool_calls_not_rendered"  # a tool-call turn would render as its (often empty) content
+    if not fmt.renders_tools and record.get("tools"):
+        return "tools_not_rendered"
+    return None
 
 
 def length_summary(lengths: list[int]) -> dict:
@@ -160,10 +193,13 @@ def length_summary(lengths: list[int]) -> dict:
             "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))], "max": xs[-1], "total": sum(xs)}
 
 
-def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dict, tgt_id: dict) -> dict:
-    """Adapt one dataset into out/records.jsonl; returns its counts."""
+def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dict, tgt_id: dict,
+                fmt=None) -> dict:
+    """Adapt one dataset into out/records.jsonl; returns its counts. `fmt`: the target's TargetFormat."""
+    from common.data.target_format import FormatError
+
     t0 = time.time()
-    skipped, filtered, seen = Counter(), Counter(), set()
+    skipped, filtered, repaired, seen = Counter(), Counter(), Counter(), set()
     counts, lengths = Counter(), {"normal": [], "long": []}
     max_records = spec.get("max-records")
 
@@ -175,7 +211,8 @@ def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dic
             try:
                 if isinstance(row, BadRow):
                     raise row
-                expanded = expand_row(row, index, spec, scrub, args.seed, args.thinking, args.thinking_ratio)
+                expanded = expand_row(row, index, spec, scrub, args.seed, args.thinking, args.thinking_ratio,
+                                      repaired, kimi_tool_ids=fmt.kimi)
             except FilteredRow as e:
                 filtered[e.reason] += 1
                 continue
@@ -186,7 +223,22 @@ def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dic
                 if record["id"] in seen:
                     skipped["duplicate_id"] += 1
                     continue
-                n, n_total = rendered_lengths(tok, record)
+                if not fmt.renders_thinking:  # the template has no thinking switch: say so in the record
+                    record["thinking"] = False
+                dropped_tools = unrendered_tools(record, fmt)
+                if dropped_tools and args.tools_not_rendered == "refuse":
+                    raise StageError(f"dataset {spec['name']}, record {record['id']}: the target's chat template "
+                                     f"does not render {'tool calls' if 'calls' in dropped_tools else 'tools'}; "
+                                     "pass --tools-not-rendered drop (skip such records, counted) or keep "
+                                     "(train on the prompt as the template renders it)")
+                if dropped_tools and args.tools_not_rendered == "drop":
+                    skipped[dropped_tools] += 1
+                    continue
+                try:
+                    n, n_total = rendered_lengths(tok, record, fmt)
+                except FormatError as e:
+                    skipped[e.reason] += 1
+                    continue
                 # A complete record's answer is known; a prompt needs room for --max-new-tokens.
                 part = length_partition(n_total, 0 if record["complete"] else args.max_new_tokens,
                                         args.max_context, args.long_context)
@@ -198,7 +250,9 @@ def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dic
                 lengths[part].append(n)
                 counts["num_records"] += 1
                 counts["special_tokens_scrubbed"] += n_scrubbed
-                counts["with_tools"] += bool(record.get("tools"))
+                counts["with_tools"] += bool(record.get("tools")) and fmt.renders_tools
+                if dropped_tools:  # --tools-not-rendered keep
+                    counts["kept_" + dropped_tools] += 1
                 counts["thinking"] += record["thinking"]
                 counts["num_messages"] += len(record["messages"])
                 yield record
@@ -211,19 +265,23 @@ def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dic
                          f"{dict(filtered)}); check its adapter and filters")
     result = {"num_records": num_records, "rows_read": counts["rows_read"],
               "skipped": dict(sorted(skipped.items())), "filtered": dict(sorted(filtered.items())),
+              "repaired": dict(sorted(repaired.items())),  # fallbacks and repairs of used rows (adapters.add_repair)
               "special_tokens_scrubbed": counts["special_tokens_scrubbed"],
               "with_tools": counts["with_tools"], "thinking": counts["thinking"],
+              "kept_tools_not_rendered": counts["kept_tools_not_rendered"],
+              "kept_tool_calls_not_rendered": counts["kept_tool_calls_not_rendered"],
               "complete": bool(spec.get("complete", False)),
               "mean_messages": round(counts["num_messages"] / num_records, 2),
               "partitions": {p: len(v) for p, v in lengths.items()},
               "prompt_tokens": {p: length_summary(v) for p, v in lengths.items()},
               "seconds": round(time.time() - t0, 2)}
-    write_manifest(out, STAGE, args, dataset=spec, tokenizer=tok_id, target=tgt_id, counts=result)
+    write_manifest(out, STAGE, args, dataset=spec, tokenizer=tok_id, target=tgt_id,
+                   target_format=fmt.as_dict(), counts=result)
     pt = result["prompt_tokens"]["normal"]
     print(f"[01] {spec['name']}: {num_records} records from {counts['rows_read']} rows "
           f"({result['partitions']['normal']} normal, {result['partitions']['long']} long; thinking "
           f"{counts['thinking']}), prompt tokens mean {pt.get('mean', 0)} p90 {pt.get('p90', 0)}, "
-          f"skipped {dict(skipped) or 0}, filtered {dict(filtered) or 0}, "
+          f"skipped {dict(skipped) or 0}, filtered {dict(filtered) or 0}, repaired {dict(repaired) or 0}, "
           f"scrubbed {counts['special_tokens_scrubbed']} special strings")
     return result
 
@@ -240,9 +298,12 @@ def main(argv=None):
     if not start_stage(out, args.overwrite, "01"):
         return
     from common.data.chat_format import special_token_pattern
+    from common.data.target_format import load_target_format
     from common.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.target_path)
+    fmt = load_target_format(args.target_path, tok)
+    print(f"[01] target format: {fmt.as_dict()}")
     scrub = special_token_pattern(tok)
     summary = {}
     for spec in specs:
@@ -251,16 +312,17 @@ def main(argv=None):
             old = read_manifest(sub)
             # A folder left by an interrupted run is reused only if it was made the same way.
             same = all(old["config"].get(k) == getattr(args, k) for k in
-                       ("thinking", "thinking_ratio", "seed", "max_new_tokens", "max_context", "long_context"))
+                       ("thinking", "thinking_ratio", "seed", "max_new_tokens", "max_context", "long_context",
+                        "tools_not_rendered"))
             if old.get("dataset") == spec and old["tokenizer"]["sha256"] == tok_id["sha256"] and same:
                 print(f"[01] {spec['name']}: complete from an earlier run, kept")
                 summary[spec["name"]] = old["counts"]
                 continue
             (sub / "manifest.json").unlink()
         sub.mkdir(parents=True, exist_ok=True)
-        summary[spec["name"]] = prepare_one(spec, sub, scrub, args, tok, tok_id, tgt_id)
+        summary[spec["name"]] = prepare_one(spec, sub, scrub, args, tok, tok_id, tgt_id, fmt)
     write_manifest(out, STAGE, args, datasets=[s["name"] for s in specs], tokenizer=tok_id,
-                   target=tgt_id, counts=summary)
+                   target=tgt_id, target_format=fmt.as_dict(), counts=summary)
 
 
 if __name__ == "__main__":

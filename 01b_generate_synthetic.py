@@ -4,14 +4,24 @@ Each record's prompt is rendered with the target's own chat template (generation
 and completed by the target through a backend: `openai` (common/data/server_pool.py: one or more
 SGLang/vLLM servers, `--concurrency` requests in flight for the normal partition and
 `--long-concurrency` for the long one, together or one after the other) or `hf` (common/data/generation.py:
-in-process transformers, the tiny world). The completion is kept as raw text, special tokens included, so
-prompt + completion is exactly what the target emits. Records that already end with the target's own
-assistant turn (`complete`) are passed through (origin "dataset").
-Before any request the servers are checked: healthy, serving the model, with enough context, and
-tokenizing probe prompts exactly as the target's tokenizer does. Faults cost seconds, not the run:
-timeouts, dropped connections, 429 and 5xx are retried with backoff and jitter, a server that stops
+in-process transformers, the tiny world). Generation stops on the target's own end of turn
+(common/data/target_format.py: `<|im_end|>` for Kimi and ChatML, `<|eot_id|>` for Llama 3, plus its
+generation_config eos ids). The completion is kept as raw text, special tokens included, so prompt +
+completion is exactly what the target emits, and as the ids it emitted (`completion_ids`: the hf backend
+and vLLM servers; SGLang's /v1/completions returns text only). Records that already end with the target's
+own assistant turn (`complete`) are passed through (origin "dataset"), those of a benchmark-only dataset
+too, unanswered (origin "prompt"). `--response-cache` (common/data/response_cache.py) serves known greedy
+answers of the same target, generator and cap without generating them (origin "cache").
+Before any request the servers are checked (common/data/server_checks.py): healthy, serving the model,
+with enough context, tokenizing probe prompts exactly as the target's tokenizer does, and answering a few
+greedy probe prompts without token loops and with an end of turn (the target health gate); transient
+errors there are waited out up to --server-down-timeout. One 01b per dataset (a lock in its folder);
+a resume with another model, --max-new-tokens, --temperature or tokenizer is refused unless
+--allow-mixed-settings; the manifest keeps totals over all runs (common/data/run_state.py).
+Faults cost seconds, not the run: timeouts, dropped connections, 429 and 5xx are retried with backoff
+and jitter, a server that stops
 answering is waited for (health polling), input errors go to failures.jsonl with their reason
-(context_overflow, http_4xx), and `finish_reason` "length" is recorded (01c drops those by default).
+(context_overflow, http_4xx), and `finish_reason` "length" is recorded (01c trains on them by default).
 Durable: each result is appended as one whole, flushed line as it arrives; a re-run after a kill at
 any moment skips the ids already written (a torn last line is cut), so every id lands exactly once.
 SIGINT/SIGTERM stop new requests, let those in flight finish for --shutdown-grace s, and exit;
@@ -34,8 +44,11 @@ from pathlib import Path
 
 from common.config import base_parser, parse_args
 from common.data.generation import Progress, percentiles
+from common.data.run_state import (RunLog, check_unlocked, dataset_lock, distinct_settings, generation_settings,
+                                   refuse_mixed_settings, resume_generated)
+from common.data.target_format import load_target_format
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
-from common.stage import (StageError, is_complete, manifest_sha256, require_complete,
+from common.stage import (StageError, is_complete, manifest_sha256, read_manifest, require_complete,
                           resolve_target, stage_dir, start_stage, write_manifest)
 
 STAGE, UPSTREAM = "01b_generate_synthetic", "01_prepare_datasets"
@@ -80,8 +93,14 @@ def build_parser():
     g.add_argument("--seed", type=int, default=0, help="sampling seed (only used when temperature > 0)")
     g.add_argument("--datasets-only", nargs="+", default=None, metavar="NAME",
                    help="generate only these datasets of 01 (the stage manifest waits for the rest)")
+    g.add_argument("--response-cache", type=Path, default=None,
+                   help="gzip JSONL of known greedy answers (common/data/response_cache.py): a prompt whose "
+                        "answer it holds for this target, generator and max-new-tokens is not generated")
     g.add_argument("--retry-failed", action="store_true",
                    help="re-run only the ids in failures.jsonl (any reason), also of complete datasets")
+    g.add_argument("--allow-mixed-settings", action="store_true",
+                   help="resume a dataset whose records were made with another model, --max-new-tokens, "
+                        "--temperature, --seed or tokenizer/template (refused by default)")
     g = p.add_argument_group("generate: openai backend")
     g.add_argument("--server-url", action=ServerUrls, default="http://127.0.0.1:30000/v1",
                    help="OpenAI-compatible base URL ending in /v1; repeat for several servers (requests go to "
@@ -104,7 +123,16 @@ def build_parser():
     g.add_argument("--health-timeout", type=float, default=30.0,
                    help="timeout of a health/models/tokenize call (s; SGLang's /health may take 20 s)")
     g.add_argument("--server-down-timeout", type=float, default=3600.0,
-                   help="stop the run when no server has been healthy this long (s)")
+                   help="stop the run when no server has been healthy this long; start-up checks wait out "
+                        "transient errors this long too (s)")
+    g.add_argument("--health-probes", type=int, default=3,
+                   help="target health gate: greedy probe prompts every server answers before any work "
+                        "(count, at most 4; 0 skips the gate)")
+    g.add_argument("--health-max-new-tokens", type=int, default=256,
+                   help="budget of a probe answer; one without end-of-turn within it is degenerate (tokens)")
+    g.add_argument("--health-max-repeat-share", type=float, default=0.5,
+                   help="largest share of a probe answer's 4-grams that may repeat an earlier one; above it "
+                        "the answer is a token loop (0-1)")
     g.add_argument("--shutdown-grace", type=float, default=120.0,
                    help="after SIGINT/SIGTERM, how long requests in flight may finish (s)")
     g.add_argument("--summary-interval", type=float, default=60.0, help="period of the summary log line (s)")
@@ -124,18 +152,50 @@ def redacted(args):
     return argparse.Namespace(**{**vars(args), "api_key": "EMPTY" if args.api_key == "EMPTY" else "<redacted>"})
 
 
-def make_jobs(records: list[dict], tok, args) -> tuple[list[dict], list[dict], list[dict]]:
+def hf_device(args) -> str:
+    return args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+
+
+def open_response_cache(args, target: Path, tok, fmt):
+    """The --response-cache entries that fit this run (same target, generator, stops; greedy), or None."""
+    if args.response_cache is None:
+        return None
+    from common.data.generation import hf_generator, log
+    from common.data.response_cache import ResponseCache, cache_identity
+
+    if args.temperature != 0:
+        raise StageError(f"--response-cache holds greedy answers; --temperature is {args.temperature}, not 0")
+    generator = hf_generator(hf_device(args)) if args.generation_backend == "hf" else "openai"
+    cache = ResponseCache.load(args.response_cache, cache_identity(target, fmt, generator), tok)
+    if cache.mismatch:
+        log(f"[01b] WARNING --response-cache {args.response_cache} was made for another target or generator "
+            f"({', '.join(cache.mismatch)} differ): every answer is generated")
+    else:
+        log(f"[01b] --response-cache {args.response_cache}: {len(cache.entries)} answers")
+    return cache
+
+
+def make_jobs(records: list[dict], tok, args, fmt, benchmark_only: bool = False
+              ) -> tuple[list[dict], list[dict], list[dict]]:
     """Render prompts; split into (to generate, passed through, context overflows). A job's response
-    budget is what its partition's context leaves after the prompt (at most --max-new-tokens)."""
-    from common.data.chat_format import render_completion, render_prompt
+    budget is what its partition's context leaves after the prompt (at most --max-new-tokens).
+    Records of a benchmark-only dataset are all passed through as prompts (origin "prompt", no answer)."""
+    from common.data.chat_format import render_prompt
+    from common.data.target_format import FormatError, render_final_turn
 
     prompts = []
     for r in records:
         msgs = r["messages"][:-1] if r["complete"] else r["messages"]
         prompts.append(render_prompt(tok, msgs, r.get("tools"), thinking=r["thinking"]))
     lengths = [len(x) for x in tok(prompts, add_special_tokens=False)["input_ids"]] if prompts else []
-    completions = {r["id"]: render_completion(r["messages"][-1], thinking=r["thinking"])
-                   for r in records if r["complete"]}
+    completions = {}
+    for r in records:
+        if r["complete"] and not benchmark_only:
+            try:
+                completions[r["id"]] = render_final_turn(tok, fmt, r["messages"], r.get("tools"), r["thinking"])
+            except FormatError as e:  # 01 skips these; records from elsewhere may still hold one
+                raise StageError(f"record {r['id']}: the target's template cannot render its answer ({e}); "
+                                 "re-run 01_prepare_datasets.py --overwrite for this target") from None
     n_completion = dict(zip(completions, (len(x) for x in tok(list(completions.values()), add_special_tokens=False)
                                           ["input_ids"]))) if completions else {}
     todo, passed, overflow = [], [], []
@@ -144,9 +204,14 @@ def make_jobs(records: list[dict], tok, args) -> tuple[list[dict], list[dict], l
         part = r.get("partition", "normal")
         limit, flag = ((args.long_context, "--long-context") if part == "long" and args.long_context
                        else (args.max_context, "--max-context"))
-        if r["complete"]:
-            passed.append({**base, "completion": completions[r["id"]], "finish_reason": "stop", "num_prompt_tokens": n,
-                           "num_completion_tokens": n_completion[r["id"]], "origin": "dataset", "backend": None})
+        if benchmark_only:
+            passed.append({**base, "completion": None, "completion_ids": None, "finish_reason": None,
+                           "num_prompt_tokens": n, "num_completion_tokens": None, "origin": "prompt",
+                           "backend": None})
+        elif r["complete"]:
+            passed.append({**base, "completion": completions[r["id"]], "completion_ids": None, "finish_reason": "stop",
+                           "num_prompt_tokens": n, "num_completion_tokens": n_completion[r["id"]],
+                           "origin": "dataset", "backend": None})
         elif n >= limit:
             overflow.append({"id": r["id"], "reason": "context_overflow",
                              "detail": f"prompt has {n} tokens, {flag} is {limit} ({part} partition)"})
@@ -155,8 +220,10 @@ def make_jobs(records: list[dict], tok, args) -> tuple[list[dict], list[dict], l
     return todo, passed, overflow
 
 
-async def run_openai(pool, tok, jobs: dict, write, fail, args, bars: dict) -> str | None:
-    """Run every job through the server pool; returns the name of the signal that stopped it, if any."""
+async def run_openai(pool, tok, jobs: dict, write, fail, args, bars: dict, gate=None, on_ready=None) -> str | None:
+    """Run every job through the server pool; returns the name of the signal that stopped it, if any.
+    `gate`: the target health gate (common/data/server_checks.HealthGate); `on_ready(found)` runs after
+    the start-up checks, before any work (it may refuse)."""
     import signal
 
     from common.data.chat_format import render_prompt
@@ -165,10 +232,13 @@ async def run_openai(pool, tok, jobs: dict, write, fail, args, bars: dict) -> st
     from common.data.server_pool import RequestFailed, ServersDown
 
     loop = asyncio.get_running_loop()
-    stop, stopped_by, main = asyncio.Event(), [], None
+    stop, stopped_by, main, starting = asyncio.Event(), [], None, None
 
     def on_signal(name):
-        if not stopped_by:
+        if starting is not None and not starting.done():  # still in start-up checks: nothing in flight
+            stopped_by.append(name)
+            starting.cancel()
+        elif not stopped_by:
             stopped_by.append(name)
             stop.set()
             n = sum(b.in_flight for b in bars.values())
@@ -226,13 +296,21 @@ async def run_openai(pool, tok, jobs: dict, write, fail, args, bars: dict) -> st
     tick = None
     try:
         async with pool:
+            starting = asyncio.ensure_future(startup_checks(pool, tok, probes, need, gate))
             try:
-                found = await startup_checks(pool, tok, probes, need)
+                found = await starting
+            except asyncio.CancelledError:
+                if not stopped_by:
+                    raise
+                return stopped_by[0]
             except StartupCheckFailed as e:
                 raise StageError(f"start-up check failed, nothing sent: {e}") from None
             for url, info in found.items():
                 log(f"[01b] server {url}: model {info['model']!r}, context {info['max_model_len']}, "
-                    f"tokenizer agrees ({info['tokenizer_check']})")
+                    f"tokenizer agrees ({info['tokenizer_check']})"
+                    + (f", health gate passed ({info['health']})" if "health" in info else ""))
+            if on_ready is not None:
+                on_ready(found)
             tick = asyncio.ensure_future(ticker())
             main = asyncio.ensure_future(everything())
             try:
@@ -267,11 +345,22 @@ def run_hf(backend, todo, write, batch_size: int, progress: Progress):
 
 
 def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir: Path, ids: dict,
-                     backends: dict) -> dict | None:
-    """Generate what is missing of one dataset; its counts when complete, None when not yet."""
+                     backends: dict, fmt=None, cache=None) -> dict | None:
+    """Generate what is missing of one dataset; its counts when complete, None when not yet.
+
+    `fmt`: the target's TargetFormat (common/data/target_format.py); `cache`: a ResponseCache whose hits
+    are written at once (origin "cache") instead of being generated."""
     records = list(iter_jsonl(upstream_dir / "records.jsonl"))
+    benchmark_only = bool(read_manifest(upstream_dir).get("dataset", {}).get("benchmark-only", False))
     gen_path, fail_path = out / "generated.jsonl", out / "failures.jsonl"
-    done = {r["id"] for r in iter_jsonl(gen_path)} if gen_path.exists() else set()
+    # What decides the text (the server's model name is known after its start-up checks), checked
+    # against the records already written; duplicate ids (an unlocked older 01b) are repaired.
+    settings = generation_settings(args.generation_backend, str(target) if args.generation_backend == "hf" else None,
+                                   args.max_new_tokens, args.temperature, args.seed, ids["tokenizer"]["sha256"],
+                                   fmt.stop_strings if fmt is not None else ())
+    prompt_settings = {"tokenizer_sha256": settings["tokenizer_sha256"]}  # rows the target did not write
+    run_log = RunLog(out)
+    done, earlier = resume_generated(gen_path, settings, args.allow_mixed_settings, run_log)
     failed = [f for f in iter_jsonl(fail_path)] if fail_path.exists() else []
     if args.retry_failed:
         kept, retry = [], {f["id"] for f in failed} - done
@@ -289,20 +378,34 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
         print(f"[01b] {name}: resuming, {len(done)} generated and {len(kept)} failed before, "
               f"{len(pending)} to go" + (f" (--retry-failed; {unattempted} never tried are left)" if retry is not None
                                          else ""))
-    todo, passed, overflow = make_jobs(pending, tok, args)
+    todo, passed, overflow = make_jobs(pending, tok, args, fmt, benchmark_only)
     counts = Counter()
+    hits = []
+    if cache is not None:  # a known greedy answer to the same prompt under the same cap: no request
+        looked_up = [(job, cache.lookup(job["prompt"], job["max_new"])) for job in todo]
+        hits = [(job, found) for job, found in looked_up if found is not None]
+        todo = [job for job, found in looked_up if found is None]
     with JsonlAppender(gen_path) as gen_out, JsonlAppender(fail_path) as fail_out:
-        def write(job, result):
+        def write(job, result, origin="target"):
             if result["num_prompt_tokens"] is not None and result["num_prompt_tokens"] != job["n_prompt"]:
                 counts["prompt_token_count_mismatch"] += 1  # the server tokenized our prompt differently
-            gen_out.write({"id": job["id"], "source": job["source"], "prompt": job["prompt"], **result,
-                           "origin": "target", "backend": args.generation_backend})
+            # completion_ids: what the target emitted (None where a server returned only text);
+            # max_new_tokens: this request's effective cap (the response cache's key).
+            gen_out.write({"id": job["id"], "source": job["source"], "prompt": job["prompt"], "completion_ids": None,
+                           **result, "max_new_tokens": job["max_new"], "origin": origin,
+                           "backend": args.generation_backend if origin == "target" else None,
+                           # a cached answer is the one these settings give (the cache's identity matched)
+                           "settings": settings if origin in ("target", "cache") else prompt_settings})
 
         def fail(job, reason, detail):
             fail_out.write({"id": job["id"], "reason": reason, "detail": detail})
 
         for row in passed:
-            gen_out.write(row)
+            gen_out.write({**row, "settings": prompt_settings})
+        for job, found in hits:
+            write(job, {"completion": found["completion"], "completion_ids": found["completion_ids"],
+                        "finish_reason": found["finish_reason"], "num_prompt_tokens": job["n_prompt"],
+                        "num_completion_tokens": found["num_completion_tokens"]}, origin="cache")
         for row in overflow:
             fail_out.write(row)
         jobs = {part: [j for j in todo if j["partition"] == part] for part in PARTITIONS}
@@ -320,19 +423,35 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
                 pool = ServerPool(args.server_url, args.served_model_name, args.api_key, args.temperature,
                                   args.seed if args.temperature > 0 else None, specials, args.request_timeout,
                                   args.request_retries, args.retry_base_delay, args.retry_max_delay,
-                                  args.health_interval, args.health_timeout, args.server_down_timeout)
-                stopped_by = asyncio.run(run_openai(pool, tok, jobs, write, fail, args, bars))
+                                  args.health_interval, args.health_timeout, args.server_down_timeout,
+                                  stop=list(fmt.stop_strings))
+                from common.data.server_checks import health_gate
+
+                if "health_gate" not in backends:  # one gate for all datasets: each server is probed once
+                    backends["health_gate"] = health_gate(tok, args.health_probes, args.health_max_new_tokens,
+                                                          args.health_max_repeat_share)
+
+                def on_ready(found):
+                    settings["model"] = pool.model  # as the server reported it
+                    refuse_mixed_settings(gen_path, earlier, settings, args.allow_mixed_settings, keys=("model",))
+
+                stopped_by = asyncio.run(run_openai(pool, tok, jobs, write, fail, args, bars,
+                                                    backends["health_gate"], on_ready))
                 counts["requests_per_server"] = {s.url: s.num_requests for s in pool.servers}
             elif todo:
                 from common.data.generation import HFBackend
 
                 if "hf" not in backends:  # one model load for all datasets of this run
-                    device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
-                    backends["hf"] = HFBackend(target, tok, device, args.temperature, args.seed)
+                    backends["hf"] = HFBackend(target, tok, fmt.stop_ids, hf_device(args), args.temperature,
+                                               args.seed)
                 run_hf(backends["hf"], todo, write, args.hf_batch_size, bars["normal"])
         finally:
             cpu = time.process_time() - cpu0
             seconds = max(bar.close() for bar in bars.values())
+            run_log.append({"requests": sum(b.done for b in bars.values()), "seconds": round(seconds, 2),
+                            "completion_tokens": sum(b.tokens for b in bars.values()),
+                            "errors": dict(sum((b.errors for b in bars.values()), Counter())),
+                            "stopped_by": stopped_by, "settings": settings})
     n_done = sum(b.done for b in bars.values())
     if stopped_by:
         raise StageError(f"stopped by {stopped_by} after {n_done} requests; everything finished is saved. "
@@ -344,7 +463,10 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
     new_tokens = sum(b.tokens for b in bars.values())
     latencies = [x for b in bars.values() for x in b.latencies]
     result = {
-        "num_records": len(records), "generated": len(generated), "passed_through": len(rows) - len(generated),
+        "num_records": len(records), "generated": len(generated),
+        "passed_through": sum(r["origin"] in ("dataset", "prompt") for r in rows),
+        "from_cache": sum(r["origin"] == "cache" for r in rows),
+        "benchmark_only": benchmark_only,
         "failed": dict(Counter(f["reason"] for f in failures)),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in rows)),
         "partitions": dict(Counter(r.get("partition", "normal") for r in records)),
@@ -360,7 +482,9 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
                      "completion_tokens_per_request": percentiles(
                          [r["num_completion_tokens"] or 0 for r in generated if r["id"] not in settled]),
                      "client_cpu_ms_per_request": round(1000 * cpu / max(n_done, 1), 3),
-                     "requests_per_server": counts["requests_per_server"] or None}}
+                     "requests_per_server": counts["requests_per_server"] or None,
+                     "response_cache": None if cache is None else {"hits": len(hits), "misses": len(todo)}},
+        "all_runs": run_log.totals()}
     transient = [f for f in failures if f["reason"] not in PERMANENT_FAILURES]
     if len(transient) > args.max_transient_failures:
         # Leave the dataset incomplete: a re-run keeps every result and retries only these.
@@ -375,7 +499,8 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
         raise StageError(f"{out}: {len(records) - len(rows) - len(failures)} records neither generated nor "
                          "failed; re-run to resume")
     write_manifest(out, STAGE, redacted(args), dataset=name, backend=args.generation_backend,
-                   input_manifest_sha256=manifest_sha256(upstream_dir), **ids, counts=result)
+                   input_manifest_sha256=manifest_sha256(upstream_dir), **ids, settings=distinct_settings(rows),
+                   counts=result)
     print(f"[01b] {name}: {result['generated']} generated, {result['passed_through']} passed through, "
           f"failed {result['failed'] or 0}, finish {result['finish_reasons']}, {seconds:.1f} s, "
           f"attempt errors {result['this_run']['errors'] or 0}")
@@ -397,6 +522,8 @@ def main(argv=None):
     if args.generation_backend == "openai" and not urls:
         raise StageError("--server-url: give at least one server")
     out = stage_dir(args.work_dir, STAGE)
+    if args.overwrite:  # never delete a dataset folder another 01b is writing
+        check_unlocked(stage_dir(args.work_dir, STAGE, n) for n in names)
     if args.retry_failed:  # reopen the datasets (and the stage) that have failures to retry
         for name in names:
             sub = stage_dir(args.work_dir, STAGE, name)
@@ -409,8 +536,11 @@ def main(argv=None):
     from common.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(target)
+    fmt = load_target_format(target, tok)
     print(f"[01b] target {target} | backend {args.generation_backend} | datasets {names}"
-          + (f" | servers {urls}" if args.generation_backend == "openai" else ""))
+          + (f" | servers {urls}" if args.generation_backend == "openai" else "")
+          + f" | stops on {list(fmt.stop_strings)}")
+    cache = open_response_cache(args, target, tok, fmt)
     ids = {"tokenizer": upstream["tokenizer"], "target": upstream["target"]}
     summary, backends = {}, {}
     for name in names:
@@ -421,8 +551,9 @@ def main(argv=None):
         if args.datasets_only and name not in args.datasets_only:
             continue
         sub.mkdir(parents=True, exist_ok=True)
-        result = generate_dataset(name, args, tok, target, sub, stage_dir(args.work_dir, UPSTREAM, name),
-                                  ids, backends)
+        with dataset_lock(sub):  # one 01b per dataset: a second is refused, naming the holder
+            result = generate_dataset(name, args, tok, target, sub, stage_dir(args.work_dir, UPSTREAM, name),
+                                      ids, backends, fmt, cache)
         if result is not None:
             summary[name] = result
     missing = [n for n in names if n not in summary]
@@ -430,7 +561,7 @@ def main(argv=None):
         print(f"[01b] not done yet: {missing}; the stage manifest is written when every dataset is")
         return
     write_manifest(out, STAGE, redacted(args), datasets=names, input_manifest_sha256=manifest_sha256(up_dir),
-                   **ids, counts=summary)
+                   **ids, target_format=fmt.as_dict(), counts=summary)
 
 
 if __name__ == "__main__":

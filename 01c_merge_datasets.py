@@ -1,11 +1,16 @@
 """Merge datasets: the per-dataset generations -> one tokenized training set plus held-out prompts.
 
-Holds out `--benchmark-size` prompts (chosen with `--seed` before any filtering, so the choice does
-not move when caps change), then drops responses cut by the length limit, exact duplicates (same
-prompt and completion text), samples whose prompt equals a held-out prompt, and samples longer than
-`--max-seq-len`, all counted per reason; applies per-dataset `--dataset-weights` (kept fraction) and
-`--dataset-caps` (max samples); tokenizes in batches with the target's fast tokenizer. The loss mask
-is 1 exactly on the completion tokens: from right after the generation prompt through `<|im_end|>`.
+Holds out every prompt of a `benchmark-only` dataset (01b passed them through unanswered) and
+`--benchmark-size` random samples of the others (chosen with `--seed` before any filtering, so the choice
+does not move when caps change), then drops exact duplicates (same prompt and completion text), samples
+whose prompt equals a held-out prompt, samples longer than `--max-seq-len`, answers cut by the token cap
+only with `--drop-length-finished`, and answers that exist only as text whose re-tokenization disagrees
+with the target's own token count (unless `--keep-retokenize-mismatch`), all counted per reason;
+applies per-dataset `--dataset-weights` (kept fraction) and `--dataset-caps` (max samples).
+A sample's ids are the prompt's tokenization followed by the completion ids the target emitted
+(01b's `completion_ids`); only answers without them (servers that return text, dataset answers) are
+tokenized. The loss mask is 1 exactly on the completion: from right after the generation prompt through
+the target's end-of-turn token, or through the last emitted token of a capped answer.
 Reads:  <work-dir>/01b_generated/<dataset>/generated.jsonl (+ manifest.json),
         <work-dir>/01_prepared/<dataset>/records.jsonl (messages of the held-out prompts)
 Writes: <work-dir>/01c_merged/{tokenized_data.jsonl, benchmark_prompts.jsonl, stats.json, manifest.json}
@@ -28,6 +33,7 @@ from common.stage import (StageError, check_same_tokenizer, manifest_sha256, req
                           resolve_target, stage_dir, start_stage, tokenizer_identity, write_manifest)
 
 STAGE, UPSTREAM = "01c_merge_datasets", "01b_generate_synthetic"
+TARGET_ORIGINS = ("target", "cache")  # 01b rows the target wrote (others: "dataset" answers, "prompt" only)
 
 
 def mapping(value):
@@ -55,12 +61,64 @@ def build_parser():
                         "the trainer's sampler, not to stored hidden states)")
     g.add_argument("--benchmark-size", type=int, default=64, help="held-out prompts for 05_benchmark (count)")
     g.add_argument("--seed", type=int, default=0, help="seed of the held-out choice and of subsampling")
-    g.add_argument("--drop-length-finished", action=argparse.BooleanOptionalAction, default=True,
-                   help="drop responses that hit the token cap (finish_reason length): they never end")
+    g.add_argument("--drop-length-finished", action=argparse.BooleanOptionalAction, default=False,
+                   help="drop answers that hit the token cap (finish_reason length); default: train on them, "
+                        "they are the target's own tokens and only lack the end of turn (docs/formats.md)")
+    g.add_argument("--keep-retokenize-mismatch", action="store_true",
+                   help="keep text-only target answers whose re-tokenization has another token count than the "
+                        "target emitted (default: drop them, counted as retokenize_mismatch)")
     g.add_argument("--tokenize-batch-size", type=int, default=512, help="texts per tokenizer call (count)")
     return p
 
 
+
+
+def read_generated(path: Path, ids_at: dict) -> list[dict]:
+    """The rows of a 01b generated.jsonl, without their `completion_ids` (100K answers' ids as Python lists
+    would not fit in memory): `ids_at[id] = (path, byte offset of the row, number of ids)` instead, for
+    EmittedIds to read back the few that are kept. A torn last line is ignored, as in common.io."""
+    rows = []
+    with open(path, "rb") as f:
+        offset = 0
+        for lineno, raw in enumerate(f, 1):
+            at, offset = offset, offset + len(raw)
+            if not raw.endswith(b"\n"):
+                break
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise StageError(f"{path}:{lineno}: corrupt JSONL line ({e})") from None
+            ids = row.pop("completion_ids", None)
+            if ids is not None:
+                ids_at[row["id"]] = (path, at, len(ids))
+            rows.append(row)
+    return rows
+
+
+class EmittedIds:
+    """Reads a row's `completion_ids` back from its generated.jsonl line (see read_generated)."""
+
+    def __init__(self, ids_at: dict):
+        self.ids_at, self.files = ids_at, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for f in self.files.values():
+            f.close()
+
+    def read(self, row_id: str) -> list[int]:
+        path, at, n = self.ids_at[row_id]
+        if path not in self.files:
+            self.files[path] = open(path, "rb")
+        f = self.files[path]
+        f.seek(at)
+        ids = json.loads(f.readline())["completion_ids"]
+        assert len(ids) == n, row_id
+        return ids
 
 
 def token_lengths(tok, texts: list[str], batch_size: int, desc: str) -> list[int]:
@@ -86,7 +144,8 @@ def check_weights(args, names: list[str]):
 
 
 def benchmark_rows(bench: list[dict], work_dir: Path, tok, batch_size: int) -> list[dict]:
-    """Held-out prompts with what 05 needs to run them: messages, tools, thinking, prompt ids."""
+    """Held-out prompts with what 05 needs to run them: messages, tools, thinking, prompt ids, and whether
+    they come from a benchmark-only dataset."""
     records = {}
     for source in sorted({r["source"] for r in bench}):
         wanted = {r["id"] for r in bench if r["source"] == source}
@@ -100,7 +159,8 @@ def benchmark_rows(bench: list[dict], work_dir: Path, tok, batch_size: int) -> l
             rec = records[r["id"]]
             msgs = rec["messages"][:-1] if rec["complete"] else rec["messages"]
             out.append({"id": r["id"], "source": r["source"], "prompt": r["prompt"], "prompt_ids": prompt_ids,
-                        "messages": msgs, "tools": rec.get("tools"), "thinking": rec["thinking"]})
+                        "messages": msgs, "tools": rec.get("tools"), "thinking": rec["thinking"],
+                        "benchmark_only": r["origin"] == "prompt"})
     return out
 
 
@@ -134,16 +194,24 @@ def main(argv=None):
     t0 = time.time()
     tok = load_tokenizer(target)
     print(f"[01c] target {target} | datasets {names} | max-seq-len {args.max_seq_len}")
-    rows = []
+    rows, ids_at = [], {}
     for name in names:
-        rows += sorted(iter_jsonl(stage_dir(args.work_dir, UPSTREAM, name) / "generated.jsonl"),
+        rows += sorted(read_generated(stage_dir(args.work_dir, UPSTREAM, name) / "generated.jsonl", ids_at),
                        key=lambda r: r["id"])
     if not rows:
         raise StageError(f"{up_dir} holds no generated samples: re-run `python {UPSTREAM}.py --overwrite`")
 
-    # Held-out prompts first, from all ids, so caps and filters never change which ones they are.
+    # Held-out prompts first, from all ids, so caps and filters never change which ones they are:
+    # every benchmark-only prompt, plus --benchmark-size random samples of the rest.
+    answered = sorted(r["id"] for r in rows if r["origin"] != "prompt")
+    if args.benchmark_size < 0:
+        raise StageError(f"--benchmark-size {args.benchmark_size} is negative")
+    if args.benchmark_size >= len(answered) > 0:
+        raise StageError(f"--benchmark-size {args.benchmark_size} would hold out all {len(answered)} answered "
+                         "samples and leave none to train on; lower it (benchmark-only datasets are held out "
+                         "on top of it)")
     rng = random.Random(args.seed)
-    bench_ids = set(rng.sample(sorted(r["id"] for r in rows), min(args.benchmark_size, len(rows) - 1)))
+    bench_ids = set(rng.sample(answered, args.benchmark_size)) | {r["id"] for r in rows if r["origin"] == "prompt"}
     bench = [r for r in rows if r["id"] in bench_ids]
     bench_prompts = {r["prompt"] for r in bench}
 
@@ -167,17 +235,26 @@ def main(argv=None):
             candidates.append(r)
 
     # Pass 1: lengths only (ids of 100K long samples would not fit in memory as Python lists).
+    # Answers with emitted ids have their length; only text answers are tokenized here.
     n_prompt = token_lengths(tok, [r["prompt"] for r in candidates], args.tokenize_batch_size, "prompt lengths")
-    n_comp = token_lengths(tok, [r["completion"] for r in candidates], args.tokenize_batch_size, "completion lengths")
+    text_only = [r for r in candidates if r["id"] not in ids_at]
+    n_text = dict(zip((r["id"] for r in text_only), token_lengths(
+        tok, [r["completion"] for r in text_only], args.tokenize_batch_size, "completion lengths")))
     per_source = defaultdict(list)
     retokenize_mismatch = Counter()
-    for r, n_p, n_c in zip(candidates, n_prompt, n_comp):
+    for r, n_p in zip(candidates, n_prompt):
+        n_c = ids_at[r["id"]][2] if r["id"] in ids_at else n_text[r["id"]]
         if n_p + n_c > args.max_seq_len:
             dropped[r["source"]]["over_length"] += 1
             continue
-        # The target's own count vs ours: text that does not re-tokenize to the same number of tokens
-        # (e.g. a byte sequence cut mid-character) trains the draft on ids the target never emitted.
-        retokenize_mismatch[r["source"]] += n_c != r["num_completion_tokens"]
+        if r["id"] not in ids_at and r["origin"] in TARGET_ORIGINS and r["num_completion_tokens"] is not None \
+                and n_c != r["num_completion_tokens"]:
+            # Text that does not re-tokenize to the target's own token count (e.g. a byte sequence cut
+            # mid-character, a merge across the prompt boundary) would train ids it never emitted.
+            retokenize_mismatch[r["source"]] += 1
+            if not args.keep_retokenize_mismatch:
+                dropped[r["source"]]["retokenize_mismatch"] += 1
+                continue
         per_source[r["source"]].append((r, n_p, n_c))
 
     selected = []
@@ -195,38 +272,44 @@ def main(argv=None):
         selected += items
     if not selected:
         raise StageError(f"no sample survived the filters ({ {k: dict(v) for k, v in dropped.items()} }); "
-                         "raise --max-seq-len or --max-new-tokens, or pass --no-drop-length-finished")
+                         "raise --max-seq-len or --max-new-tokens, or pass --no-drop-length-finished or "
+                         "--keep-retokenize-mismatch")
 
     # Pass 2: tokenize the kept samples in batches and stream them out.
     stats = defaultdict(Counter)
     lengths = []
+    emitted_differ = Counter()  # answers whose emitted ids differ from their text's tokenization (info)
 
     def samples():
         from tqdm import tqdm
 
         bs = args.tokenize_batch_size
-        for i in tqdm(range(0, len(selected), bs), desc="[01c] tokenize", unit="batch"):
-            chunk = selected[i:i + bs]
-            p_ids = tok([r["prompt"] for r, _, _ in chunk], add_special_tokens=False)["input_ids"]
-            c_ids = tok([r["completion"] for r, _, _ in chunk], add_special_tokens=False)["input_ids"]
-            for (r, n_p, n_c), p, c in zip(chunk, p_ids, c_ids):
-                assert (len(p), len(c)) == (n_p, n_c), r["id"]
-                s = stats[r["source"]]
-                s["num_samples"] += 1
-                s["num_tokens"] += n_p + n_c
-                s["num_prompt_tokens"] += n_p
-                s["num_response_tokens"] += n_c
-                s["max_seq_len"] = max(s["max_seq_len"], n_p + n_c)
-                lengths.append(n_p + n_c)
-                yield {"id": r["id"], "source": r["source"], "input_ids": p + c,
-                       "loss_mask": [0] * n_p + [1] * n_c, "seq_len": n_p + n_c,
-                       "n_prompt_tokens": n_p, "n_response_tokens": n_c}
+        with EmittedIds(ids_at) as emitted:
+            for i in tqdm(range(0, len(selected), bs), desc="[01c] tokenize", unit="batch"):
+                chunk = selected[i:i + bs]
+                p_ids = tok([r["prompt"] for r, _, _ in chunk], add_special_tokens=False)["input_ids"]
+                t_ids = tok([r["completion"] for r, _, _ in chunk], add_special_tokens=False)["input_ids"]
+                for (r, n_p, n_c), p, t in zip(chunk, p_ids, t_ids):
+                    c = emitted.read(r["id"]) if r["id"] in ids_at else t  # the target's own ids first
+                    emitted_differ[r["source"]] += c != t
+                    assert (len(p), len(c)) == (n_p, n_c), r["id"]
+                    s = stats[r["source"]]
+                    s["num_samples"] += 1
+                    s["num_tokens"] += n_p + n_c
+                    s["num_prompt_tokens"] += n_p
+                    s["num_response_tokens"] += n_c
+                    s["max_seq_len"] = max(s["max_seq_len"], n_p + n_c)
+                    lengths.append(n_p + n_c)
+                    yield {"id": r["id"], "source": r["source"], "input_ids": p + c,
+                           "loss_mask": [0] * n_p + [1] * n_c, "seq_len": n_p + n_c,
+                           "n_prompt_tokens": n_p, "n_response_tokens": n_c}
 
     num_samples = write_jsonl(out / "tokenized_data.jsonl", samples())
     bench_out = benchmark_rows(bench, args.work_dir, tok, args.tokenize_batch_size)
     write_jsonl(out / "benchmark_prompts.jsonl", bench_out)
     per = {name: {**stats[name], "dropped": dict(sorted(dropped[name].items())),
                   "completion_retokenize_mismatch": retokenize_mismatch[name],
+                  "emitted_ids_differ_from_retokenized": emitted_differ[name],
                   "benchmark_prompts": sum(r["source"] == name for r in bench)} for name in names}
     totals = {k: sum(stats[n][k] for n in names)
               for k in ("num_samples", "num_tokens", "num_prompt_tokens", "num_response_tokens")}

@@ -18,8 +18,12 @@ Faults (both modes), set on a running server:
   `server.faults[substring] = ["503", "ok"]`  the next requests whose prompt contains `substring` take
       these actions in order, then behave normally. Actions: ok, 500, 503, 429, 400 (context length),
       422, drop (close the connection without an answer), stall (answer after `stall_s`), length
-      (finish by the token cap).
+      (finish by the token cap), and garbage like a broken target's (instant mode): loop (one token
+      repeated up to the cap, finish "length"), loop_stop (a short phrase repeated, then the end of
+      turn), ramble (text that never repeats a 4-gram, up to the cap, finish "length").
   `server.default_fault = "500"`   the action of every other request.
+  `server.route_faults["/v1/models"] = ["503", "drop"]`  the next requests to that route (/health,
+      /v1/models, /tokenize) take these actions (500, 503, 429, drop), then it answers normally.
   `server.down = True`             stop answering anything (health included; connections are dropped,
       also those of requests in flight when they would answer), like a crashed/restarting server.
   `server.health_status = 503`     /health answers this.
@@ -89,8 +93,10 @@ class OpenAICompletionsServer:
         self.max_model_len, self.stall_s, self.keep_requests = max_model_len, stall_s, keep_requests
         self.requests: list[dict] = []
         self.faults: dict[str, list[str]] = {}
+        self.route_faults: dict[str, list[str]] = {}
         self.fault_log: list[tuple[str, str]] = []   # (prompt head, action) of every completion request
         self.default_fault = "ok"
+        self.vllm_token_ids = False  # True: answer `return_token_ids` with choices[0].token_ids, as vLLM does
         self.down, self.health_status, self.tokenize_route = False, 200, True
         self.num_health = 0
         self._model_lock, self._log_lock = threading.Lock(), threading.Lock()
@@ -165,9 +171,20 @@ class OpenAICompletionsServer:
         if action == "400" or n_prompt + max_tokens > self.max_model_len:
             raise HTTPError(400, f"The input ({n_prompt + max_tokens} tokens) is longer than the model's "
                                  f"context length ({self.max_model_len} tokens).")
+        if action in ("loop", "loop_stop", "ramble"):
+            return self._garbage(action, max_tokens)
         if self.model is None:
             return self._instant(body, prompt, n_prompt, max_tokens, action == "length")
         return self._model_completion(body, input_ids, max_tokens)
+
+    def _garbage(self, action: str, max_tokens: int) -> dict:
+        """What a broken target answers (the SM12x INT4 MoE failure): loops, or no end of turn."""
+        if action == "loop":
+            return self._answer(" foss" * max_tokens, "length", None, 1, max_tokens)
+        if action == "loop_stop":
+            return self._answer("I think that " * 8 + IM_END, "stop", IM_END, 1, 8 * 3 + 1)
+        words = [f"w{i}" for i in range(max_tokens)]  # never repeats a 4-gram
+        return self._answer(" ".join(words), "length", None, 1, max_tokens)
 
     def _instant(self, body, prompt, n_prompt, max_tokens, force_length) -> dict:
         text = canned_completion(prompt)
@@ -208,7 +225,10 @@ class OpenAICompletionsServer:
         keep_stop = self.honor_keep_stop and (body.get("no_stop_trim") or body.get("include_stop_str_in_output"))
         shown = out[:-1] if finish == "stop" and not keep_stop else out
         text = self.tok.decode(shown, skip_special_tokens=body.get("skip_special_tokens", True))
-        return self._answer(text, finish, matched, len(input_ids), len(out))
+        answer = self._answer(text, finish, matched, len(input_ids), len(out))
+        if self.vllm_token_ids and body.get("return_token_ids"):  # vLLM >= 0.10.2; SGLang 0.5.14 has none
+            answer["choices"][0]["token_ids"] = out
+        return answer
 
     def _generate(self, input_ids: list[int], max_tokens: int, temperature: float, seed, stop_ids) -> list[int]:
         torch = self.torch
@@ -250,11 +270,26 @@ class OpenAICompletionsServer:
                 except OSError:
                     pass
 
+            def _route_fault(self, path: str) -> bool:
+                """Apply the next injected fault of this route; True when it answered (or dropped)."""
+                with server._log_lock:
+                    actions = server.route_faults.get(path)
+                    action = actions.pop(0) if actions else None
+                if action is None:
+                    return False
+                if action == "drop":
+                    self._drop()
+                else:
+                    self._error(int(action), f"injected {action}")
+                return True
+
             def do_GET(self):
                 path = self.path.rstrip("/")
                 server.num_health += path == "/health"  # asked, answered or not
                 if server.down:
                     return self._drop()
+                if self._route_fault(path):
+                    return
                 if path == "/health":
                     self._send(server.health_status, None)
                 elif path == "/v1/models":
@@ -269,6 +304,8 @@ class OpenAICompletionsServer:
                     if server.down:
                         raise Drop()
                     path = self.path.rstrip("/")
+                    if self._route_fault(path):
+                        return
                     if path == "/v1/completions":
                         self._send(200, server.completion(body))
                     elif path in ("/tokenize", "/v1/tokenize"):

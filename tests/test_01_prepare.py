@@ -63,7 +63,7 @@ def test_messages_family(prepared):
     counts = read_json(prepared / "01_prepared" / "msg" / "manifest.json")["counts"]
     # 15 rows read: 9 usable, each bad row skipped under its own reason.
     assert counts["rows_read"] == 15 and counts["num_records"] == 9 == len(recs)
-    assert counts["skipped"] == {"bad_json_line": 1, "duplicate_id": 1, "no_messages": 1, "no_prompt": 1,
+    assert counts["skipped"] == {"bad_json_line": 1, "duplicate_id": 1, "missing_messages": 1, "no_prompt": 1,
                                  "unknown_role": 1, "unknown_tool_call_id": 1}
     for r in recs.values():
         assert r["source"] == "msg" and r["complete"] is False and r["thinking"] is True
@@ -87,11 +87,11 @@ def test_conversations_instruction_parquet(prepared):
     conv = records(prepared, "conv")
     assert sorted(conv) == ["conv/s0", "conv/s1", "conv/s3"]
     assert [m["role"] for m in conv["conv/s1"]["messages"]] == ["system", "user", "assistant", "user"]
-    assert conv["conv/s3"]["meta"] == {"dropped_turns": 1}
+    assert conv["conv/s3"]["meta"] == {"repairs": {"unknown_speaker_turns_dropped": 1}}
     assert conv["conv/s0"]["messages"] == [{"role": "user", "content": "How do I open a file?"}]
     inst = records(prepared, "inst")
     assert [r["messages"][0]["content"] for r in inst.values()] == ["Sort this list.\n\n[3, 1, 2]", "Write fizzbuzz."]
-    assert read_json(prepared / "01_prepared" / "inst" / "manifest.json")["counts"]["skipped"] == {"no_instruction": 1}
+    assert read_json(prepared / "01_prepared" / "inst" / "manifest.json")["counts"]["skipped"] == {"missing_instruction": 1}
     # Parquet: the None-filled fields Arrow adds when unifying different tool schemas are gone.
     pq = records(prepared, "pq")
     assert [r["tools"] for r in pq.values()] == [row["tools"] for row in PARQUET_ROWS]
@@ -131,3 +131,36 @@ def test_config_yaml_and_errors(micro_target, tmp_path):
     with pytest.raises(StageError, match="does not exist"):
         prep.main(["--work-dir", w, "--target-path", str(micro_target),
                    "--datasets", json.dumps([{"name": "x", "adapter": "messages", "path": str(tmp_path / "no.jsonl")}])])
+
+
+def test_manifest_counts_reasons_apart_and_repairs(micro_target, tmp_path):
+    """Issue 13 items 1, 3 and 6 through the stage: missing / empty / wrong-type fields are separate
+    skip reasons, leading bot turns are dropped and fallbacks taken are counted in the manifest, and a
+    nested special-token literal leaves no control token in the prompt."""
+    from transformers import AutoTokenizer
+
+    nested = "<|im_<|im_end|>end|>"
+    rows = [{"id": "a", "conversations": [{"from": "gpt", "value": "...as I said."}, {"from": "human", "value": "Q1"}]},
+            {"id": "b"}, {"id": "c", "conversations": []}, {"id": "d", "conversations": {"from": "human"}},
+            {"id": "e", "conversations": [{"from": "human", "value": f"x{nested}y"}]}]
+    chat = [{"prompt_id": "u0", "prompt": "Explain sets.", "messages": []},
+            {"prompt_id": "u1", "messages": [{"role": "user"}]},
+            {"prompt_id": "u2", "messages": [{"role": "user", "content": " "}]}]
+    specs = [{"name": "sg", "adapter": "sharegpt", "path": str(write_jsonl(tmp_path / "sg.jsonl", rows))},
+             {"name": "uc", "adapter": "ultrachat", "path": str(write_jsonl(tmp_path / "uc.jsonl", chat))}]
+    work = tmp_path / "w"
+    prep.main(["--work-dir", str(work), "--target-path", str(micro_target), "--datasets", json.dumps(specs)])
+    sg = read_json(work / "01_prepared" / "sg" / "manifest.json")["counts"]
+    assert sg["skipped"] == {"missing_conversations": 1, "empty_conversations": 1, "bad_field_type": 1}
+    assert sg["repaired"] == {"leading_turns_dropped": 1} and sg["special_tokens_scrubbed"] == 2
+    recs = records(work, "sg")
+    assert recs["sg/a"]["messages"] == [{"role": "user", "content": "Q1"}]
+    assert recs["sg/e"]["messages"][0]["content"] == "xy"
+    tok = AutoTokenizer.from_pretrained(str(micro_target))
+    from common.data.chat_format import render_prompt
+
+    ids = tok(render_prompt(tok, recs["sg/e"]["messages"]), add_special_tokens=False)["input_ids"]
+    assert ids.count(tok.convert_tokens_to_ids("<|im_end|>")) == 1  # only the turn's own end
+    uc = read_json(work / "01_prepared" / "uc" / "manifest.json")["counts"]
+    assert uc["skipped"] == {"missing_user_content": 1, "empty_user_message": 1}
+    assert uc["repaired"] == {"prompt_field_fallback": 1} and uc["num_records"] == 1

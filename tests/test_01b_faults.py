@@ -1,5 +1,6 @@
-"""01b against a fault-injecting instant server: start-up refusals, each fault class retried or
-recorded, a server that goes down is waited for, several servers, --retry-failed, and random
+"""01b against a fault-injecting instant server: start-up refusals, start-up during an outage, the
+target health gate, each fault class retried or recorded, a server that goes down is waited for,
+several servers, --retry-failed, the dataset lock, resume identity, totals over runs, and random
 kill -9 / SIGTERM then resume with every id exactly once and identical text."""
 import importlib
 import json
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from common.data.chat_format import IM_END
+from common.data.server_checks import HEALTH_PROBES
 from common.io import iter_jsonl, read_json
 from common.stage import StageError
 from openai_server import OpenAICompletionsServer, canned_completion
@@ -72,13 +74,28 @@ def rows(work, file="generated.jsonl"):
     return list(iter_jsonl(path)) if path.exists() else []
 
 
+def work_requests(server) -> list[dict]:
+    """Completion request bodies without the health gate's."""
+    return [b for b in server.requests if not is_probe(b["prompt"])]
+
+
 def expected(row) -> str:
     return canned_completion(row["prompt"]) + IM_END
 
 
+def is_probe(prompt: str) -> bool:
+    """A target health gate request (its prompts are fixed questions, not dataset rows)."""
+    return any(q[:20] in prompt for q in HEALTH_PROBES)
+
+
+def work_log(server) -> list:
+    """The server's fault log without the health gate's requests."""
+    return [(head, action) for head, action in server.fault_log if not is_probe(head)]
+
+
 def attempts(server) -> Counter:
-    """Completion requests per prompt tag."""
-    return Counter(head.split("<|im_middle|>", 2)[1][:5] for head, _ in server.fault_log)
+    """Completion requests per prompt tag (health gate requests left out)."""
+    return Counter(head.split("<|im_middle|>", 2)[1][:5] for head, _ in work_log(server))
 
 
 def test_startup_checks_refuse_before_any_work(prepared, micro_target, other_micro_target, tmp_path):
@@ -88,7 +105,8 @@ def test_startup_checks_refuse_before_any_work(prepared, micro_target, other_mic
          r"serves \['other-model'\], not the model 'micro-target'"),
         ({"tokenizer_dir": other_micro_target}, [], "tokenizer of .* differs .* first difference at token"),
         ({"tokenizer_dir": other_micro_target, "tokenize_route": False}, [], "it counts \\d+ prompt tokens, we count"),
-        ({"health_status": 503}, [], "not reachable or not healthy: GET .*/health: http_503"),
+        ({"health_status": 503}, ["--server-down-timeout", "0.2"],
+         "not reachable or not healthy after 0 s .*: GET .*/health: http_503"),
         ({"max_model_len": 100}, [], r"context of 100 tokens, less than the \d+ this run needs"),
     ]
     for settings, extra, message in cases:
@@ -107,7 +125,8 @@ def test_startup_checks_refuse_before_any_work(prepared, micro_target, other_mic
     with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
         server.tokenize_route = False
         gen.main(args(work, server, extra=["--long-after-normal"]))
-        order = [b["prompt"].split("<|im_middle|>", 2)[1][:5] for b in server.requests if b["max_tokens"] > 1]
+        order = [b["prompt"].split("<|im_middle|>", 2)[1][:5] for b in server.requests
+                 if b["max_tokens"] > 1 and not is_probe(b["prompt"])]
     assert len(rows(work)) == NUM_ROWS
     long_tags = {tag(i) for i in range(9, NUM_ROWS, 10)}
     assert len(order) == NUM_ROWS and set(order[-6:]) == long_tags, order
@@ -143,9 +162,9 @@ def test_each_fault_is_retried_or_recorded(prepared, micro_target, tmp_path):
         assert m["partitions"] == {"normal": 54, "long": 6}
         # --retry-failed re-runs exactly the three failed ids, the complete stage is reopened for them.
         server.faults.clear()  # the cause is fixed
-        before = len(server.fault_log)
+        before = len(work_log(server))
         gen.main(args(work, server, extra=["--retry-failed"]))
-        assert sorted(attempts(server) - n) == [tag(8), tag(10), tag(11)] and len(server.fault_log) == before + 3
+        assert sorted(attempts(server) - n) == [tag(8), tag(10), tag(11)] and len(work_log(server)) == before + 3
     assert len(rows(work)) == NUM_ROWS and rows(work, "failures.jsonl") == []
     assert read_json(work / "01b_generated" / "manifest.json")["counts"]["d"]["generated"] == NUM_ROWS
 
@@ -189,12 +208,12 @@ def test_several_servers_share_work_and_fail_over(prepared, micro_target, tmp_pa
     with OpenAICompletionsServer(None, tokenizer_dir=micro_target, delay_s=0.02) as a, \
             OpenAICompletionsServer(None, tokenizer_dir=micro_target, delay_s=0.02) as b:
         def crash_b():
-            while len(b.fault_log) < 10:
+            while len(work_log(b)) < 10:
                 time.sleep(0.005)
             b.down = True  # b dies for good: a takes the rest
         threading.Thread(target=crash_b, daemon=True).start()
         gen.main(args(work, a, b, extra=["--request-retries", "0", "--server-down-timeout", "30"]))
-        assert len(a.fault_log) >= NUM_ROWS // 2 and len(b.fault_log) >= 10
+        assert len(work_log(a)) >= NUM_ROWS // 2 and len(work_log(b)) >= 10
     out = rows(work)
     assert len(out) == NUM_ROWS and all(r["completion"] == expected(r) for r in out)
     per_server = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]["this_run"]["requests_per_server"]
@@ -225,7 +244,7 @@ def test_random_kills_then_resume_exactly_once(prepared, micro_target, tmp_path)
         for sig in (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM):
             time.sleep(0.3)  # requests a killed client sent are all logged by the server
             n_rows = len(gen_path.read_bytes().splitlines()) if gen_path.exists() else 0
-            wait_rows, n_requests = n_rows + rng.randint(0 if sig == signal.SIGKILL else 2, 6), len(server.requests)
+            wait_rows, n_requests = n_rows + rng.randint(0 if sig == signal.SIGKILL else 2, 6), len(work_requests(server))
             proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
             deadline = time.time() + 60
@@ -242,7 +261,7 @@ def test_random_kills_then_resume_exactly_once(prepared, micro_target, tmp_path)
             if sig == signal.SIGTERM:
                 # Graceful: exit status 1 with a message, and every request it sent was answered and kept.
                 assert proc.returncode == 1 and "stopped by SIGTERM" in err, err[-2000:]
-                assert len(done) - len(snapshots[-2]) == len(server.requests) - n_requests
+                assert len(done) - len(snapshots[-2]) == len(work_requests(server)) - n_requests
                 assert gen_path.read_bytes().endswith(b"\n")
             else:
                 assert proc.returncode == -signal.SIGKILL
@@ -256,3 +275,91 @@ def test_random_kills_then_resume_exactly_once(prepared, micro_target, tmp_path)
         assert all(final[k] == v for k, v in snap.items())  # complete before a kill == final
     assert all(r["completion"] == expected(r) for r in out)  # == the uninterrupted answer
     assert read_json(work / "01b_generated" / "manifest.json")["counts"]["d"]["generated"] == NUM_ROWS
+
+
+def test_startup_waits_out_transient_errors(prepared, micro_target, tmp_path):
+    """Issue 13.9: start-up during an outage is waited out like one in mid-run (health polling, retries
+    with backoff up to --server-down-timeout); a permanent mismatch still fails at once."""
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
+        server.down = True  # restarting: nothing answers, /health included
+        server.route_faults.update({"/v1/models": ["503", "drop"], "/tokenize": ["502"]})
+
+        def come_back():
+            while server.num_health < 3:
+                time.sleep(0.01)
+            server.down = False
+        threading.Thread(target=come_back, daemon=True).start()
+        gen.main(args(work, server, extra=["--server-down-timeout", "30"]))
+        assert server.route_faults == {"/v1/models": [], "/tokenize": []}  # each fault met and retried
+    assert len(rows(work)) == NUM_ROWS and rows(work, "failures.jsonl") == []
+    work2 = fresh(prepared, tmp_path / "b")
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target, served_model_name="other-model") as server:
+        t0 = time.monotonic()
+        with pytest.raises(StageError, match="serves \\['other-model'\\]"):
+            gen.main(args(work2, server, extra=["--served-model-name", "micro-target", "--server-down-timeout", "30"]))
+        assert time.monotonic() - t0 < 10  # not the 30 s of --server-down-timeout
+        server.route_faults["/v1/models"] = ["503"] * 1000  # never recovers: stops after the timeout
+        with pytest.raises(StageError, match="GET .*/models still fails after 1 s \\(--server-down-timeout\\): http_503"):
+            gen.main(args(work2, server, extra=["--server-down-timeout", "1"]))
+    assert rows(work2) == []
+
+
+def test_sigterm_during_startup_wait_stops_at_once(prepared, micro_target, tmp_path):
+    """Start-up may now wait up to --server-down-timeout: SIGTERM must end that wait at once."""
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
+        server.down = True
+
+        def terminate():  # in-process: 01b's asyncio handler is installed while its start-up polls /health
+            while server.num_health < 3:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=terminate, daemon=True).start()
+        t0 = time.monotonic()
+        with pytest.raises(StageError, match="stopped by SIGTERM after 0 requests"):
+            gen.main(args(work, server, extra=["--server-down-timeout", "15"]))
+        assert time.monotonic() - t0 < 10 and server.requests == []
+
+
+def test_health_gate_refuses_a_degenerate_target(prepared, micro_target, tmp_path):
+    """Issue 12.6: a target that loops or never ends its turn (the SM12x INT4 MoE failure) is refused
+    after a few short greedy probes, before any work; the threshold is a flag."""
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
+        for fault, extra, message in [
+                ("loop", [], r"answers 3 of 3 greedy probe prompts degenerately .*of its 4-grams repeat.*23264"),
+                ("ramble", ["--health-max-new-tokens", "32"], "no end-of-turn within 32 tokens"),
+                ("loop_stop", [], r"probe 0: \d+% of its 4-grams repeat \(--health-max-repeat-share 0.5\)")]:
+            server.default_fault = fault
+            with pytest.raises(StageError, match=message):
+                gen.main(args(work, server, extra=extra))
+            assert server.requests and all(is_probe(b["prompt"]) for b in server.requests)  # no work was sent
+            assert all(b["temperature"] == 0 and b["stop"] == [IM_END] for b in server.requests)
+            assert {b["max_tokens"] for b in server.requests} == {int(extra[1]) if extra else 256}
+            server.requests.clear()
+        assert rows(work) == []
+        # A looser threshold lets a short repeated phrase pass; --health-probes 0 skips the gate.
+        gen.main(args(work, server, extra=["--health-max-repeat-share", "0.99"]))
+        assert sum(is_probe(b["prompt"]) for b in server.requests) == 3
+        reopened = fresh(prepared, tmp_path / "b")
+        server.default_fault, n = "loop", len(server.requests)
+        gen.main(args(reopened, server, extra=["--health-probes", "0"]))
+        assert not any(is_probe(b["prompt"]) for b in server.requests[n:])
+    assert len(rows(work)) == NUM_ROWS
+
+
+def test_health_gate_unit():
+    from common.data.server_checks import HealthGate, degenerate, repeated_ngram_share
+
+    assert repeated_ngram_share([1, 2, 3]) == 0 and repeated_ngram_share(list(range(50))) == 0
+    assert repeated_ngram_share([7] * 100) == pytest.approx(96 / 97)
+    assert repeated_ngram_share([1, 2, 3, 4, 5] * 20) == pytest.approx(1 - 5 / 97)  # a loop of period 5
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+    gate = HealthGate([], max_new_tokens=64, max_repeat_share=0.5)
+    assert degenerate({"completion": "42<|im_end|>", "finish_reason": "stop"}, Tok(), gate) is None
+    assert "repeat" in degenerate({"completion": "!" * 64, "finish_reason": "length"}, Tok(), gate)
+    assert "no end-of-turn" in degenerate({"completion": "abcdefgh", "finish_reason": "length"}, Tok(), gate)

@@ -23,6 +23,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
 DATASETS = [{"name": "msg", "adapter": "messages", "path": str(FIXTURES / "messages_rows.jsonl")},
             {"name": "comp", "adapter": "messages", "path": str(FIXTURES / "complete_rows.jsonl"), "complete": True}]
 NEW = "12"  # --max-new-tokens
+# The micro targets are random models: their greedy answers loop, so the target health gate (tested
+# in test_01b_faults.py) would rightly refuse them.
+NO_GATE = ["--health-probes", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +110,11 @@ def test_openai_backend_equals_hf_even_when_server_trims_stop(hf_run, prepared, 
     # honor_keep_stop=False: the server trims <|im_end|> like older SGLang/vLLM; 01b must restore it.
     with OpenAICompletionsServer(stopping_target, honor_keep_stop=False) as server:
         gen.main(["--work-dir", str(work), "--generation-backend", "openai", "--server-url", server.base_url,
-                  "--max-new-tokens", NEW, "--concurrency", "4"])
+                  "--max-new-tokens", NEW, "--concurrency", "4", *NO_GATE])
         body = server.requests[0]
         # Second run: complete, so a no-op that sends nothing.
         n_requests = len(server.requests)
-        gen.main(["--work-dir", str(work), "--generation-backend", "openai", "--server-url", server.base_url])
+        gen.main(["--work-dir", str(work), "--generation-backend", "openai", "--server-url", server.base_url, *NO_GATE])
         assert len(server.requests) == n_requests and "nothing to do" in capsys.readouterr().out
     assert n_requests == 9
     assert body["model"] == "micro-target"  # discovered through GET /v1/models
@@ -132,7 +135,7 @@ def test_resume_after_sigkill(hf_run, prepared, stopping_target, tmp_path):
     gen_path = work / "01b_generated" / "msg" / "generated.jsonl"
     with OpenAICompletionsServer(stopping_target, delay_s=0.4) as server:
         cmd = [sys.executable, "01b_generate_synthetic.py", "--work-dir", str(work), "--generation-backend",
-               "openai", "--server-url", server.base_url, "--max-new-tokens", NEW, "--concurrency", "2"]
+               "openai", "--server-url", server.base_url, "--max-new-tokens", NEW, "--concurrency", "2", *NO_GATE]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 60
         while time.time() < deadline and proc.poll() is None:
@@ -149,7 +152,7 @@ def test_resume_after_sigkill(hf_run, prepared, stopping_target, tmp_path):
             f.write('{"id": "msg/m0", "source": "msg", "prompt": "<|im_us')
         n_requests = len(server.requests)
         gen.main(["--work-dir", str(work), "--generation-backend", "openai", "--server-url", server.base_url,
-                  "--max-new-tokens", NEW, "--concurrency", "2"])
+                  "--max-new-tokens", NEW, "--concurrency", "2", *NO_GATE])
         resumed = [b["prompt"] for b in server.requests[n_requests:]]
     out = rows(work)
     ids = [r["id"] for r in out]
@@ -184,15 +187,28 @@ def test_refusals(prepared, other_micro_target, tmp_path):
     work = copy_prepared(prepared, tmp_path)
     with pytest.raises(StageError, match="tokenizer"):
         gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--target-path", str(other_micro_target)])
-    with pytest.raises(StageError, match="not reachable or not healthy"):
+    with pytest.raises(StageError, match="not reachable or not healthy after 0 s"):
         gen.main(["--work-dir", str(work), "--generation-backend", "openai", "--server-url",
-                  "http://127.0.0.1:9/v1", "--request-retries", "0", "--request-timeout", "2"])
+                  "http://127.0.0.1:9/v1", "--request-retries", "0", "--request-timeout", "2",
+                  "--server-down-timeout", "0.2", "--health-interval", "0.05"])
+
+
+def test_health_gate_refuses_the_random_micro_target(prepared, stopping_target, tmp_path):
+    """A real model whose greedy answers loop (the random micro target: its <|im_end|> is likely, so
+    it even ends its turns) is refused by the target health gate before any work is sent."""
+    work = copy_prepared(prepared, tmp_path)
+    with OpenAICompletionsServer(stopping_target) as server:
+        with pytest.raises(StageError, match="target health gate: .* of 3 greedy probe prompts degenerately"):
+            gen.main(["--work-dir", str(work), "--generation-backend", "openai", "--server-url", server.base_url,
+                      "--max-new-tokens", NEW, "--health-max-new-tokens", "64"])
+        assert {b["max_tokens"] for b in server.requests} == {64}  # the probes only
+    assert not rows(work)
 
 
 def test_failed_requests_keep_dataset_incomplete_then_retry(prepared, stopping_target, tmp_path):
     work = copy_prepared(prepared, tmp_path)
     base = ["--work-dir", str(work), "--generation-backend", "openai", "--max-new-tokens", "4",
-            "--datasets-only", "msg"]
+            "--datasets-only", "msg", *NO_GATE]
     with OpenAICompletionsServer(stopping_target) as server:
         server.default_fault = "422"  # an input error: recorded at once, never retried
         with pytest.raises(StageError, match="9 requests failed"):

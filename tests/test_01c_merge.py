@@ -1,4 +1,5 @@
-"""01c_merge_datasets: exact ids and loss mask, held-out split, counted drops, caps, refusals."""
+"""01c_merge_datasets: the target's emitted ids and the loss mask, held-out split (benchmark-only datasets),
+counted drops (re-tokenization mismatches of text-only answers), caps, refusals."""
 import importlib
 import json
 import shutil
@@ -52,10 +53,15 @@ def test_merge_exact_tokens_and_split(generated, tmp_path, tok, capsys):
     out, bench = merged(work), merged(work, "benchmark_prompts.jsonl")
     stats = read_json(work / "01c_merged" / "stats.json")
     assert len(bench) == 4 and not {b["id"] for b in bench} & {s["id"] for s in out}
+    n_differ = 0
     for s in out:
         g = gen_rows[s["id"]]
         p = tok(g["prompt"], add_special_tokens=False)["input_ids"]
-        c = tok(g["completion"], add_special_tokens=False)["input_ids"]
+        retokenized = tok(g["completion"], add_special_tokens=False)["input_ids"]
+        # The target's own ids where 01b has them (generated), the text's tokenization otherwise (dataset).
+        c = g["completion_ids"] if g["origin"] == "target" else retokenized
+        assert (g["completion_ids"] is None) == (g["origin"] == "dataset")
+        n_differ += c != retokenized
         assert s["input_ids"] == p + c and s["seq_len"] == len(p + c) <= 120
         assert s["loss_mask"] == [0] * len(p) + [1] * len(c)
         assert (s["n_prompt_tokens"], s["n_response_tokens"]) == (len(p), len(c))
@@ -63,6 +69,9 @@ def test_merge_exact_tokens_and_split(generated, tmp_path, tok, capsys):
         assert tok.decode(s["input_ids"][:s["n_prompt_tokens"]]).endswith("<|im_middle|><think>")
         if g["finish_reason"] == "stop":
             assert s["input_ids"][-1] == tok.convert_tokens_to_ids(IM_END) and s["loss_mask"][-1] == 1
+    # The random micro target emits ids its text does not re-tokenize to: the reason to keep them.
+    assert n_differ >= 1 and n_differ == sum(v["emitted_ids_differ_from_retokenized"]
+                                             for v in stats["per_source"].values())
     recs = {r["id"]: r for n in ("msg", "comp") for r in iter_jsonl(work / "01_prepared" / n / "records.jsonl")}
     for b in bench:  # what 05 needs to run a held-out prompt, consistent with what 01b sent
         assert b["prompt"] == gen_rows[b["id"]]["prompt"] == render_prompt(tok, b["messages"], b["tools"], b["thinking"])
@@ -87,31 +96,86 @@ def test_merge_exact_tokens_and_split(generated, tmp_path, tok, capsys):
     assert "nothing to do" in capsys.readouterr().out
 
 
-def test_length_finished_dropped_caps_and_stable_benchmark(generated, tmp_path):
+def test_length_finished_kept_by_default_caps_and_stable_benchmark(generated, tmp_path):
     work = fresh(generated, tmp_path)
-    merge.main(["--work-dir", str(work), "--benchmark-size", "3", "--max-seq-len", "1000"])
+    merge.main(["--work-dir", str(work), "--benchmark-size", "3", "--max-seq-len", "1000", "--drop-length-finished"])
     out = merged(work)
     stats = read_json(work / "01c_merged" / "stats.json")
-    n_length = sum(r["finish_reason"] == "length" for r in iter_jsonl(work / "01b_generated/msg/generated.jsonl"))
+    gen_rows = {r["id"]: r for r in iter_jsonl(work / "01b_generated/msg/generated.jsonl")}
+    n_length = sum(r["finish_reason"] == "length" for r in gen_rows.values())
     bench_ids = [b["id"] for b in merged(work, "benchmark_prompts.jsonl")]
     n_length_bench = sum(i.startswith("msg/") for i in bench_ids)
-    # The micro target never stops within 8 tokens: every generated msg sample is cut and dropped.
+    # The micro target never stops within 8 tokens: with --drop-length-finished every msg sample is dropped.
     dropped = stats["per_source"]["msg"]["dropped"]
     assert n_length == 9 and dropped["length_finished"] + dropped.get("benchmark_prompt_overlap", 0) == 9 - n_length_bench
     assert {s["source"] for s in out} == {"comp"}
+    # By default they are trained on: the mask covers exactly the emitted tokens, no end of turn added.
     # Caps and weights apply after the filters; the held-out choice does not move.
     merge.main(["--work-dir", str(work), "--overwrite", "--benchmark-size", "3", "--max-seq-len", "1000",
-                "--no-drop-length-finished", "--dataset-caps", '{"comp": 2}', "--dataset-weights", '{"msg": 0.5}'])
+                "--dataset-caps", '{"comp": 2}', "--dataset-weights", '{"msg": 0.5}'])
     capped = merged(work)
     assert [b["id"] for b in merged(work, "benchmark_prompts.jsonl")] == bench_ids
+    for s in capped:
+        if s["source"] == "msg":
+            ids = gen_rows[s["id"]]["completion_ids"]
+            assert s["input_ids"][s["n_prompt_tokens"]:] == ids and len(ids) == 8
+            assert s["loss_mask"] == [0] * s["n_prompt_tokens"] + [1] * 8
     by_source = {src: sum(s["source"] == src for s in capped) for src in ("msg", "comp")}
     assert by_source["comp"] == 2
     dropped = read_json(work / "01c_merged/stats.json")["per_source"]["msg"]["dropped"]
     assert "length_finished" not in dropped
     n_msg = 9 - n_length_bench - sum(n for reason, n in dropped.items() if reason != "capped")
-    assert by_source["msg"] == round(0.5 * n_msg) and dropped["capped"] == n_msg - by_source["msg"]
+    assert by_source["msg"] == round(0.5 * n_msg) >= 1 and dropped["capped"] == n_msg - by_source["msg"]
     with pytest.raises(StageError, match="nope"):
         merge.main(["--work-dir", str(work), "--overwrite", "--dataset-caps", '{"nope": 1}'])
+
+
+def test_text_only_answers_that_retokenize_differently_are_dropped(generated, tmp_path, tok):
+    """A server that returns only text: 01c tokenizes it, and an answer whose token count differs from
+    the one the target reported is dropped by default (kept and counted with --keep-retokenize-mismatch)."""
+    work = fresh(generated, tmp_path)
+    path = work / "01b_generated" / "msg" / "generated.jsonl"
+    rows = list(iter_jsonl(path))
+    path.write_text("".join(json.dumps({**r, "completion_ids": None, "backend": "openai"}) + "\n" for r in rows))
+    differ = {r["id"] for r in rows
+              if len(tok(r["completion"], add_special_tokens=False)["input_ids"]) != r["num_completion_tokens"]}
+    assert differ and len(differ) < len(rows)  # the micro target's answers give both cases
+    merge.main(["--work-dir", str(work), "--benchmark-size", "1", "--max-seq-len", "1000"])
+    bench = {b["prompt"]: b["id"] for b in merged(work, "benchmark_prompts.jsonl")}
+    eligible = {r["id"] for r in rows if r["prompt"] not in bench}  # not held out, no held-out prompt
+    kept = {s["id"] for s in merged(work) if s["source"] == "msg"}
+    stats = read_json(work / "01c_merged/stats.json")["per_source"]["msg"]
+    assert kept == eligible - differ and stats["dropped"]["retokenize_mismatch"] == len(differ & eligible) >= 1
+    merge.main(["--work-dir", str(work), "--overwrite", "--benchmark-size", "1", "--max-seq-len", "1000",
+                "--keep-retokenize-mismatch"])
+    stats = read_json(work / "01c_merged/stats.json")["per_source"]["msg"]
+    kept = {s["id"] for s in merged(work) if s["source"] == "msg"}
+    assert kept == eligible and stats["completion_retokenize_mismatch"] == len(differ & eligible)
+    assert "retokenize_mismatch" not in stats["dropped"]
+
+
+def test_benchmark_only_dataset_is_held_out_whole(micro_target, tmp_path):
+    bench_rows = tmp_path / "bench.jsonl"
+    questions = [f"Held-out question {i}: what does {name}() do?" for i, name in enumerate(("zip", "map", "any"))]
+    bench_rows.write_text("".join(json.dumps({"id": f"b{i}", "messages": [{"role": "user", "content": q}]}) + "\n"
+                                  for i, q in enumerate(questions)))
+    work = tmp_path / "work"
+    datasets = DATASETS + [{"name": "bench", "adapter": "messages", "path": str(bench_rows), "benchmark-only": True}]
+    prep.main(["--work-dir", str(work), "--target-path", str(micro_target), "--datasets", json.dumps(datasets)])
+    gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "8", "--device", "cpu"])
+    passed = list(iter_jsonl(work / "01b_generated" / "bench" / "generated.jsonl"))
+    assert [r["origin"] for r in passed] == ["prompt"] * 3 and all(r["completion"] is None for r in passed)
+    assert read_json(work / "01b_generated/bench/manifest.json")["counts"]["generated"] == 0
+    n_answered = sum(1 for n in ("msg", "comp") for _ in iter_jsonl(work / "01b_generated" / n / "generated.jsonl"))
+    with pytest.raises(StageError, match="hold out all"):  # no silent `rows - 1`
+        merge.main(["--work-dir", str(work), "--benchmark-size", str(n_answered)])
+    merge.main(["--work-dir", str(work), "--benchmark-size", "2", "--max-seq-len", "1000"])
+    bench = merged(work, "benchmark_prompts.jsonl")
+    chosen = [b for b in bench if b["benchmark_only"]]
+    assert sorted(b["id"] for b in chosen) == ["bench/b0", "bench/b1", "bench/b2"]
+    assert len(bench) == 3 + 2 and not {b["id"] for b in bench} & {s["id"] for s in merged(work)}
+    assert [b["messages"][-1]["content"] for b in sorted(chosen, key=lambda b: b["id"])] == questions
+    assert read_json(work / "01c_merged/stats.json")["per_source"]["bench"]["benchmark_prompts"] == 3
 
 
 def test_refusals(generated, other_micro_target, tmp_path):

@@ -44,15 +44,15 @@ def run(name, scrub, **spec):
 
 # adapter -> (record ids, broken rows by reason, filtered rows by reason), cut "last".
 EXPECTED = {
-    "swe_rebench": (["r0"], {"bad_messages_json": 1, "no_messages": 1, "unknown_tool_call_id": 1, "bad_field_type": 1},
+    "swe_rebench": (["r0"], {"bad_messages_json": 1, "missing_trajectory": 1, "unknown_tool_call_id": 1, "bad_field_type": 1},
                     {"filtered_unresolved": 1}),
     "open_swe": (["s0"], {"unknown_role": 1, "bad_tools_json": 1},
                  {"filtered_resolved_unknown": 1, "filtered_unresolved": 1}),
     "swe_smith": (["x__y.abc.1.t0", "x__y.abc.2.t0", "x__y.abc.6.t0"], {"non_text_content": 1, "bad_tool_call": 1},
                   {"filtered_unresolved": 1}),
     "toucan": (["u0", "u1"], {"unmatched_tool_result": 1, "unparseable_tool_call": 1, "bad_messages_json": 1}, {}),
-    "hermes_fc": (["h0", "h1"], {"unparseable_tool_call": 1, "tool_result_mismatch": 1, "bad_turn": 1,
-                                 "no_messages": 1}, {}),
+    "hermes_fc": (["h0", "h1"], {"unparseable_tool_call": 1, "tool_result_mismatch": 1, "bad_field_type": 1,
+                                 "missing_conversations": 1}, {}),
     "toolace": (["00000000", "t1"], {"unparseable_tool_call": 1, "no_tools_in_system": 1, "tool_result_mismatch": 1}, {}),
     "xlam": (["0", "1"], {"bad_answers_json": 1, "missing_query": 1, "bad_tools": 1}, {}),
     "opencodeinstruct": (["oci0", "oci4"], {"bad_field_type": 1, "empty_input": 1}, {"filtered_test_score": 1}),
@@ -60,9 +60,9 @@ EXPECTED = {
     "magicoder_evol": (["00000000"], {"empty_instruction": 1, "bad_json_line": 1}, {}),
     "opc_sft": (["00000000", "00000002"], {"missing_instruction": 1}, {}),
     "opencodereasoning": (["ocr0"], {"external_input": 1, "missing_input": 1}, {}),
-    "openthoughts": (["00000000"], {"bad_thought_markers": 1, "unknown_role": 1, "no_messages": 1}, {}),
+    "openthoughts": (["00000000"], {"bad_thought_markers": 1, "unknown_role": 1, "empty_conversations": 1}, {}),
     "ultrachat": (["pid0", "pid1"], {"unknown_role": 1, "empty_user_message": 1, "bad_messages_json": 1}, {}),
-    "sharegpt": (["sg0", "sg1"], {"no_prompt": 1, "bad_turn": 1}, {}),
+    "sharegpt": (["sg0", "sg1"], {"no_prompt": 1, "missing_turn_value": 1}, {}),
     "wildchat": (["wc0", "wc1"], {"bad_field_type": 1, "non_text_content": 1},
                  {"filtered_toxic": 1, "filtered_redacted": 1, "filtered_language": 1}),
 }
@@ -375,3 +375,141 @@ def test_complete_without_reasoning_is_instant_mode(scrub):
     assert recs and not any(r["thinking"] for r in recs.values())
     ot = run("openthoughts", scrub, complete=True, **{"thinking-ratio": 1.0})[0]
     assert all(r["thinking"] for r in ot.values())
+
+
+# ---- issue 13: one rule for tool-call arguments, leading turns, episode ends, ToolACE results, repairs ----
+
+BASH = {"type": "function", "function": {"name": "execute_bash", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+FINISH = {"type": "function", "function": {"name": "finish", "parameters": {"type": "object", "properties": {}}}}
+
+
+def call(cid, name, arguments):
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def openhands_row(key, arguments='{"command": "ls"}', end_with_finish_result=True):
+    """An OpenHands trajectory: two bash turns, then `finish` (and, optionally, finish's own result)."""
+    traj = [{"role": "system", "content": "You are OpenHands agent."},
+            {"role": "user", "content": f"Fix bug {key}"},
+            {"role": "assistant", "content": "", "tool_calls": [call("c0", "execute_bash", arguments)]},
+            {"role": "tool", "content": "out 0", "tool_call_id": "c0"},
+            {"role": "assistant", "content": "Next.", "tool_calls": [call("c1", "execute_bash", '{"command": "pytest"}')]},
+            {"role": "tool", "content": "1 passed", "tool_call_id": "c1"},
+            {"role": "assistant", "content": "Done.", "tool_calls": [call("c2", "finish", "{}")]}]
+    if end_with_finish_result:
+        traj.append({"role": "tool", "content": "diff --git a/x b/x", "tool_call_id": "c2"})
+    return {"trajectory_id": key, "resolved": True, "trajectory": json.dumps(traj), "tools": json.dumps([BASH, FINISH])}
+
+
+def expand(adapter, row, scrub, **spec):
+    from collections import Counter
+
+    repairs = Counter()
+    recs = expand_row(row, 0, {"name": adapter, "adapter": adapter, **spec}, scrub, repairs=repairs)
+    return {r["id"].split("/", 1)[1]: r for r, _ in recs}, dict(repairs)
+
+
+def test_tool_call_arguments_must_be_json_in_every_adapter(scrub):
+    """A truncated JSON text or a Python-repr dict is skipped as unparseable_tool_call by every adapter
+    (they used to be kept verbatim by SWE-rebench, SWE-smith and Toucan); valid text is kept as written."""
+    truncated, python_repr = '{"command": "pytest -q', "{'command': 'ls'}"
+    smith = [{"role": "system", "content": "s"}, {"role": "user", "content": "Fix it"},
+             {"role": "assistant", "content": "", "tool_calls": [call("q", "bash", python_repr)]},
+             {"role": "tool", "content": "ok", "tool_call_ids": ["q"]}]
+    toucan_fc = [{"role": "user", "content": "x"},
+                 {"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": truncated}},
+                 {"role": "function", "name": "f", "content": "{}"}]
+    toucan_sft = [{"role": "user", "content": "x"},
+                  {"role": "tool_call", "content": json.dumps({"name": "f", "arguments": python_repr})},
+                  {"role": "tool_response", "content": "{}"}]
+    bad = [("swe_rebench", openhands_row("t", truncated)), ("swe_rebench", openhands_row("p", python_repr)),
+           ("swe_rebench", openhands_row("n", '{"command": NaN}')), ("swe_rebench", openhands_row("l", "[1, 2]")),
+           ("swe_smith", {"traj_id": "s", "resolved": True, "messages": json.dumps(smith)}),
+           ("toucan", {"uuid": "u", "messages": json.dumps(toucan_fc)}),
+           ("toucan", {"uuid": "v", "messages": json.dumps(toucan_sft)}),
+           ("hermes_fc", {"id": "h", "conversations": [
+               {"from": "human", "value": "q"},
+               {"from": "gpt", "value": '<tool_call>{"name": "f", "arguments": "{\'a\': 1}"}</tool_call>'}]}),
+           ("messages", {"id": "m", "messages": [{"role": "user", "content": "q"},
+                                                 {"role": "assistant", "tool_calls": [call("k", "f", truncated)]},
+                                                 {"role": "tool", "tool_call_id": "k", "content": "r"}]})]
+    for adapter, row in bad:
+        with pytest.raises(BadRow) as e:
+            expand(adapter, row, scrub)
+        assert e.value.reason == "unparseable_tool_call", (adapter, e.value)
+    spaced = '{"command":   "ls -la"}'  # valid JSON text: the dataset's exact text is kept
+    recs, _ = expand("swe_rebench", openhands_row("ok", spaced), scrub)
+    assert recs["ok"]["messages"][2]["tool_calls"][0]["function"]["arguments"] == spaced
+    none_args = openhands_row("e", "")  # blank text means no arguments: `{}`
+    assert expand("swe_rebench", none_args, scrub)[0]["e"]["messages"][2]["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
+def test_leading_non_user_turns_dropped_and_counted(scrub):
+    row = {"id": "split", "conversations": [{"from": "gpt", "value": "...and that is how it ends."},
+                                            {"from": "system", "value": "Be brief."},
+                                            {"from": "gpt", "value": "Anything else?"},
+                                            {"from": "human", "value": "Yes: sort a list."},
+                                            {"from": "gpt", "value": "sorted(x)"}]}
+    recs, repairs = expand("sharegpt", row, scrub)
+    assert recs["split"]["messages"] == [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Yes: sort a list."}]
+    assert repairs == {"leading_turns_dropped": 2} and recs["split"]["meta"]["repairs"] == repairs
+    legacy = {"id": "l", "conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "Q"}]}
+    recs, repairs = expand("conversations", legacy, scrub)
+    assert [m["role"] for m in recs["l"]["messages"]] == ["user"] and repairs == {"leading_turns_dropped": 1}
+    with pytest.raises(BadRow, match="no_prompt"):  # nothing but bot turns: no prompt, nothing counted
+        expand("sharegpt", {"id": "b", "conversations": [{"from": "gpt", "value": "Hello"}]}, scrub)
+
+
+def test_no_cut_after_the_episode_ending_tool_result(scrub):
+    recs, _ = expand("swe_rebench", openhands_row("f"), scrub)
+    last = recs["f"]["messages"]  # cut at the turn that calls finish, not after finish's output
+    assert last[-1] == {"role": "tool", "content": "1 passed", "tool_call_id": "functions.execute_bash:1",
+                        "name": "execute_bash"} and recs["f"]["meta"]["cut_turn"] == 3
+    every, _ = expand("swe_rebench", openhands_row("f"), scrub, cut="every")
+    assert sorted(every) == ["f#turn1", "f#turn2", "f#turn3"]
+    # Another tool's result at the end is still a turn the target is waiting for.
+    open_end = openhands_row("g")
+    traj = json.loads(open_end["trajectory"])[:6]
+    open_end["trajectory"] = json.dumps(traj)
+    assert sorted(expand("swe_rebench", open_end, scrub, cut="every")[0]) == ["g#turn1", "g#turn2", "g#turn3"]
+    assert len(expand("swe_rebench", open_end, scrub)[0]["g"]["messages"]) == 6
+    # SWE-smith ends with `submit`; a trajectory with nothing but the finished episode has no cut left.
+    msgs = [{"role": "assistant", "content": "", "tool_calls": [call("s", "submit", "{}")]},
+            {"role": "tool", "content": "diff", "tool_call_id": "s", "name": "submit"}]
+    with pytest.raises(BadRow, match="episode_over"):
+        cut_trajectory("k", msgs, "last", end_tools=frozenset({"submit"}))
+    assert cut_trajectory("k", msgs, "last")[0][1] == msgs  # without the rule: the old end cut
+
+
+def test_toolace_results_have_one_form(scrub):
+    recs = run("toolace", scrub)[0]
+    one = recs["toolace/t1"]["messages"][2]  # one call: its own object, like each of two calls
+    two = recs["toolace/00000000"]["messages"][2:4]
+    assert json.loads(one["content"]) == {"name": "Market Trends API", "results": {"top": ["ZZZ"]}}
+    assert [json.loads(m["content"])["name"] for m in two] == ["Market Trends API", "get_time"]
+
+
+def test_reasons_kept_apart_and_fallbacks_counted(scrub):
+    cases = [({"id": "a"}, "missing_messages"), ({"id": "b", "messages": []}, "empty_messages"),
+             ({"id": "c", "messages": {"role": "user"}}, "bad_field_type"),
+             ({"id": "d", "messages": [{"role": "user"}]}, "missing_user_content"),
+             ({"id": "e", "messages": [{"role": "user", "content": " "}]}, "empty_user_message"),
+             ({"id": "f", "messages": [{"content": "x"}]}, "missing_role")]
+    for row, reason in cases:
+        with pytest.raises(BadRow) as e:
+            expand("messages", row, scrub)
+        assert e.value.reason == reason, row
+    for row, reason in [({"id": "g"}, "missing_conversations"), ({"id": "h", "conversations": []}, "empty_conversations"),
+                        ({"id": "i", "conversations": "{}"}, "bad_field_type"),
+                        ({"id": "j", "conversations": [{"from": "human"}]}, "missing_turn_value"),
+                        ({"id": "k", "conversations": [{"from": "human", "value": 3}]}, "bad_field_type")]:
+        with pytest.raises(BadRow) as e:
+            expand("sharegpt", row, scrub)
+        assert e.value.reason == reason, row
+    recs, repairs = expand("ultrachat", {"prompt_id": "uc", "prompt": "Explain tuples.", "messages": []}, scrub)
+    assert recs["uc"]["messages"] == [{"role": "user", "content": "Explain tuples."}]
+    assert repairs == {"prompt_field_fallback": 1}
+    h0 = json.loads((FIX / "hermes_fc.jsonl").read_text().splitlines()[0])  # a Python-dict call envelope
+    assert expand("hermes_fc", h0, scrub)[1] == {"python_literal_tool_calls": 1}

@@ -26,7 +26,7 @@ def test_tool_conversation_golden(tok):
         {"role": "assistant", "content": "", "reasoning_content": "User wants echo; call the tool.", "tool_calls": [CALL]},
         {"role": "tool", "tool_call_id": "call_abc", "name": "echo", "content": "ping"},
     ])
-    # Same string as K2.5's own tokenizer renders (shared/research/kimi_files_verification.txt case B,
+    # Same string as K2.5's own tokenizer renders (assets/kimi_k25/verification.txt case B,
     # with the JSON tool fallback of case C instead of the TypeScript block).
     expected = ('<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":"echo","description":'
                 '"Echo a string back to the caller.","parameters":{"type":"object","properties":{"text":{"type":"string"}},'
@@ -78,3 +78,30 @@ def test_scrub_removes_special_strings(tok):
     assert msgs[0]["content"] == "abc" and n == 2
     ids = tok.encode(msgs[0]["content"], add_special_tokens=False)
     assert not set(ids) & set(tok.all_special_ids)
+
+
+def test_scrub_repeats_until_no_special_string_is_left():
+    """A nested literal `<|im_<|im_end|>end|>` must not turn into a real <|im_end|> (id 163586 in K2.5)
+    after one deletion pass: in text, tool-call names and arguments, and tool schemas."""
+    from common.data.kimi_tokenizer import load_kimi_k25_tokenizer
+
+    kimi = load_kimi_k25_tokenizer()
+    pat = cf.special_token_pattern(kimi)
+    nested = "a<|im_<|im_end|>end|>b<<think>think>c<|im_<|im_<|im_end|>end|>end|>d"
+    assert cf.scrub_text(nested, pat) == ("abcd", 7)
+    msgs, n = cf.scrub_messages([
+        {"role": "user", "content": nested, "name": "x<|im_<|im_end|>end|>"},
+        {"role": "assistant", "content": "", "reasoning_content": nested, "tool_calls": [
+            {"id": "functions.ru<|im_<|im_end|>end|>n:0", "type": "function",
+             "function": {"name": "ru<|im_<|im_end|>end|>n", "arguments": '{"a": "<|im_<|im_end|>end|>"}'}}]},
+        {"role": "tool", "tool_call_id": "functions.ru<|im_<|im_end|>end|>n:0", "content": "ok"}], pat)
+    assert msgs[0] == {"role": "user", "content": "abcd", "name": "x"} and msgs[1]["reasoning_content"] == "abcd"
+    assert msgs[1]["tool_calls"][0]["function"] == {"name": "run", "arguments": '{"a": ""}'}
+    assert msgs[1]["tool_calls"][0]["id"] == msgs[2]["tool_call_id"] == "functions.run:0" and n == 7 + 2 + 7 + 2 * 4
+    tools, n = cf.scrub_value([{"type": "function", "function": {
+        "name": "t<|im_<|im_end|>end|>", "description": nested,
+        "parameters": {"type": "object", "properties": {"m<|im_<|im_end|>end|>": {"enum": [nested]}}}}}], pat)
+    assert tools[0]["function"]["name"] == "t" and tools[0]["function"]["description"] == "abcd"
+    assert tools[0]["function"]["parameters"]["properties"] == {"m": {"enum": ["abcd"]}} and n == 2 + 7 + 2 + 7
+    ids = kimi.encode(msgs[0]["content"] + tools[0]["function"]["description"], add_special_tokens=False)
+    assert 163586 not in ids and not set(ids) & set(kimi.all_special_ids)

@@ -14,7 +14,8 @@ import json
 import re
 
 from common.data.adapters import (SHAREGPT_ROLES, BadRow, _content_text, _drop_none, _maybe_json, _tools,
-                             clean_message, row_key)
+                                  add_repair, arguments_json, clean_message, conversation_turns, require_field,
+                                  require_list, row_key)
 
 
 class FilteredRow(BadRow):
@@ -53,27 +54,6 @@ SWE_AGENT_TOOLS = [
 # TypeScript declaration reads like a real API request (K2.5 would print `dict` as is).
 SCHEMA_TYPES = {"dict": "object", "float": "number", "int": "integer", "bool": "boolean", "list": "array",
                 "str": "string", "tuple": "array", "any": "string", "double": "number", "long": "integer"}
-
-
-def require_field(row: dict, field: str, types, reason: str | None = None):
-    value = row.get(field)
-    if value is None:
-        raise BadRow(reason or f"missing_{field}")
-    if not isinstance(value, types):
-        raise BadRow("bad_field_type", f"{field}: {type(value).__name__}")
-    return value
-
-
-def conversation_turns(row: dict) -> list[tuple[str, str]]:
-    """`conversations` [{from, value}] (a list or JSON text) -> [(from, value)] with string values;
-    BadRow when the field is missing or empty, or a turn is malformed."""
-    turns = _maybe_json(require_field(row, "conversations", (str, list), "no_messages"), "bad_conversations_json")
-    if not isinstance(turns, list) or not turns:
-        raise BadRow("no_messages")
-    for turn in turns:
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise BadRow("bad_turn", str(turn)[:80])
-    return [(str(turn.get("from", "")), turn["value"]) for turn in turns]
 
 
 def normalize_schema(schema):
@@ -120,10 +100,8 @@ def _resolved_filter(value, resolved_only: bool, allow_unknown: bool = False):
     raise BadRow("bad_field_type", f"resolved: {value!r}")
 
 
-def _openai_messages(raw, tool_call_ids_field: bool = False) -> list[dict]:
-    messages = _maybe_json(raw, "bad_messages_json")
-    if not isinstance(messages, list) or not messages:
-        raise BadRow("no_messages")
+def _openai_messages(row: dict, field: str, tool_call_ids_field: bool = False) -> list[dict]:
+    messages = require_list(row, field, "bad_messages_json")
     out = []
     for m in messages:
         if not isinstance(m, dict):
@@ -141,7 +119,7 @@ def _openai_messages(raw, tool_call_ids_field: bool = False) -> list[dict]:
 def adapt_swe_rebench(row: dict, index: int, resolved_only: bool = True):
     """nebius/SWE-rebench-openhands-trajectories: `trajectory` (JSON text of OpenAI messages), `tools`."""
     _resolved_filter(row.get("resolved"), resolved_only)
-    messages = _openai_messages(require_field(row, "trajectory", (str, list), "no_messages"))
+    messages = _openai_messages(row, "trajectory")
     meta = {k: row[k] for k in ("instance_id", "repo", "exit_status") if row.get(k) is not None}
     return row_key(row, index), messages, tools_list(row.get("tools")), meta
 
@@ -150,10 +128,8 @@ def adapt_open_swe(row: dict, index: int, resolved_only: bool = True, allow_unkn
     """nvidia/Open-SWE-Traces: `messages` (some versions `trajectory`), `tools` (list of JSON texts),
     `resolved` -1/0/1, `metadata` (teacher_model, category, ...)."""
     _resolved_filter(row.get("resolved"), resolved_only, allow_unknown_resolved)
-    raw = row.get("messages") if row.get("messages") is not None else row.get("trajectory")
-    if raw is None:
-        raise BadRow("no_messages")
-    messages = _openai_messages(raw)
+    field = "trajectory" if row.get("messages") is None and row.get("trajectory") is not None else "messages"
+    messages = _openai_messages(row, field)
     metadata = _maybe_json(row.get("metadata") or {}, "bad_metadata_json")
     meta = {k: row[k] for k in ("instance_id", "repo", "language") if row.get(k) is not None}
     if isinstance(metadata, dict):
@@ -165,7 +141,7 @@ def adapt_swe_smith(row: dict, index: int, resolved_only: bool = True):
     """SWE-bench/SWE-smith-trajectories split `tool`: `messages` (JSON text; SWE-agent history items
     with `message_type`, `tool_calls`, `tool_call_ids`), `traj_id`, `resolved`; SWE-agent's tools."""
     _resolved_filter(row.get("resolved"), resolved_only)
-    messages = _openai_messages(require_field(row, "messages", (str, list), "no_messages"), tool_call_ids_field=True)
+    messages = _openai_messages(row, "messages", tool_call_ids_field=True)
     key = str(row["traj_id"]) if row.get("traj_id") else row_key(row, index)
     meta = {k: row[k] for k in ("instance_id", "model") if row.get(k) is not None}
     return key, messages, SWE_AGENT_TOOLS, meta
@@ -174,9 +150,7 @@ def adapt_swe_smith(row: dict, index: int, resolved_only: bool = True):
 def _call(name, arguments, call_id: str) -> dict:
     if not isinstance(name, str) or not name:
         raise BadRow("bad_tool_call", f"name {name!r}")
-    args = arguments if isinstance(arguments, str) else json.dumps(
-        arguments if arguments is not None else {}, ensure_ascii=False)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments_json(arguments)}}
 
 
 def _answer(pending: list[dict], content: str, name: str | None = None) -> dict:
@@ -192,9 +166,7 @@ def adapt_toucan(row: dict, index: int):
     assistant message with `function_call` and each result a `function` message; config SFT: roles
     `tool_call` / `tool_response` with JSON content; OpenAI `tool_calls` are accepted too).
     Consecutive assistant messages merge into one turn (Qwen-Agent writes parallel calls that way)."""
-    raw = _maybe_json(require_field(row, "messages", (str, list), "no_messages"), "bad_messages_json")
-    if not isinstance(raw, list) or not raw:
-        raise BadRow("no_messages")
+    raw = require_list(row, "messages", "bad_messages_json")
     out, pending, n_calls = [], [], 0
 
     def assistant_turn() -> dict:
@@ -247,15 +219,16 @@ TOOL_CALL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 TOOL_RESPONSE_TAG = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.S)
 
 
-def _loads_lenient(text: str):
-    """JSON, else a Python literal (Hermes often prints dicts with single quotes)."""
+def _loads_lenient(text: str) -> tuple[object, bool]:
+    """(value, True when it was read as a Python literal): JSON, else a Python literal (Hermes often
+    prints the call envelope as a dict with single quotes; its arguments must still become JSON)."""
     try:
-        return json.loads(text)
+        return json.loads(text), False
     except json.JSONDecodeError:
         pass
     try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return ast.literal_eval(text), True
+    except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
         raise BadRow("unparseable_tool_call", text[:80]) from None
 
 
@@ -263,7 +236,7 @@ def adapt_hermes(row: dict, index: int):
     """NousResearch/hermes-function-calling-v1: `conversations` [{from, value}], `tools` (JSON text).
     The Hermes system prompt that lists `<tools>` and teaches the `<tool_call>` text format is dropped:
     the tools go to the template natively, so the target answers in its own call format."""
-    out, pending, n_calls = [], [], 0
+    out, pending, n_calls, n_literal = [], [], 0, 0
     for speaker, text in conversation_turns(row):
         role = SHAREGPT_ROLES.get(speaker.lower())
         if role is None:
@@ -274,7 +247,8 @@ def adapt_hermes(row: dict, index: int):
         elif role == "assistant":
             calls = []
             for body in TOOL_CALL_TAG.findall(text):
-                obj = _loads_lenient(body)
+                obj, literal = _loads_lenient(body)
+                n_literal += literal
                 if not isinstance(obj, dict):
                     raise BadRow("unparseable_tool_call", body[:80])
                 calls.append(_call(obj.get("name"), obj.get("arguments"), f"hermes_{n_calls}"))
@@ -294,7 +268,7 @@ def adapt_hermes(row: dict, index: int):
         else:
             out.append({"role": role, "content": text})
     meta = {k: row[k] for k in ("category", "subcategory", "task") if row.get(k) is not None}
-    return row_key(row, index), out, tools_list(row.get("tools")), meta
+    return row_key(row, index), out, tools_list(row.get("tools")), add_repair(meta, "python_literal_tool_calls", n_literal)
 
 
 # ToolACE calls: `[Func Name(arg=1, b="x"), other(a=[1, 2])]`; names may hold spaces, dots, dashes.
@@ -357,15 +331,17 @@ def adapt_toolace(row: dict, index: int):
         elif role == "assistant":
             out.append({"role": "assistant", "content": text})
         elif role == "tool":
+            # ToolACE writes the results of a call turn as one JSON list, `{"name", "results"}` per
+            # call in call order: each call's tool message gets its own object, for one call or many.
             results = None
             try:
                 results = json.loads(text)
             except json.JSONDecodeError:
                 pass
-            if isinstance(results, list) and len(results) == len(pending) > 1:
+            if isinstance(results, list) and len(results) == len(pending) > 0:
                 out += [_answer(pending, json.dumps(r, ensure_ascii=False)) for r in results]
             elif len(pending) == 1:
-                out.append(_answer(pending, text))
+                out.append(_answer(pending, text))  # not ToolACE's list: the text is the one result
             else:
                 raise BadRow("tool_result_mismatch", f"results for {len(pending)} calls: {text[:60]}")
         else:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 import re
 
-from common.data.adapters import SHAREGPT_ROLES, BadRow, _drop_none, _maybe_json, clean_message, row_key
-from common.data.adapters_agentic import FilteredRow, conversation_turns, require_field
+from common.data.adapters import (SHAREGPT_ROLES, BadRow, _drop_none, _maybe_json, add_repair, clean_message,
+                                  conversation_turns, require_field, require_list, row_key)
+from common.data.adapters_agentic import FilteredRow
 
 
 def _text(row: dict, field: str) -> str:
@@ -104,15 +105,18 @@ def adapt_openthoughts(row: dict, index: int, keep_system: bool = False):
 
 
 def adapt_ultrachat(row: dict, index: int):
-    """HuggingFaceH4/ultrachat_200k: `prompt`, `prompt_id`, `messages` [{role, content}]."""
+    """HuggingFaceH4/ultrachat_200k: `prompt`, `prompt_id`, `messages` [{role, content}]. A row whose
+    `messages` is missing or empty falls back to the top-level `prompt` (counted as a repair)."""
     raw = _maybe_json(row.get("messages"), "bad_messages_json")
+    meta = {}
     if raw is None or raw == []:
         raw = [{"role": "user", "content": _text(row, "prompt")}]
+        add_repair(meta, "prompt_field_fallback")
     if not isinstance(raw, list):
         raise BadRow("bad_field_type", f"messages: {type(raw).__name__}")
     if not all(isinstance(m, dict) for m in raw):
         raise BadRow("bad_message", "a message is not an object")
-    return row_key(row, index), [clean_message(_drop_none(m)) for m in raw], None, {}
+    return row_key(row, index), [clean_message(_drop_none(m)) for m in raw], None, meta
 
 
 def adapt_sharegpt(row: dict, index: int):
@@ -126,8 +130,8 @@ def adapt_sharegpt(row: dict, index: int):
             continue
         messages.append({"role": role, "content": text})
     if not messages:
-        raise BadRow("no_messages")
-    return row_key(row, index), messages, None, {"dropped_turns": dropped} if dropped else {}
+        raise BadRow("no_known_speaker")
+    return row_key(row, index), messages, None, add_repair({}, "unknown_speaker_turns_dropped", dropped)
 
 
 def adapt_wildchat(row: dict, index: int, languages=("English", "Chinese"), drop_toxic: bool = True,
@@ -145,9 +149,7 @@ def adapt_wildchat(row: dict, index: int, languages=("English", "Chinese"), drop
     language = require_field(row, "language", str)
     if languages is not None and language not in languages:
         raise FilteredRow("filtered_language")
-    raw = _maybe_json(require_field(row, "conversation", (str, list), "no_messages"), "bad_messages_json")
-    if not isinstance(raw, list) or not raw:
-        raise BadRow("no_messages")
+    raw = require_list(row, "conversation", "bad_messages_json")
     messages = []
     for m in raw:
         if not isinstance(m, dict):

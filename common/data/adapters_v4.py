@@ -12,13 +12,16 @@ through common.data.adapters.finish_record (id rewriting, scrubbing, validation)
                   absent: 01's --thinking for all. Complete records whose final turn has no reasoning
                   are always thinking off (their text is an instant-mode answer).
   filters         mapping of adapter options, kebab-case (resolved-only, min-test-score, languages, ...)
+Before cutting, turns before the first user turn are dropped (common.data.adapters.drop_leading_turns);
+agent trajectories are never cut after the result of their episode-ending tool (EPISODE_END_TOOLS).
 """
 from __future__ import annotations
 
 import inspect
 import random
+from collections import Counter
 
-from common.data.adapters import ADAPTERS, BadRow, finish_record
+from common.data.adapters import ADAPTERS, BadRow, add_repair, drop_leading_turns, finish_record
 from common.data.adapters_agentic import (FilteredRow, adapt_hermes, adapt_open_swe, adapt_swe_rebench,
                                      adapt_swe_smith, adapt_toolace, adapt_toucan, adapt_xlam)
 from common.data.adapters_text import (adapt_magicoder_evol, adapt_magicoder_oss, adapt_opc_sft,
@@ -48,6 +51,12 @@ RAW_ADAPTERS = {
     "wildchat": adapt_wildchat,
 }
 CUT_MODES = ("last", "random", "every")
+# Tools whose call ends the agent's episode: after their result the task is over, so the end of such a
+# trajectory is no turn the target would be asked to write (cut_trajectory skips it). OpenHands
+# (SWE-rebench, Open-SWE-Traces): `finish` (openhands/agenthub/codeact_agent/tools/finish.py,
+# https://github.com/All-Hands-AI/OpenHands); SWE-agent (SWE-smith): `submit` (SWE_AGENT_TOOLS).
+EPISODE_END_TOOLS = {"swe_rebench": frozenset({"finish"}), "open_swe": frozenset({"finish"}),
+                     "swe_smith": frozenset({"submit"})}
 V4_SPEC_KEYS = {"cut", "thinking-ratio", "filters"}
 
 
@@ -111,14 +120,15 @@ def check_v4_spec(spec: dict) -> None:
 
 
 def cut_trajectory(key: str, messages: list[dict], mode: str = "last", seed: int = 0,
-                   complete: bool = False) -> list[tuple[str, list[dict], int | None]]:
+                   complete: bool = False, end_tools: frozenset = frozenset()) -> list[tuple[str, list[dict], int | None]]:
     """Cut a conversation at assistant turns: [(record key, messages, turn number)].
 
     A cut point is an assistant message right after a user or tool message (a turn the model starts
     from scratch), plus, for prompt-only records, the end of a conversation that ends with a user or
-    tool message (the turn it waits for). Prompt-only records keep everything before the point (the
-    target writes that turn); complete records keep the turn as their final message. Turn numbers
-    count assistant messages from 1.
+    tool message (the turn it waits for) - unless that last message is the result of a call to one
+    of `end_tools` (the episode is over; BadRow `episode_over` when no other point is left).
+    Prompt-only records keep everything before the point (the target writes that turn); complete
+    records keep the turn as their final message. Turn numbers count assistant messages from 1.
     """
     if mode not in CUT_MODES:
         raise ValueError(f"cut mode {mode!r} is not one of {CUT_MODES}")
@@ -128,11 +138,14 @@ def cut_trajectory(key: str, messages: list[dict], mode: str = "last", seed: int
             turn += 1
             if i > 0 and messages[i - 1]["role"] in ("user", "tool"):
                 points.append((i, turn))
-    if not complete and messages and messages[-1]["role"] in ("user", "tool"):
+    over = bool(messages) and messages[-1]["role"] == "tool" and _answered_tool(messages) in end_tools
+    if not complete and messages and messages[-1]["role"] in ("user", "tool") and not over:
         points.append((len(messages), turn + 1))  # the turn the conversation is waiting for
     if not points:
         if complete:
             raise BadRow("no_final_assistant")
+        if over:
+            raise BadRow("episode_over")
         return [(key, messages, None)]
     end = 1 if complete else 0
     if mode == "last":
@@ -146,6 +159,16 @@ def cut_trajectory(key: str, messages: list[dict], mode: str = "last", seed: int
     return [(key, messages[:i + end], t)]
 
 
+def _answered_tool(messages: list[dict]) -> str | None:
+    """Name of the call the last (tool) message answers: its call's function name, else its `name`."""
+    last = messages[-1]
+    for msg in reversed(messages[:-1]):
+        for call in msg.get("tool_calls") or []:
+            if call.get("id") == last.get("tool_call_id"):
+                return call["function"]["name"]
+    return last.get("name")
+
+
 def thinking_for(record_id: str, ratio: float, seed: int = 0) -> bool:
     """Thinking on for a `ratio` share of records, decided per record id (stable across re-runs)."""
     if ratio >= 1:
@@ -156,11 +179,13 @@ def thinking_for(record_id: str, ratio: float, seed: int = 0) -> bool:
 
 
 def expand_row(row: dict, index: int, spec: dict, scrub, seed: int = 0, thinking: bool = True,
-               thinking_ratio: float | None = None) -> list[tuple[dict, int]]:
+               thinking_ratio: float | None = None, repairs: Counter | None = None,
+               kimi_tool_ids: bool = True) -> list[tuple[dict, int]]:
     """One raw row -> [(unified record, special strings scrubbed)], one per cut (see module doc).
 
     `thinking_ratio` (01's --thinking-ratio) applies to entries without their own; with neither, every
-    record gets `thinking`. Raises BadRow / FilteredRow for the whole row, like an adapter.
+    record gets `thinking`. Raises BadRow / FilteredRow for the whole row, like an adapter. The row's
+    `meta["repairs"]` are added to `repairs` once per row (not per cut), and only when it is used.
     """
     name, complete = spec["adapter"], bool(spec.get("complete", False))
     if name in RAW_ADAPTERS:
@@ -168,16 +193,22 @@ def expand_row(row: dict, index: int, spec: dict, scrub, seed: int = 0, thinking
         messages = name_tool_results(messages)
     else:
         key, messages, tools, meta = ADAPTERS[name](row, index)
+    messages, dropped = drop_leading_turns(messages)
+    meta = add_repair(dict(meta), "leading_turns_dropped", dropped)
     ratio = spec.get("thinking-ratio", thinking_ratio)  # the entry's, else the stage-wide one
     out = []
-    for cut_key, msgs, turn in cut_trajectory(key, messages, spec.get("cut", "last"), seed, complete):
+    cuts = cut_trajectory(key, messages, spec.get("cut", "last"), seed, complete,
+                          EPISODE_END_TOOLS.get(name, frozenset()))
+    for cut_key, msgs, turn in cuts:
         pre = {"key": cut_key, "messages": msgs, "tools": tools,
                "meta": {**meta, "cut_turn": turn} if turn is not None and name in RAW_ADAPTERS else dict(meta)}
         th = thinking if ratio is None else thinking_for(f"{spec['name']}/{cut_key}", ratio, seed)
         if complete and not msgs[-1].get("reasoning_content"):
             th = False  # a kept answer without reasoning is an instant-mode answer, never `<think></think>`
         out.append(finish_record(pre["key"], pre["messages"], pre["tools"], pre["meta"], spec["name"], scrub,
-                                 th, complete=complete))
+                                 th, complete=complete, kimi_tool_ids=kimi_tool_ids))
+    if repairs is not None:
+        repairs.update(meta.get("repairs", {}))
     return out
 
 

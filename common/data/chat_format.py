@@ -59,9 +59,11 @@ def render_completion(message: dict, thinking: bool = True) -> str:
     return text + IM_END
 
 
-def normalize_tool_call_ids(messages: list[dict]) -> list[dict]:
+def normalize_tool_call_ids(messages: list[dict], kimi_ids: bool = True) -> list[dict]:
     """Rewrite tool-call ids to Kimi's `functions.NAME:IDX` (IDX counts calls over the whole
-    conversation) and point each tool message's `tool_call_id` at the new id.
+    conversation) and point each tool message's `tool_call_id` at the new id. With `kimi_ids=False`
+    (a target of another format, common/data/target_format.py) the dataset's ids are kept and only a
+    missing one becomes `call_IDX`.
 
     Raises ValueError when a tool message answers an id that no earlier call made.
     """
@@ -72,7 +74,7 @@ def normalize_tool_call_ids(messages: list[dict]) -> list[dict]:
             calls = []
             for call in msg["tool_calls"]:
                 name = call["function"]["name"]
-                new_id = f"functions.{name}:{count}"
+                new_id = f"functions.{name}:{count}" if kimi_ids else (call.get("id") or f"call_{count}")
                 count += 1
                 if call.get("id") is not None:
                     renamed[call["id"]] = new_id
@@ -96,27 +98,44 @@ def special_token_pattern(tokenizer) -> re.Pattern:
 
 
 def scrub_text(text: str, pattern: re.Pattern) -> tuple[str, int]:
-    """Remove literal special-token strings from dataset text (they would become control tokens)."""
-    return pattern.subn("", text)
+    """Remove literal special-token strings from dataset text (they would become control tokens).
+
+    Repeated until none is left: deleting one can join the pieces of another, so a single pass turns
+    `<|im_<|im_end|>end|>` into a real `<|im_end|>` inside user text.
+    """
+    removed = 0
+    while True:
+        text, n = pattern.subn("", text)
+        if not n:
+            return text, removed
+        removed += n
+
+
+def scrub_value(value, pattern: re.Pattern):
+    """Scrub every string inside a JSON-like value (dict keys and values, list items); returns
+    (value, removed). Tool schemas go through this: their names, descriptions and enums are rendered."""
+    if isinstance(value, str):
+        return scrub_text(value, pattern)
+    if isinstance(value, list):
+        items = [scrub_value(v, pattern) for v in value]
+        return [v for v, _ in items], sum(n for _, n in items)
+    if isinstance(value, dict):
+        out, removed = {}, 0
+        for k, v in value.items():
+            k, n_key = scrub_text(k, pattern) if isinstance(k, str) else (k, 0)
+            out[k], n = scrub_value(v, pattern)
+            removed += n_key + n
+        return out, removed
+    return value, 0
 
 
 def scrub_messages(messages: list[dict], pattern: re.Pattern) -> tuple[list[dict], int]:
-    """Scrub content, reasoning and tool-call arguments of all messages; returns (messages, removed)."""
+    """Scrub every text field of all messages (content, reasoning, names, tool-call names, ids and
+    arguments); returns (messages, removed). A tool-call id and the `tool_call_id` answering it are
+    the same string, so they stay equal."""
     removed, out = 0, []
     for msg in messages:
-        msg = dict(msg)
-        for key in ("content", "reasoning_content"):
-            if isinstance(msg.get(key), str):
-                msg[key], n = scrub_text(msg[key], pattern)
-                removed += n
-        if msg.get("tool_calls"):
-            calls = []
-            for call in msg["tool_calls"]:
-                args = call["function"]["arguments"]
-                if isinstance(args, str):
-                    args, n = scrub_text(args, pattern)
-                    removed += n
-                calls.append({**call, "function": {**call["function"], "arguments": args}})
-            msg["tool_calls"] = calls
+        msg, n = scrub_value(msg, pattern)
         out.append(msg)
+        removed += n
     return out, removed

@@ -2,14 +2,13 @@
 backend.
   Progress    a tqdm bar per partition with tokens/s and errors by kind, a log line, the manifest totals.
   HFBackend   batched `generate_batch(prompt_texts, max_new_tokens)` in-process with transformers
-              (the tiny world, tests); same result dicts as common/data/server_pool.ServerPool.
+              (the tiny world, tests); same result dicts as common/data/server_pool.ServerPool, plus
+              `completion_ids` (the ids the target emitted, end-of-turn id included when it stopped).
 """
 from __future__ import annotations
 
 import time
 from collections import Counter
-
-from common.data.chat_format import IM_END
 
 
 def log(line: str) -> None:
@@ -78,20 +77,28 @@ class Progress:
 
 
 class HFBackend:
-    """Left-padded batched generation with transformers (fp32 on CPU, bf16 on CUDA)."""
+    """Left-padded batched generation with transformers (fp32 on CPU, bf16 on CUDA).
+
+    `stop_ids`: the ids that end a turn (common/data/target_format.TargetFormat.stop_ids); the first one
+    also pads when the tokenizer has no pad token. `generator` names what decides the greedy answers
+    (backend and dtype), for the response cache's identity.
+    """
 
     name = "hf"
 
-    def __init__(self, model_path, tokenizer, device: str = "cpu", temperature: float = 0.0, seed: int = 0):
+    def __init__(self, model_path, tokenizer, stop_ids, device: str = "cpu", temperature: float = 0.0,
+                 seed: int = 0):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch, self.tok, self.device = torch, tokenizer, device
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        self.generator = hf_generator(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
         self.temperature, self.seed = temperature, seed
-        self.eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.stop_ids = [int(i) for i in stop_ids]
+        assert self.stop_ids, "HFBackend needs at least one stop id"
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
 
     def generate_batch(self, prompt_texts: list[str], max_new_tokens: list[int]) -> list[dict]:
         torch = self.torch
@@ -111,15 +118,22 @@ class HFBackend:
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
                 max_new_tokens=max(max_new_tokens), do_sample=sample,
                 temperature=self.temperature if sample else None, top_p=None, top_k=None,
-                eos_token_id=self.eos_id, pad_token_id=self.pad_id)
+                eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
         gen = out[:, width:].tolist()                                                  # [B, new]
+        stops = set(self.stop_ids)
         results = []
         for x, row, cap in zip(ids, gen, max_new_tokens):
             row = row[:cap]
             finish = "length"
-            if self.eos_id in row:
-                row, finish = row[:row.index(self.eos_id) + 1], "stop"
+            end = next((k for k, t in enumerate(row) if t in stops), None)
+            if end is not None:  # the turn ended: keep the stop id (the draft learns to predict it)
+                row, finish = row[:end + 1], "stop"
             results.append({"completion": self.tok.decode(row, skip_special_tokens=False),
-                            "finish_reason": finish, "num_prompt_tokens": len(x),
+                            "completion_ids": row, "finish_reason": finish, "num_prompt_tokens": len(x),
                             "num_completion_tokens": len(row)})
         return results
+
+
+def hf_generator(device: str) -> str:
+    """What decides the hf backend's greedy answers besides the model: the dtype its device runs in."""
+    return "hf-float32" if device == "cpu" else "hf-bfloat16"

@@ -87,8 +87,10 @@ class ServerPool:
                  temperature: float = 0.0, seed: int | None = None, special_tokens: dict[int, str] | None = None,
                  request_timeout: float = 1800.0, max_retries: int = 3, retry_base_delay: float = 1.0,
                  retry_max_delay: float = 60.0, health_interval: float = 5.0, health_timeout: float = 30.0,
-                 server_down_timeout: float = 3600.0):
+                 server_down_timeout: float = 3600.0, stop: list[str] | None = None):
         self.servers = [Server(u) for u in urls]
+        # The target's end-of-turn string(s) (common/data/target_format.py); Kimi's <|im_end|> by default.
+        self.stop = list(stop) if stop else [IM_END]
         self.model, self.api_key, self.temperature, self.seed = model, api_key, temperature, seed
         self.special_tokens = special_tokens or {}
         self.request_timeout, self.max_retries = request_timeout, max_retries
@@ -212,15 +214,24 @@ class ServerPool:
         return max(delay, min(retry_after, self.retry_max_delay)) if retry_after else delay
 
     # --- generation ----------------------------------------------------------------------------
+    def completion_body(self, prompt_text: str, max_new_tokens: int, temperature: float | None = None) -> dict:
+        """The /completions request of one prompt (`temperature` None: the pool's own)."""
+        temperature = self.temperature if temperature is None else temperature
+        body = {"model": self.model, "prompt": prompt_text, "max_tokens": max_new_tokens,
+                "temperature": temperature, "stop": self.stop, "skip_special_tokens": False,
+                "spaces_between_special_tokens": False, "no_stop_trim": True,
+                "include_stop_str_in_output": True, "add_special_tokens": False,
+                # vLLM (>= 0.10.2): also return the emitted ids as choices[0].token_ids. SGLang 0.5.14's
+                # /v1/completions has no such field (only its native /generate returns output_ids).
+                "return_token_ids": True}
+        if self.seed is not None and temperature > 0:
+            body["seed"] = self.seed
+        return body
+
     async def generate(self, prompt_text: str, max_new_tokens: int, errors: Counter | None = None) -> dict:
         """One completion, retried as the class doc says. Attempt errors are counted in `errors`
         by kind; the final failure is raised as RequestFailed (kind = the failures.jsonl reason)."""
-        body = {"model": self.model, "prompt": prompt_text, "max_tokens": max_new_tokens,
-                "temperature": self.temperature, "stop": [IM_END], "skip_special_tokens": False,
-                "spaces_between_special_tokens": False, "no_stop_trim": True,
-                "include_stop_str_in_output": True, "add_special_tokens": False}
-        if self.seed is not None:
-            body["seed"] = self.seed
+        body = self.completion_body(prompt_text, max_new_tokens)
         charged = 0
         while True:
             server = await self._acquire()
@@ -256,9 +267,12 @@ class ServerPool:
         if finish == "stop":
             # SGLang reports what stopped it in `matched_stop` (a stop string or an eos token id).
             matched = choice.get("matched_stop")
-            stop_text = self.special_tokens.get(matched, IM_END) if isinstance(matched, int) else (matched or IM_END)
+            default = self.stop[0]
+            stop_text = self.special_tokens.get(matched, default) if isinstance(matched, int) else (matched or default)
             if not text.endswith(stop_text):
                 text += stop_text
         usage = data.get("usage") or {}
-        return {"completion": text, "finish_reason": finish, "num_prompt_tokens": usage.get("prompt_tokens"),
+        ids = choice.get("token_ids")
+        return {"completion": text, "completion_ids": [int(i) for i in ids] if isinstance(ids, list) else None,
+                "finish_reason": finish, "num_prompt_tokens": usage.get("prompt_tokens"),
                 "num_completion_tokens": usage.get("completion_tokens")}
