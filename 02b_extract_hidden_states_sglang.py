@@ -7,7 +7,10 @@ shard k holds samples [k*S, (k+1)*S) of tokenized_data.jsonl, packed along token
 A shard that exists is kept (resume); `*.tmp` files are partial and redone. Before the model loads,
 the disk the remaining shards need is printed, and the run refuses when the disk cannot hold it.
 Backends: `hf` (common/draft/capture.py: transformers, CPU or one GPU) and `sglang` (common/sglang/capture.py:
-SGLang's model runner on the GPU box, tensor parallel via torchrun; see docs/sglang.md).
+SGLang's model runner on the GPU box, tensor parallel via torchrun; see docs/sglang.md). Either way the
+capture points must be ones SGLang will capture from the draft's config ids when it serves the draft
+(common/draft/capture.sglang_layer_ids, keyed by the target's architecture); others are refused.
+Under torchrun only rank 0 prepares, cleans and writes the stage folder; the other ranks wait for it.
 
 Reads:  <work-dir>/01c_merged/tokenized_data.jsonl (+ manifest.json: tokenizer, target)
 Writes: <work-dir>/02b_hidden_states/shard_00000.safetensors ..., manifest.json
@@ -23,8 +26,8 @@ from pathlib import Path
 
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl
-from common.stage import (StageError, manifest_sha256, require_complete, resolve_target, stage_dir,
-                          start_stage, write_manifest)
+from common.stage import (StageError, is_complete, manifest_sha256, require_complete, resolve_target,
+                          stage_dir, start_stage, write_manifest)
 
 STAGE = "02b_extract_hidden_states_sglang"
 UPSTREAM = "01c_merge_datasets"
@@ -48,16 +51,21 @@ def build_parser():
                    help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
     g.add_argument("--capture-engine-args", default=None,
                    help="JSON object of extra SGLang ServerArgs fields for the sglang backend, e.g. "
-                        "'{\"attention_backend\": \"flashinfer\"}'; pp_size > 1 and two-batch overlap are refused")
+                        "'{\"attention_backend\": \"flashinfer\"}'; keys SpecForge sets itself (pp_size, "
+                        "tp_size, dtype, ...) and two-batch overlap are refused")
     g.add_argument("--capture-points", type=int, nargs="+", default=None,
                    help="h_i indices (INPUT of decoder layer i), 3 ascending in 1..N-1; "
                         "default [2, N//2, N-3] from the target config")
     g.add_argument("--samples-per-shard", type=int, default=64,
                    help="samples per shard file (a shard is assembled in memory: S x tokens x bytes/token)")
     g.add_argument("--capture-batch-tokens", type=int, default=8192,
-                   help="token budget per forward batch (batch size x longest sample, padding included)")
+                   help="token budget per forward batch (batch size x longest sample, padding included; "
+                        "sglang: rows of equal length only, rows x length)")
     g.add_argument("--hidden-states-dtype", choices=STORAGE_DTYPES, default="bfloat16",
                    help="storage dtype of the hidden states (compute is fp32 on CPU, bf16 on CUDA)")
+    g.add_argument("--allow-unknown-architecture", action="store_true",
+                   help="accept a target whose architecture is not in SGLang's layer-id table "
+                        "(common/draft/capture.py), assuming SGLang captures h_(id+1) for draft-config id")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the target runs (default: cuda if available)")
     g.add_argument("--disk-margin", type=float, default=0.05,
@@ -166,6 +174,23 @@ def load_model(target_dir: Path, device: str, dtype):
     return model.to(device).eval()
 
 
+def prepare_out_dir(out: Path, overwrite: bool, rank: int, barrier) -> bool:
+    """Rank 0 alone readies the stage folder (--overwrite removal, partial `*.tmp` writes of a killed
+    run deleted); every rank then meets at `barrier`. Returns False when the stage is already complete.
+
+    Under torchrun 8 processes run this; if each deleted files, all but one would find them gone.
+    """
+    proceed = True
+    if rank == 0:
+        proceed = start_stage(out, overwrite, "02b")
+        for tmp in sorted(out.glob("*.tmp")) if proceed else []:  # redone below
+            tmp.unlink()
+    barrier()
+    if rank != 0:  # rank 0 removed the manifest (--overwrite) or left a complete stage alone
+        proceed = not is_complete(out)
+    return proceed
+
+
 def main(argv=None):
     args = parse_args(build_parser(), argv)
     src = stage_dir(args.work_dir, UPSTREAM)
@@ -173,22 +198,32 @@ def main(argv=None):
     target_dir = resolve_target(args.target_path, upstream, src, UPSTREAM)
     if args.samples_per_shard < 1 or args.capture_batch_tokens < 1:
         raise StageError("--samples-per-shard and --capture-batch-tokens must be >= 1")
-    if args.capture_backend == "sglang":
-        from common.sglang.capture import engine_kwargs
-        engine_args = engine_kwargs(args.sglang_tp_size, args.mem_fraction_static, args.capture_engine_args)
-    out = stage_dir(args.work_dir, STAGE)
-    if not start_stage(out, args.overwrite, "02b"):
-        return
-    t0 = time.time()
 
-    from common.draft.capture import (default_capture_points, load_target_config, target_dims,
-                                validate_capture_points)
-    dims = target_dims(load_target_config(target_dir))
+    from common.draft.capture import (default_capture_points, load_target_config, sglang_layer_ids,
+                                      target_architecture, target_dims, validate_capture_points)
+    target_cfg = load_target_config(target_dir)
+    dims = target_dims(target_cfg)
     n_layers, hidden, vocab = dims["num_hidden_layers"], dims["hidden_size"], dims["vocab_size"]
     points = validate_capture_points(args.capture_points or default_capture_points(n_layers), n_layers)
+    # The draft is served by SGLang whichever backend captures: refuse points it would not capture.
+    architecture = target_architecture(target_cfg)
+    layer_ids = sglang_layer_ids(points, architecture, args.allow_unknown_architecture)
+
+    rank, barrier = 0, (lambda: None)
+    if args.capture_backend == "sglang":  # checked on every rank before any process group or model
+        from common.sglang import capture as cs
+        engine_args = cs.engine_kwargs(args.sglang_tp_size, args.mem_fraction_static, args.capture_engine_args)
+        rank = cs.check_world(args.sglang_tp_size)
+        cs.init_process_group(args.sglang_tp_size)
+        barrier = cs.barrier
+    out = stage_dir(args.work_dir, STAGE)
+    if not prepare_out_dir(out, args.overwrite, rank, barrier):
+        return
+    t0 = time.time()
     bytes_per_token = 4 * hidden * DTYPE_BYTES[args.hidden_states_dtype] + ID_MASK_BYTES  # (3H + H) states + ids/mask
-    print(f"[02b] target {target_dir}: N={n_layers} layers, H={hidden}, vocab {vocab}; capture points "
-          f"h{points} (inputs of decoder layers {points}); storage {args.hidden_states_dtype}, {bytes_per_token} B/token")
+    print(f"[02b] target {target_dir} ({architecture}): N={n_layers} layers, H={hidden}, vocab {vocab}; "
+          f"capture points h{points} (inputs of decoder layers {points}; SGLang draft ids {layer_ids}); "
+          f"storage {args.hidden_states_dtype}, {bytes_per_token} B/token")
 
     data = src / "tokenized_data.jsonl"
     meta = scan_samples(data, vocab)
@@ -197,8 +232,6 @@ def main(argv=None):
     plan = {k: meta[k * S:(k + 1) * S] for k in range(num_shards)}  # shard k -> its samples
 
     from common.draft.shards import list_shards, shard_name
-    for tmp in sorted(out.glob("*.tmp")):  # partial writes of a killed run: redone below
-        tmp.unlink()
     planned = {shard_name(k): k for k in plan}
     strays = [p.name for p in list_shards(out) if p.name not in planned]
     if strays:
@@ -220,26 +253,30 @@ def main(argv=None):
         args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # fp32 on CPU (tests compare against fp32 references); bf16 on CUDA (the checkpoint's dtype).
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    store_dtype = getattr(torch, args.hidden_states_dtype)
     written = dict(done)
+    calls = {"num_forward_calls": 0, "num_tokens": 0, "seconds": 0.0}  # this run's shards: calls, tokens, time
     if todo:
         from tqdm import tqdm
 
         from common.draft.capture import capture_hf
         from common.draft.shards import write_shard
-        rank = 0
-        if args.capture_backend == "sglang":  # GPU box: SGLang runner, rank 0 writes
-            from common.sglang import capture as cs
-            model = cs.build_backend(target_dir, points, engine_args, args.sglang_tp_size)
-            rank = cs.check_world(args.sglang_tp_size)
+        if args.capture_backend == "sglang":  # GPU box: SGLang runner on every rank, rank 0 writes
+            model = cs.build_backend(target_dir, layer_ids, engine_args)
             capture = lambda m, rows, cb: cs.capture_samples_sglang(  # noqa: E731
                 m, rows, cs.capture_rows, args.capture_batch_tokens, hidden, store_dtype, on_batch=cb)
         else:
             model = load_model(target_dir, device, compute_dtype)
             capture = lambda m, rows, cb: capture_samples(  # noqa: E731
                 m, rows, capture_hf, points, args.capture_batch_tokens, device, store_dtype, on_batch=cb)
-        store_dtype = getattr(torch, args.hidden_states_dtype)
+        bar = tqdm(total=todo_tokens, unit="tok", desc="02b capture", disable=rank != 0)
+
+        def on_batch(num_tokens: int) -> None:
+            calls["num_forward_calls"] += 1
+            calls["num_tokens"] += num_tokens
+            bar.update(num_tokens)
+
         todo_set = set(todo)
-        bar = tqdm(total=todo_tokens, unit="tok", desc="02b capture")
         rows: list[dict] = []
         for i, row in enumerate(iter_jsonl(data)):
             k = i // S
@@ -247,9 +284,11 @@ def main(argv=None):
                 assert row["id"] == plan[k][i % S]["id"], "tokenized_data.jsonl changed during the run"
                 rows.append(row)
             if k in todo_set and (len(rows) == len(plan[k])):
-                samples = capture(model, rows, bar.update)
+                t_shard = time.time()
+                samples = capture(model, rows, on_batch)
                 written[k] = (write_shard(out / shard_name(k), samples, store_dtype) if rank == 0
                               else sum(len(r["input_ids"]) for r in rows))
+                calls["seconds"] += time.time() - t_shard  # capture + host copy + write: the hours to plan
                 rows = []
         bar.close()
         assert not rows and set(written) == set(plan), "tokenized_data.jsonl changed during the run"
@@ -267,12 +306,15 @@ def main(argv=None):
         out, STAGE, args,
         capture_backend=args.capture_backend, device=device,
         compute_dtype=str(compute_dtype).removeprefix("torch."), capture_points=points,
+        target_architecture=architecture, sglang_layer_ids=layer_ids,
         hidden_size=hidden, num_hidden_layers=n_layers, vocab_size=vocab, dtype=args.hidden_states_dtype,
         bytes_per_token=bytes_per_token,
         num_samples=len(meta), num_tokens=num_tokens,
         num_supervised_tokens=sum(m["num_supervised"] for m in meta), num_bytes=num_bytes,
         samples_per_shard=S, shards=shards, tokenizer=upstream["tokenizer"], target=upstream["target"],
         inputs={"01c_merged/manifest.json": manifest_sha256(src)},
+        this_run={**calls, "seconds": round(calls["seconds"], 2),
+                  "tokens_per_s": round(calls["num_tokens"] / calls["seconds"], 1) if calls["seconds"] else None},
         elapsed_s=round(time.time() - t0, 2))
     print(f"[02b] done: {len(meta)} samples, {num_tokens:,} tokens, {num_shards} shards, "
           f"{num_bytes / 1e9:.3f} GB in {out} ({time.time() - t0:.1f} s)")

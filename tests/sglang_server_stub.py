@@ -1,11 +1,15 @@
 """A fake SGLang HTTP server on localhost returning SGLang's real document shapes (a test fixture).
 
-GET /health -> 200. GET /get_server_info -> {**ServerArgs fields, **scheduler_info, "internal_states":
+GET /health -> 200. GET /get_server_info -> {**ServerArgs fields (with `cuda_graph_config`
+{"decode": {"backend"}, "prefill": {"backend"}}), **scheduler_info, "internal_states":
 [{..., "avg_spec_accept_length"}], "version"} (srt/entrypoints/http_server.py); /server_info is 404
-unless `new_info_path` (older releases). POST /generate with `input_ids` + `stream: true` -> SSE
+unless `new_info_path` (older releases). avg_spec_accept_length comes from lifetime counters that POST
+/set_internal_state resets. POST /generate with `input_ids` + `stream: true` -> SSE
 `data: {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
-"cached_tokens", "spec_verify_ct"?, "e2e_latency"}}` lines, then `data: [DONE]`. A speculative server
-verifies `accept_length` tokens per round, so completion_tokens / spec_verify_ct = accept_length.
+"cached_tokens", "spec_verify_ct"?, "e2e_latency"}}` lines, then `data: [DONE]`; with `error_message`
+set, `data: {"error": {"message", "type", "code", "retryable"}}` then `data: [DONE]` (as 0.5.14 streams a
+ValueError). `fail_first` answers the first N requests with 503. A speculative server verifies
+`accept_length` tokens per round, so completion_tokens / spec_verify_ct = accept_length.
 """
 from __future__ import annotations
 
@@ -18,11 +22,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class StubState:
     def __init__(self, algorithm=None, draft_path=None, model_path="/models/target", accept_length=3.0,
-                 setting=(3, 1, 4), new_info_path=False, disable_cuda_graph=False):
+                 setting=(3, 1, 4), new_info_path=False, disable_cuda_graph=False, decode_graph="full",
+                 error_message=None, fail_first=0):
         self.server_args = {
             "model_path": model_path, "tokenizer_path": model_path, "tp_size": 1, "pp_size": 1,
             "dp_size": 1, "mem_fraction_static": 0.85, "disable_radix_cache": False,
             "disable_cuda_graph": disable_cuda_graph, "enable_two_batch_overlap": False,
+            "cuda_graph_config": {"decode": {"backend": "disabled" if disable_cuda_graph else decode_graph,
+                                             "max_bs": None, "bs": None, "tc_compiler": "eager"},
+                                  "prefill": {"backend": "disabled" if disable_cuda_graph else "tc_piecewise",
+                                              "max_bs": None, "bs": None, "tc_compiler": "eager"}},
             "speculative_algorithm": algorithm, "speculative_draft_model_path": draft_path,
             "speculative_num_steps": setting[0] if algorithm else None,
             "speculative_eagle_topk": setting[1] if algorithm else None,
@@ -30,6 +39,9 @@ class StubState:
         }
         self.accept_length = accept_length
         self.new_info_path = new_info_path
+        self.error_message = error_message
+        self.fail_first = fail_first
+        self.resets = 0
         self.tokens = 0
         self.verify = 0
         self.requests = []
@@ -64,9 +76,27 @@ def make_handler(state: StubState):
             self._json(404, {"detail": "Not Found"})
 
         def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/set_internal_state":  # scheduler.set_internal_state zeroes the counters
+                with state.lock:
+                    state.tokens = state.verify = 0
+                    state.resets += 1
+                return self._json(200, [True])
             if self.path != "/generate":
                 return self._json(404, {"detail": "Not Found"})
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with state.lock:
+                failing = state.fail_first > 0
+                state.fail_first -= failing
+            if failing:
+                return self._json(503, {"detail": "Service Unavailable"})
+            if state.error_message is not None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                err = {"message": state.error_message, "type": "invalid_request_error", "code": 400,
+                       "retryable": False}
+                self.wfile.write(f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode())
+                return
             ids, sp = req["input_ids"], req["sampling_params"]
             n = int(sp["max_new_tokens"])
             spec = bool(state.server_args["speculative_algorithm"])

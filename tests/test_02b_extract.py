@@ -221,3 +221,47 @@ def test_target_path_mismatch_refuses(micro_target, other_micro_target, tmp_path
         run(work, "--target-path", str(other_micro_target))
     run(work, "--target-path", str(micro_target))
     assert read_manifest(work / "02b_hidden_states")["num_samples"] == 5
+
+
+def test_sglang_layer_id_rule_per_architecture():
+    """sglang 0.5.14 set_eagle3_layers_to_capture: Llama/Qwen add 1 to the draft-config ids; the
+    DeepSeek family (Kimi) adds 1 only when the first id is 1, else captures the ids as given."""
+    from common.draft.capture import sglang_captured_points, sglang_layer_ids
+    assert sglang_layer_ids([2, 30, 58], "KimiK25ForConditionalGeneration") == [1, 29, 57]
+    assert sglang_layer_ids([2, 30, 58], "DeepseekV3ForCausalLM") == [1, 29, 57]
+    assert sglang_layer_ids([3, 15, 27], "LlamaForCausalLM") == [2, 14, 26]
+    assert sglang_layer_ids([1, 20, 40], "Qwen3MoeForCausalLM") == [0, 19, 39]
+    assert sglang_captured_points([2, 29, 57], "+1 if ids[0] == 1") == [2, 29, 57]  # as given
+    for points, arch in (([3, 30, 58], "KimiK25ForConditionalGeneration"), ([1, 30, 58], "DeepseekV3ForCausalLM")):
+        with pytest.raises(StageError, match="first entry is 2"):
+            sglang_layer_ids(points, arch)
+    with pytest.raises(StageError, match="--allow-unknown-architecture"):
+        sglang_layer_ids([2, 4, 5], "BrandNewForCausalLM")
+    assert sglang_layer_ids([2, 4, 5], "BrandNewForCausalLM", allow_unknown=True) == [1, 3, 4]
+
+
+def test_points_sglang_would_capture_differently_are_refused(micro_target, tmp_path):
+    """The micro target is DeepseekV3ForCausalLM: points [3, 4, 5] would be served by SGLang as
+    h2/h3/h4 (ids [2, 3, 4] are used as given), so 02b stops before touching its folder."""
+    work = tmp_path / "w"
+    make_01c(work, micro_target)
+    with pytest.raises(StageError, match=r"capture h\[2, 3, 4\] instead"):
+        run(work, "--capture-points", "3", "4", "5")
+    assert not (work / "02b_hidden_states").exists()
+    run(work, "--capture-points", "2", "3", "5")
+    man = read_manifest(work / "02b_hidden_states")
+    assert man["capture_points"] == [2, 3, 5] and man["sglang_layer_ids"] == [1, 2, 4]
+    assert man["target_architecture"] == "DeepseekV3ForCausalLM"
+
+
+def test_unknown_architecture_needs_the_flag(micro_target, tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(micro_target, target)
+    cfg = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**cfg, "architectures": ["BrandNewForCausalLM"]}))
+    work = tmp_path / "w"
+    make_01c(work, target)
+    with pytest.raises(StageError, match="BrandNewForCausalLM.*not in SGLANG_LAYER_ID_RULES"):
+        run(work)
+    run(work, "--allow-unknown-architecture")
+    assert read_manifest(work / "02b_hidden_states")["sglang_layer_ids"] == [1, 3, 4]

@@ -1,8 +1,12 @@
-"""02b --capture-backend sglang around a stand-in for the one GPU call: SpecForge/SGLang's
-`capture_rows(ids) -> (aux_rows [T_i, 3H], final_rows [T_i, H])`, here computed by the HF micro target.
-Proves: token-budget batching (ragged, last partial batch kept), refused settings, shape checks that
-stop before storing, shards identical to the hf backend, and per-shard resume."""
+"""02b --capture-backend sglang around a stand-in for the one GPU call: SpecForge's
+`capture_eagle3([B, T] ids) -> (data, aux_rows [T, 3H], last_rows [T, H])` for rows of one length, here
+computed by the HF micro target. Proves: equal-length grouping under a token budget (shards keep 01c's
+order), refused settings (also SpecForge's own keyword arguments), the process count checked before any
+model loads, rank 0 alone preparing the stage folder, shape checks that stop before storing, shards
+identical to the hf backend, and per-shard resume."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -20,49 +24,64 @@ def test_engine_kwargs_refusals():
                   "attention_backend": "flashinfer"}
     for bad, msg in (('{"pp_size": 2}', "pipeline parallel"), ('{"enable_two_batch_overlap": true}', "two-batch"),
                      ('{"disable_radix_cache": false}', "radix-cache"), ('{"tp_size": 4}', "may not set"),
-                     ('[1]', "JSON object")):
+                     ('[1]', "JSON object"), ('{"mem_fraction_static": 0.5}', "--mem-fraction-static")):
         with pytest.raises(StageError, match=msg):
             cs.engine_kwargs(1, 0.8, bad)
+    # Keys SpecForge's build() passes to ServerArgs itself: harmless-looking values would raise
+    # "got multiple values for keyword argument" on the GPU box, so they stop here.
+    for key, value in (("pp_size", 1), ("dtype", "bfloat16"), ("model_path", "/m"), ("trust_remote_code", True),
+                       ("enable_return_hidden_states", True), ("disable_cuda_graph", True),
+                       ("chunked_prefill_size", -1)):
+        with pytest.raises(StageError, match=f"may not set {key}"):
+            cs.engine_kwargs(1, 0.8, json.dumps({key: value}))
     with pytest.raises(StageError):
         cs.engine_kwargs(1, 1.5, None)
 
 
-def test_batch_by_tokens():
-    assert cs.batch_by_tokens([9, 23, 5, 17, 12], 30) == [[0], [1, 2], [3, 4]]
-    assert cs.batch_by_tokens([50, 3], 10) == [[0], [1]]  # too long: alone; the last batch is kept
-    assert sum(cs.batch_by_tokens([4] * 7, 8), []) == list(range(7))
+def test_batch_equal_lengths():
+    # capture_eagle3 takes one [B, T] tensor (no padding): only equal lengths share a call
+    assert cs.batch_equal_lengths([7, 5, 7, 7, 5, 9], 30) == [[0, 2, 3], [1, 4], [5]]
+    assert cs.batch_equal_lengths([7, 7, 7, 7, 7], 14) == [[0, 1], [2, 3], [4]]  # rows x length <= budget
+    assert cs.batch_equal_lengths([50, 50, 3], 10) == [[0], [1], [2]]  # longer than the budget: alone
+    assert sorted(sum(cs.batch_equal_lengths([4, 9, 4, 2] * 5, 16), [])) == list(range(20))
+
+
+def test_check_world_reads_torchrun_env():
+    assert cs.check_world(8, {"WORLD_SIZE": "8", "RANK": "3"}) == 3
+    assert cs.check_world(1, {}) == 0
+    with pytest.raises(StageError, match="nproc_per_node 8"):
+        cs.check_world(8, {"WORLD_SIZE": "4", "RANK": "0"})
 
 
 class StandIn:
-    """What build_backend returns; capture_rows below answers like SpecForge's capture_rows."""
+    """What build_backend returns: SpecForge's backend after set_eagle3_capture_layers(layer_ids).
+    Its capture_eagle3 answers like the pinned one: one [B, T] tensor in, per-row tuples out."""
 
-    def __init__(self, target, points, kwargs, bad=False):
+    def __init__(self, target, layer_ids, kwargs, bad=False):
         from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-        self.points, self.kwargs, self.bad, self.calls = points, kwargs, bad, []
+        self.points = [j + 1 for j in layer_ids]  # what the DeepSeek rule captures for ids starting at 1
+        self.layer_ids, self.kwargs, self.bad, self.calls = layer_ids, kwargs, bad, []
 
-
-def stand_in_rows(backend, ids):
-    backend.calls.append([len(i) for i in ids])
-    aux_rows, final_rows = [], []
-    for row in ids:  # one packed prefill in SGLang; per row here (same values, no padding)
-        t = torch.tensor([row])
-        aux, final = capture_hf(backend.model, t, torch.ones_like(t), backend.points)
-        aux_rows.append(aux[0][:, :32] if backend.bad else aux[0])  # bad: H-wide, as with EAGLE
-        final_rows.append(final[0])
-    return tuple(aux_rows), tuple(final_rows)
+    def capture_eagle3(self, *, input_ids, attention_mask, loss_mask):
+        self.calls.append([int(input_ids.shape[1])] * int(input_ids.shape[0]))
+        aux, final = capture_hf(self.model, input_ids, attention_mask, self.points)  # [B, T, 3H], [B, T, H]
+        aux_rows = tuple(a[:, :32] if self.bad else a for a in aux)  # bad: H-wide, as with EAGLE
+        return [None] * len(aux_rows), aux_rows, tuple(final)
 
 
 @pytest.fixture()
 def patched(monkeypatch, micro_target):
     made = []
 
-    def build(target, points, kwargs, tp_size):
-        made.append(StandIn(target, points, kwargs, bad=getattr(build, "bad", False)))
+    def build(target, layer_ids, kwargs):
+        made.append(StandIn(target, layer_ids, kwargs, bad=getattr(build, "bad", False)))
         return made[-1]
     monkeypatch.setattr(cs, "build_backend", build)
-    monkeypatch.setattr(cs, "capture_rows", stand_in_rows)
-    monkeypatch.setattr(cs, "check_world", lambda tp: 0)
+    monkeypatch.setattr(cs, "init_process_group", lambda tp: None)
+    monkeypatch.setattr(cs, "barrier", lambda: None)
+    for var in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
     return build, made
 
 
@@ -79,9 +98,9 @@ def test_sglang_backend_equals_hf(tmp_path, micro_target, patched):
     run(hf, "--device", "cpu")
     run(sg, "--capture-backend", "sglang", "--sglang-tp-size", "1", "--mem-fraction-static", "0.7")
     assert made[0].kwargs["mem_fraction_static"] == 0.7 and made[0].kwargs["disable_radix_cache"] is True
-    assert made[0].points == [2, 4, 5]
-    # shard plan of 2 samples, lengths [9, 23 | 5, 17 | 12], budget 30 tokens -> [9] [23] | [5, 17] | [12]
-    assert made[0].calls == [[9], [23], [5, 17], [12]]
+    assert made[0].layer_ids == [1, 3, 4]  # capture points [2, 4, 5] - 1, first id 1: DeepSeek adds 1
+    # shard plan of 2 samples, lengths [9, 23 | 5, 17 | 12]: no two equal, one row per call
+    assert made[0].calls == [[9], [23], [5], [17], [12]]
     a, b = list_shards(hf / "02b_hidden_states"), list_shards(sg / "02b_hidden_states")
     assert [p.name for p in a] == [p.name for p in b] == [shard_name(k) for k in range(3)]
     for pa, pb in zip(a, b):
@@ -99,7 +118,74 @@ def test_sglang_backend_equals_hf(tmp_path, micro_target, patched):
     (sg / "02b_hidden_states" / "manifest.json").unlink()
     (sg / "02b_hidden_states" / shard_name(1)).unlink()
     run(sg, "--capture-backend", "sglang")
-    assert made[1].calls == [[5, 17]]
+    assert made[1].calls == [[5], [17]]
+    assert man["target_architecture"] == "DeepseekV3ForCausalLM" and man["sglang_layer_ids"] == [1, 3, 4]
+    assert man["this_run"]["num_forward_calls"] == 5 and man["this_run"]["num_tokens"] == 66
+
+
+def test_equal_lengths_share_one_call(tmp_path, micro_target, patched):
+    """Rows of one length go through capture_eagle3 together; the shard keeps 01c's order and equals
+    the hf backend's."""
+    _, made = patched
+    lengths = [7, 5, 7, 7, 5, 9]
+    hf, sg = tmp_path / "hf", tmp_path / "sg"
+    rows = make_01c(hf, micro_target, lengths)
+    make_01c(sg, micro_target, lengths)
+    STAGE.main(["--work-dir", str(hf), "--samples-per-shard", "6", "--hidden-states-dtype", "float32",
+                "--device", "cpu"])
+    STAGE.main(["--work-dir", str(sg), "--samples-per-shard", "6", "--capture-batch-tokens", "30",
+                "--hidden-states-dtype", "float32", "--capture-backend", "sglang"])
+    assert made[0].calls == [[7, 7, 7], [5, 5], [9]]
+    a, b = ShardReader(hf / "02b_hidden_states" / shard_name(0)), ShardReader(sg / "02b_hidden_states" / shard_name(0))
+    assert a.sample_ids == b.sample_ids == [r["id"] for r in rows]
+    for i in range(len(rows)):
+        assert b[i]["input_ids"].tolist() == rows[i]["input_ids"]
+        for key in ("aux", "final"):
+            torch.testing.assert_close(a[i][key], b[i][key], rtol=1e-5, atol=1e-5)
+    assert read_manifest(sg / "02b_hidden_states")["this_run"]["num_forward_calls"] == 3
+
+
+def test_world_size_checked_before_any_model_loads(tmp_path, micro_target, patched, monkeypatch):
+    _, made = patched
+    make_01c(tmp_path, micro_target)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(StageError, match="--sglang-tp-size 1 but 2 process"):
+        run(tmp_path, "--capture-backend", "sglang", "--sglang-tp-size", "1")
+    assert made == [] and not (tmp_path / "02b_hidden_states").exists()
+
+
+def test_only_rank_0_prepares_the_stage_folder(tmp_path, micro_target, patched, monkeypatch):
+    """Rank 1 of 2 under torchrun, --overwrite over a complete stage with a stale *.tmp: it deletes
+    nothing, waits at the barrier (where rank 0, simulated, prepares the folder), then captures in
+    lockstep without writing."""
+    _, made = patched
+    make_01c(tmp_path, micro_target)
+    out = tmp_path / "02b_hidden_states"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    (out / (shard_name(0) + ".tmp")).write_bytes(b"partial")
+    seen = []
+
+    def barrier():
+        seen.append(sorted(p.name for p in out.iterdir()))  # what rank 1 left before the barrier
+        STAGE.prepare_out_dir(out, True, 0, lambda: None)  # rank 0's side of the barrier
+    monkeypatch.setattr(cs, "barrier", barrier)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    run(tmp_path, "--capture-backend", "sglang", "--sglang-tp-size", "2", "--overwrite")
+    assert seen == [["manifest.json", shard_name(0) + ".tmp"]]
+    assert len(made[0].calls) == 5  # captured in lockstep with rank 0 ...
+    assert list(out.iterdir()) == []  # ... but wrote neither shards nor a manifest
+
+    # A complete stage without --overwrite: rank 1 sees rank 0 keep it and does nothing.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(cs, "barrier", lambda: None)
+    run(tmp_path, "--capture-backend", "sglang", "--sglang-tp-size", "2")
+    assert read_manifest(out)["num_samples"] == 5
+    monkeypatch.setenv("RANK", "1")
+    before = len(made)
+    run(tmp_path, "--capture-backend", "sglang", "--sglang-tp-size", "2")
+    assert len(made) == before  # no model built: the stage is complete
 
 
 def test_wrong_shape_is_not_stored(tmp_path, micro_target, patched):
@@ -119,8 +205,8 @@ def test_refused_before_any_work(tmp_path, micro_target):
 
 
 def test_capture_rows_on_the_pinned_api():
-    """Pinned SpecForge has only capture_eagle3([B, T] tensors) -> (data, aux_rows, last_rows): one row
-    per call, unpadded; newer ones have capture_rows(list of lists)."""
+    """SpecForge @e630ca4e has capture_eagle3([B, T] tensors) -> (data, aux_rows, last_rows), one extend
+    pass for all B rows, no padding: equal-length rows go in as one tensor."""
     class Pinned:
         def __init__(self):
             self.seen = []
@@ -128,15 +214,13 @@ def test_capture_rows_on_the_pinned_api():
         def capture_eagle3(self, *, input_ids, attention_mask, loss_mask):
             self.seen.append(tuple(input_ids.shape))
             assert bool(attention_mask.all()) and input_ids.dtype == torch.long
-            t = input_ids.shape[1]
-            return [None], (torch.full((t, 6), float(t)),), (torch.ones(t, 2),)
+            b, t = input_ids.shape
+            rows = tuple(torch.full((t, 6), float(input_ids[i, 0])) for i in range(b))
+            return [None] * b, rows, tuple(torch.ones(t, 2) for _ in range(b))
 
-    b = Pinned()
-    aux, final = cs.capture_rows(b, [[1, 2, 3], [4]])
-    assert b.seen == [(1, 3), (1, 1)] and [tuple(a.shape) for a in aux] == [(3, 6), (1, 6)]
-    assert [tuple(f.shape) for f in final] == [(3, 2), (1, 2)] and float(aux[1][0, 0]) == 1.0
-
-    class Newer:
-        def capture_rows(self, ids):
-            return ("a",) * len(ids), ("f",) * len(ids)
-    assert cs.capture_rows(Newer(), [[1], [2]]) == (("a", "a"), ("f", "f"))
+    p = Pinned()
+    aux, final = cs.capture_rows(p, [[1, 2, 3], [4, 5, 6]])
+    assert p.seen == [(2, 3)] and [tuple(a.shape) for a in aux] == [(3, 6), (3, 6)]
+    assert [tuple(f.shape) for f in final] == [(3, 2), (3, 2)] and float(aux[1][0, 0]) == 4.0
+    with pytest.raises(AssertionError, match="one length"):
+        cs.capture_rows(p, [[1, 2, 3], [4]])

@@ -1,6 +1,6 @@
 """Kimi-K2.5's tokenizer offline: ids, special table, template renders and TS tool declarations.
 
-Golden values come from K2.5's own tokenizer (shared/research/kimi_files_verification.txt) and from
+Golden values come from K2.5's own tokenizer (assets/kimi_k25/verification.txt) and from
 13 schema -> declaration pairs produced by K2.5's tool_declaration_ts.py (assets/kimi_k25/).
 """
 import hashlib
@@ -29,7 +29,7 @@ TOOL_RESULT = {"role": "tool", "tool_call_id": "functions.echo:0", "name": "echo
 ANSWER = {"role": "assistant", "content": "The tool returned: ping"}
 USER2 = {"role": "user", "content": "Thanks! Now say hi."}
 
-# shared/research/kimi_files_verification.txt, case A (110 ids).
+# assets/kimi_k25/verification.txt, case A (110 ids).
 CASE_A_IDS = [
     163594, 20960, 35556, 677, 163601, 2, 30391, 382, 798, 8271, 198, 6370, 8271, 440, 408, 65003, 261, 2204,
     1636, 308, 276, 25575, 341, 2217, 7814, 327, 9600, 25, 440, 220, 2913, 25, 2204, 198, 9483, 1318, 1178,

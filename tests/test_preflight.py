@@ -14,7 +14,7 @@ from tests.sglang_server_stub import StubServer, StubState
 
 POINTS = [2, 4, 5]
 TARGET = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 600}
-M02B = {"capture_points": POINTS, "hidden_size": 32, "vocab_size": 600}
+M02B = {"capture_points": POINTS, "hidden_size": 32, "vocab_size": 600, "target_architecture": "DeepseekV3ForCausalLM"}
 M04 = {"capture_points": POINTS, "draft_vocab_size": 64}
 PROMPTS = [[5, 6, 7], [8, 9]]
 
@@ -65,8 +65,13 @@ def test_chance_acceptance_is_refused(export):
 
 def test_draft_config_against_manifests(export, tmp_path):
     check_draft_files(export, M02B, M04)  # the right one passes
-    with pytest.raises(StageError, match=r"capture points - 1 = \[2, 4, 6\]"):
-        check_draft_files(export, {**M02B, "capture_points": [3, 5, 7]}, {**M04, "capture_points": [3, 5, 7]})
+    llama = {**M02B, "capture_points": [3, 5, 7], "target_architecture": "LlamaForCausalLM"}
+    with pytest.raises(StageError, match=r"must be \[2, 4, 6\]: SGLang captures h\[3, 5, 7\]"):
+        check_draft_files(export, llama, {**M04, "capture_points": [3, 5, 7]})
+    # On a DeepSeek/Kimi target SGLang would read ids [2, 4, 6] as given (h2/h4/h6): refused outright
+    with pytest.raises(StageError, match=r"would capture h\[2, 4, 6\] instead"):
+        check_draft_files(export, {**llama, "target_architecture": "KimiK25ForConditionalGeneration"},
+                          {**M04, "capture_points": [3, 5, 7]})
     with pytest.raises(StageError, match="3 x target hidden = 192"):
         check_draft_files(export, {**M02B, "hidden_size": 64}, M04)
     with pytest.raises(StageError, match="draft_vocab_size 64 != 04's 32"):

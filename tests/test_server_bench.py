@@ -1,5 +1,9 @@
-"""05 server mode: launch commands, spec-setting rules, meta_info parsing, the sweep against stub SGLang
-servers (attached, and launched as real subprocesses with readiness polling and clean shutdown)."""
+"""05 server mode: launch commands, --server-extra-args read as SGLang's argparse reads them, spec-setting
+rules, meta_info parsing, the sweep against stub SGLang servers (attached, and launched as real
+subprocesses with readiness polling and a shutdown that waits for the whole process group), the
+baseline and EAGLE3 info documents checked before anything is measured, the graph mode from
+cuda_graph_config, the server's tau windowed per run, draft identity by content, streamed errors,
+retries, and the Kimi preset against the plan's server command."""
 from __future__ import annotations
 
 import argparse
@@ -26,13 +30,39 @@ def test_commands():
     assert base == ["py", "-m", "sglang.launch_server", "--model-path", "/m/K", "--trust-remote-code",
                     "--host", "127.0.0.1", "--port", "30010", "--tp-size", "8", "--mem-fraction-static", "0.8"]
     spec = srv.server_command("/m/K", 30020, 8, 0.8, False, "/w/04_draft/export_sglang", (5, 1, 6), "py")
-    assert spec[spec.index("--speculative-algorithm") + 1] == "EAGLE3" and "--disable-cuda-graph" in spec
+    assert spec[spec.index("--speculative-algorithm") + 1] == "EAGLE3"
+    # graphs off with the non-deprecated per-phase flags (--disable-cuda-graph is a deprecated alias)
+    assert "--disable-cuda-graph" not in spec
+    assert spec[spec.index("--cuda-graph-backend-decode") + 1] == "disabled"
+    assert spec[spec.index("--cuda-graph-backend-prefill") + 1] == "disabled"
     assert spec[-8:] == ["--speculative-draft-model-path", "/w/04_draft/export_sglang",
                          "--speculative-num-steps", "5", "--speculative-eagle-topk", "1",
                          "--speculative-num-draft-tokens", "6"]
-    for bad in (["--enable-two-batch-overlap"], ["--speculative-algorithm", "EAGLE"], ["--pp-size", "2"]):
-        with pytest.raises(StageError):
+
+
+def test_extra_args_parsed_like_sglang_argparse():
+    """argparse splits `--opt=value`, accepts aliases and unambiguous prefixes: all refused the same."""
+    for bad in (["--enable-two-batch-overlap"], ["--speculative-algorithm", "EAGLE"], ["--pp-size", "2"],
+                ["--pp-size=2"], ["--pipeline-parallel-size", "2"], ["--pipeline=2"], ["--speculative-algo", "EAGLE"],
+                ["--speculative-algorithm=EAGLE"], ["--enable-two"], ["--config", "x.yaml"],
+                ["--speculative-draft-model", "/other"], ["--speculative-draft-model-path=/other"],
+                ["--disable-cuda-graph"], ["--cuda-graph-backend-decode=full"], ["--tensor-parallel-size", "4"],
+                ["--tp", "4"], ["--model", "/other"], ["--mem", "0.5"]):
+        with pytest.raises(StageError, match="may not contain"):
             srv.server_command("/m", 1, 1, 0.8, True, extra_args=bad)
+    ok = ["--attention-backend", "triton", "--context-length", "4096", "--speculative-draft-model-quantization",
+          "fp8", "--enable-metrics"]
+    assert srv.server_command("/m", 1, 1, 0.8, True, extra_args=ok, python="py")[-len(ok):] == ok
+    assert srv.guarded_option("--speculative-algo=EAGLE") == "speculative_algorithm"
+    assert srv.guarded_option("--served-model-name") is None
+
+
+def test_cuda_graph_mode_from_cuda_graph_config():
+    assert srv.cuda_graph_on({"cuda_graph_config": {"decode": {"backend": "full"}}, "disable_cuda_graph": False})
+    # started with --cuda-graph-backend-decode disabled: the deprecated field still says False
+    assert not srv.cuda_graph_on({"cuda_graph_config": {"decode": {"backend": "disabled"}},
+                                  "disable_cuda_graph": False})
+    assert not srv.cuda_graph_on({"disable_cuda_graph": True})  # a release without cuda_graph_config
 
 
 def test_spec_settings():
@@ -77,7 +107,8 @@ def make_work(work: Path, target: Path) -> Path:
                 [{"id": f"p{k}", "source": "t", "prompt": "x", "prompt_ids": [k + 1, k + 2]} for k in range(3)])
     write_manifest(work / "01c_merged", "01c_merge_datasets", ns, **ident)
     write_manifest(work / "02b_hidden_states", "02b_extract_hidden_states_sglang", ns, capture_points=POINTS,
-                   hidden_size=32, vocab_size=600, **ident)
+                   hidden_size=32, vocab_size=600, target_architecture="DeepseekV3ForCausalLM",
+                   sglang_layer_ids=[p - 1 for p in POINTS], **ident)
     cfg = json.loads((target / "config.json").read_text())
     model = Eagle3DraftModel(draft_config(cfg, draft_vocab_size=64))
     export = export_sglang(model, work / "04_draft" / "export_sglang", POINTS, "float32")
@@ -97,12 +128,103 @@ def test_05_server_mode_attached(tmp_path, micro_target):
     assert set(m["runs"]) == {"baseline/graph", "3-1-4/graph"} and m["concurrency"] == [1, 2]
     run = m["runs"]["3-1-4/graph"]
     assert run["by_concurrency"]["1"]["accept_length_pooled"] == 3.0
-    # server-wide average is cumulative: warm-up 64 tokens / 22 rounds + 6 requests x 24 tokens / 8 rounds
-    assert run["server_accept_length"] == pytest.approx((64 + 6 * 24) / (22 + 6 * 8))
-    assert run["by_concurrency"]["2"]["speed_ratio"] is not None and m["preflight"]["warmup_tau"] == pytest.approx(64 / 22)
+    # The server's lifetime average would mix the warm-up (64 tokens / 22 rounds) into every run;
+    # counters reset before each run leave this run's 3 requests x 24 tokens / 8 rounds each.
+    for c in ("1", "2"):
+        assert run["by_concurrency"][c]["server_accept_length"] == pytest.approx(3.0)
+    assert m["preflight"]["server_avg_spec_accept_length"] == pytest.approx(64 / 22)  # the warm-up alone
+    assert spec.resets == 3  # before the warm-up and before each of the two runs; never the baseline
+    assert base.resets == 0 and m["runs"]["baseline/graph"]["by_concurrency"]["1"]["server_accept_length"] is None
+    assert run["by_concurrency"]["2"]["speed_ratio"] is not None
+    assert m["preflight"]["warmup_tau"] == pytest.approx(64 / 22)
     for f in ("report.md", "tokens_per_s.png", "accept_length.png", "manifest.json"):
         assert (out / f).is_file(), f
     assert "3-1-4/graph" in (out / "report.md").read_text()
+
+
+def run_05(work, *extra):
+    load_05().main(["--work-dir", str(work), "--mode", "server", "--bench-concurrency", "1",
+                    "--benchmark-max-new-tokens", "8", "--warmup-requests", "1", *extra])
+
+
+def test_graph_mode_read_from_cuda_graph_config(tmp_path, micro_target):
+    """An attached server started with --cuda-graph-backend-decode disabled reports disable_cuda_graph
+    False: its runs are labelled nograph from cuda_graph_config."""
+    export = make_work(tmp_path, micro_target)
+    spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target),
+                     decode_graph="disabled")
+    assert spec.server_args["disable_cuda_graph"] is False
+    with StubServer(spec) as e:
+        run_05(tmp_path, "--eagle3-url", e)
+    m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    assert set(m["runs"]) == {"3-1-4/nograph"} and m["runs"]["3-1-4/nograph"]["cuda_graph"] is False
+
+
+def test_baseline_url_is_checked_before_anything_runs(tmp_path, micro_target):
+    export = make_work(tmp_path, micro_target)
+    good_spec = dict(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target))
+    # an EAGLE server with a foreign draft given as the "baseline"
+    fake_base = StubState(algorithm="EAGLE", draft_path="/elsewhere/draft", model_path=str(micro_target))
+    spec = StubState(**good_spec)
+    with StubServer(fake_base) as b, StubServer(spec) as e:
+        with pytest.raises(StageError, match="baseline server runs speculative_algorithm='EAGLE'"):
+            run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
+    assert fake_base.requests == [] and spec.requests == []
+    # a baseline serving another model
+    other = StubState(model_path=str(tmp_path / "another-model"))
+    with StubServer(other) as b, StubServer(StubState(**good_spec)) as e:
+        with pytest.raises(StageError, match="serves .*another-model"):
+            run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
+    # a good baseline is not measured before a bad EAGLE3 server is found
+    base = StubState(model_path=str(micro_target))
+    with StubServer(base) as b, StubServer(StubState(**{**good_spec, "algorithm": "EAGLE"})) as e:
+        with pytest.raises(StageError, match="not 'EAGLE3'"):
+            run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
+    assert base.requests == []
+
+
+def test_draft_identified_by_content(tmp_path, micro_target):
+    """A byte-identical copy of 04's export (another mount) is the same draft; a changed copy is not."""
+    import shutil
+    export = make_work(tmp_path, micro_target)
+    copy = tmp_path / "mnt" / "draft"
+    shutil.copytree(export, copy)
+    with StubServer(StubState(algorithm="EAGLE3", draft_path=str(copy), model_path=str(micro_target))) as e:
+        run_05(tmp_path, "--eagle3-url", e)
+    m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    assert m["preflight"]["draft_sha256"] == srv.folder_fingerprint(export, srv.DRAFT_FILES)
+    assert m["preflight"]["server_draft_path"] == str(copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-3}))
+    with StubServer(StubState(algorithm="EAGLE3", draft_path=str(copy), model_path=str(micro_target))) as e:
+        with pytest.raises(StageError, match="neither the same folder nor a byte-identical copy"):
+            run_05(tmp_path, "--eagle3-url", e, "--overwrite")
+
+
+def test_streamed_error_raises_the_server_message():
+    from common.sglang.bench import generate_stream
+    msg = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
+    with StubServer(StubState(algorithm="EAGLE3", draft_path="/d", error_message=msg)) as url:
+        with pytest.raises(StageError, match=r"with an error: The input \(9000 tokens\)"):
+            generate_stream(url, [1, 2, 3], 8, 30)
+
+
+def test_transient_failures_retried_then_one_clear_line(monkeypatch):
+    from common.sglang.bench import generate_stream
+    monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.01)
+    state = StubState(algorithm="EAGLE3", draft_path="/d", fail_first=2)
+    with StubServer(state) as url:
+        r = generate_stream(url, [1, 2], 8, 30)  # two 503s, then the answer
+    assert r["completion_tokens"] == 8 and len(state.requests) == 1
+    with StubServer(StubState(fail_first=100)) as url:
+        with pytest.raises(StageError, match=r"HTTP 503 .*6 tries"):
+            generate_stream(url, [1, 2], 8, 30)
+    import socket
+    with socket.socket() as sk:  # a port nobody listens on: connection refused
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    with pytest.raises(StageError, match=r"GET http://127.0.0.1:\d+/server_info: .*refused.*6 tries"):
+        srv.get_server_info(f"http://127.0.0.1:{port}")
 
 
 def test_05_server_mode_refuses_eagle(tmp_path, micro_target):
@@ -128,7 +250,7 @@ def test_launch_ready_stop(tmp_path):
         assert info["speculative_algorithm"] == "EAGLE3" and srv.spec_settings_of(info) == (3, 1, 4)
     finally:
         srv.stop_server(proc, grace_s=10)
-    assert proc.returncode is not None
+    assert proc.returncode is not None and srv.group_members(proc.pid) == []
     dead = srv.launch_server([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "log2.txt")
     with pytest.raises(StageError, match="exited with status 3"):
         srv.wait_ready("http://127.0.0.1:9", dead, 30, poll_s=0.2)
@@ -140,3 +262,57 @@ def test_docs_show_the_commands_05_builds():
     spec = srv.server_command("/models/Kimi-K2.5", 30020, 8, 0.85, True, "/data/eagle3/04_draft/export_sglang",
                               (3, 1, 4), python="python")
     assert " ".join(base) + "\n" in doc and " ".join(spec) + "\n" in doc
+
+
+def test_stop_server_waits_for_the_whole_process_group(tmp_path):
+    """Like SGLang's TP workers, a child outlives the launcher's SIGTERM by a moment: stop_server returns
+    only once it has gone too (a new server would otherwise find the GPU memory still held)."""
+    child = ("import signal, sys, time; open(sys.argv[1], 'w').write('up'); "
+             "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.0), sys.exit(0))); time.sleep(60)")
+    ready = tmp_path / "child_up"
+    parent = ("import subprocess, sys, time; "
+              f"subprocess.Popen([sys.executable, '-c', {child!r}, {str(ready)!r}]); time.sleep(60)")
+    proc = srv.launch_server([sys.executable, "-c", parent], tmp_path / "log.txt")
+    import time
+    deadline = time.time() + 30
+    while not ready.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    members = srv.group_members(proc.pid)
+    assert len(members) == 2, members
+    srv.stop_server(proc, grace_s=20)
+    assert srv.group_members(proc.pid) == []
+
+
+def test_stop_server_kills_what_ignores_sigterm(tmp_path):
+    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "open(sys.argv[1], 'w').write('up'); time.sleep(60)")
+    ready = tmp_path / "up"
+    proc = srv.launch_server([sys.executable, "-c", code, str(ready)], tmp_path / "log.txt")
+    import time
+    deadline = time.time() + 30
+    while not ready.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    srv.stop_server(proc, grace_s=0.5)
+    assert proc.returncode == -9 and srv.group_members(proc.pid) == []
+
+
+def test_kimi_preset_matches_the_plans_server_and_draft_heads():
+    """The Kimi preset, the server command of train_plan_v4.md step 1 and 01b's checks must agree, and
+    the draft gets head_dim 128 (SpecForge's DeepSeek-V3 draft: 56 heads / 8 KV heads)."""
+    import re
+
+    from common.config import load_config
+    from common.draft.capture import target_dims
+    from common.draft.model import draft_config
+    cfg = load_config(REPO / "configs" / "kimi-k2.5.yaml")
+    plan = (REPO / "train_plan_v4.md").read_text()
+    block = re.search(r"\*\*Step 1: serve K2\.5\*\*.*?```\n(.*?)```", plan, re.S).group(1)
+    argv = block.replace("\\\n", " ").split()
+    assert argv[argv.index("--served-model-name") + 1] == cfg["served-model-name"]
+    assert int(argv[argv.index("--context-length") + 1]) >= int(cfg["long-context"])
+    assert argv[argv.index("--model-path") + 1] == cfg["target-path"]
+    assert argv[argv.index("--tp-size") + 1] == str(cfg["sglang-tp-size"])
+    kimi = json.loads((REPO / "assets" / "kimi_k25" / "config.json").read_text())["text_config"]
+    draft = draft_config({**kimi, **target_dims(kimi)}, 32000, cfg["draft-num-attention-heads"],
+                         cfg["draft-num-key-value-heads"])
+    assert (draft["num_attention_heads"], draft["num_key_value_heads"], draft["head_dim"]) == (56, 8, 128)

@@ -4,7 +4,12 @@ Requests go to SGLang's native POST /generate with token ids (`input_ids`, greed
 the time to the first streamed chunk is the TTFT; the final chunk's `meta_info` carries
 `completion_tokens` and, on a speculative server, `spec_verify_ct` (verify rounds), so per-request
 tau = completion_tokens / spec_verify_ct (bonus token included; SGLang's definition, tokenizer_manager).
-Chunks are SSE lines `data: {json}` ending with `data: [DONE]` (srt/entrypoints/http_server.py).
+Chunks are SSE lines `data: {json}` ending with `data: [DONE]`; a failed request streams
+`data: {"error": {"message", ...}}` before `[DONE]` (sglang 0.5.14 srt/entrypoints/http_server.py).
+The server-wide tau (`avg_spec_accept_length`) is a ratio of lifetime counters, so two readings cannot
+be subtracted; each run is windowed instead: the counters are reset (POST /set_internal_state) right
+before it and read right after it. They are folded in every 40 decode iterations, so the last < 40
+iterations of a run are not in the server's number.
 """
 from __future__ import annotations
 
@@ -15,16 +20,29 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common.stage import StageError
+
 
 def generate_stream(base_url: str, input_ids: list[int], max_new_tokens: int, timeout: float) -> dict:
-    """One greedy request; returns {ttft_s, latency_s, completion_tokens, spec_verify_ct, output_ids}."""
+    """One greedy request; returns {ttft_s, latency_s, completion_tokens, spec_verify_ct, output_ids}.
+
+    Opening the stream is retried on connection refused and transient 5xx (server.with_retries); an
+    error chunk or an aborted request stops with the server's own message.
+    """
+    from common.sglang.server import with_retries
+
+    url = base_url.rstrip("/") + "/generate"
     payload = {"input_ids": input_ids, "stream": True,
                "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}}
-    req = urllib.request.Request(base_url.rstrip("/") + "/generate", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
+
+    def open_stream():
+        req = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=timeout)
+
     t0 = time.perf_counter()
     ttft, last = None, None
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+    with with_retries(open_stream, f"POST {url}") as r:
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:"):
@@ -33,11 +51,18 @@ def generate_stream(base_url: str, input_ids: list[int], max_new_tokens: int, ti
             if body == "[DONE]":
                 break
             chunk = json.loads(body)
+            if "error" in chunk:
+                err = chunk["error"]
+                message = err.get("message", err) if isinstance(err, dict) else err
+                raise StageError(f"{url} answered a {len(input_ids)}-token prompt with an error: {message}")
             if ttft is None:
                 ttft = time.perf_counter() - t0
             last = chunk
     if last is None:
-        raise RuntimeError(f"{base_url}/generate streamed no chunk")
+        raise StageError(f"{url} streamed no chunk for a {len(input_ids)}-token prompt")
+    finish = (last.get("meta_info") or {}).get("finish_reason") or {}
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        raise StageError(f"{url} aborted a {len(input_ids)}-token prompt: {finish.get('message', finish)}")
     return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, **parse_meta(last.get("meta_info", {})),
             "output_ids": last.get("output_ids")}
 
@@ -86,7 +111,7 @@ def warmup(base_url: str, prompts: list[list[int]], max_new_tokens: int, timeout
     res = [request_fn(base_url, ids, max_new_tokens, timeout) for ids in prompts]
     verify = sum(r["spec_verify_ct"] or 0 for r in res)
     if not verify:
-        raise RuntimeError(f"{base_url} returned no spec_verify_ct: not a speculative server")
+        raise StageError(f"{base_url} returned no spec_verify_ct: not a speculative server")
     return sum(r["completion_tokens"] for r in res) / verify
 
 
@@ -121,9 +146,12 @@ def write_report(out: Path, metrics: dict) -> None:
         for c, s in entry["by_concurrency"].items():
             lines.append(f"| {key} | {c} | {fmt(s['output_tokens_per_s'], 1)} | {fmt(s.get('speed_ratio'))} "
                          f"| {fmt(s['ttft_mean_s'], 3)} | {fmt(s['accept_length_mean'])} "
-                         f"| {fmt(s['accept_length_pooled'])} | {fmt(entry.get('server_accept_length'))} |")
+                         f"| {fmt(s['accept_length_pooled'])} | {fmt(s.get('server_accept_length'))} |")
     lines += ["", "tau = completion_tokens / spec_verify_ct per request (bonus token included); server tau = "
-              "`internal_states[0].avg_spec_accept_length` after the run. Launch commands: `commands.json`."]
+              "`internal_states[0].avg_spec_accept_length` over this run alone (counters reset by POST "
+              "/set_internal_state before it; SGLang folds them in every 40 decode iterations, so the last "
+              "< 40 are missing; '-' = not available). CUDA-graph mode as the server reports it "
+              "(`cuda_graph_config.decode.backend`). Launch commands: `commands.json`."]
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
@@ -157,9 +185,11 @@ def run_server_benchmark(args, out: Path, export_dir: Path, target_dir: Path, m0
     """The sweep: per CUDA-graph mode, a baseline server and one EAGLE3 server per spec setting.
 
     Attached servers (--baseline-url / --eagle3-url) are used as they are (their own setting and
-    graph mode, read from the info document); launched ones are started from the config, logged,
-    polled until ready and shut down before the next one (one model in GPU memory at a time).
-    Every EAGLE3 server passes the preflight before it is measured.
+    graph mode, read from the info document), after BOTH info documents pass their checks (the
+    baseline: no speculative algorithm, our target; EAGLE3: the preflight's document checks).
+    Launched ones are started from the config, logged, polled until ready, checked the same way
+    (and for the graph mode asked for), and shut down before the next one (one model in GPU memory
+    at a time). Every EAGLE3 server passes the full preflight before it is measured.
     """
     from common.sglang import server as srv
 
@@ -171,6 +201,15 @@ def run_server_benchmark(args, out: Path, export_dir: Path, target_dir: Path, m0
                "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": concs, "runs": {},
                "commands": {}, "preflight": {}}
 
+    def check_info(url: str, speculative: bool) -> tuple[bool, tuple | None]:
+        """The server's info document checked for its role; returns (graph on, spec setting)."""
+        info = srv.get_server_info(url)
+        if not speculative:
+            srv.check_baseline_info(info, target_dir)
+            return srv.cuda_graph_on(info), None
+        srv.check_server_info(info, export_dir, target_dir)
+        return srv.cuda_graph_on(info), srv.spec_settings_of(info)
+
     def measure(url: str, key: str, graph: bool, setting) -> None:
         entry = {"cuda_graph": graph, "setting": setting, "url": url, "by_concurrency": {}}
         if setting is not None:
@@ -179,12 +218,14 @@ def run_server_benchmark(args, out: Path, export_dir: Path, target_dir: Path, m0
                 warmup_fn=lambda u: warmup(u, warm, 64, args.request_timeout, request_fn))
             metrics["preflight"] = entry["preflight"]
         for c in concs:
+            windowed = setting is not None and srv.reset_accept_counters(url)
             s = run_prompts(url, prompts, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn)
+            s["server_accept_length"] = (srv.server_accept_length(srv.get_server_info(url))
+                                         if windowed else None)
             entry["by_concurrency"][str(c)] = s
             print(f"[05] {key} c={c}: {fmt(s['output_tokens_per_s'], 1)} tok/s, TTFT "
-                  f"{fmt(s['ttft_mean_s'], 3)} s, tau {fmt(s['accept_length_pooled'])}")
-        if setting is not None:
-            entry["server_accept_length"] = srv.server_accept_length(srv.get_server_info(url))
+                  f"{fmt(s['ttft_mean_s'], 3)} s, tau {fmt(s['accept_length_pooled'])} "
+                  f"(server {fmt(s['server_accept_length'])})")
         metrics["runs"][key] = entry
 
     def launched(port: int, graph: bool, setting, key: str) -> None:
@@ -197,20 +238,24 @@ def run_server_benchmark(args, out: Path, export_dir: Path, target_dir: Path, m0
         proc = srv.launch_server(cmd, log)
         try:
             srv.wait_ready(url, proc, args.server_timeout, log_path=log)
+            reported_graph, _ = check_info(url, setting is not None)
+            if reported_graph != graph:
+                raise StageError(f"{url} reports decode CUDA graphs {'on' if reported_graph else 'off'}, "
+                                 f"but 05 launched it with them {'on' if graph else 'off'}; see {log}")
             measure(url, key, graph, setting)
         finally:
             srv.stop_server(proc)
 
+    attached = []  # every attached server is checked before any is measured
     if args.baseline_url:
-        info = srv.get_server_info(args.baseline_url)
-        graph = not info.get("disable_cuda_graph", False)
-        measure(args.baseline_url, setting_name(None, graph), graph, None)
+        graph, _ = check_info(args.baseline_url, False)
+        attached.append((args.baseline_url, graph, None))
     if args.eagle3_url:
-        info = srv.get_server_info(args.eagle3_url)
-        srv.check_server_info(info, export_dir, target_dir)
-        graph, setting = not info.get("disable_cuda_graph", False), srv.spec_settings_of(info)
-        measure(args.eagle3_url, setting_name(setting, graph), graph, setting)
-    if not (args.baseline_url or args.eagle3_url):
+        graph, setting = check_info(args.eagle3_url, True)
+        attached.append((args.eagle3_url, graph, setting))
+    for url, graph, setting in attached:
+        measure(url, setting_name(setting, graph), graph, setting)
+    if not attached:
         for graph in graphs:
             launched(args.baseline_port, graph, None, setting_name(None, graph))
             for setting in settings:

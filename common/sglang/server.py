@@ -2,17 +2,24 @@
 
 The preflight exists because of one failure: a server started with `--speculative-algorithm EAGLE`
 (not EAGLE3) with an EAGLE-3 draft loads fine, skips aux capture, feeds the draft H-wide final states
-and accepts at chance (REFERENCE section 5). Nothing errors; only tau shows it. So before any benchmark
+and accepts at chance (docs/design.md section 5). Nothing errors; only tau shows it. So before any benchmark
 or long job the server's own info document, the draft's files and the 02b/04 manifests must agree.
 
-Sources (sgl-project/sglang): the info document is `{**dataclasses.asdict(server_args),
-**scheduler_info, "internal_states": [scheduler.get_internal_state() per DP rank], "version"}`
-(`srt/entrypoints/http_server.py` GET /get_server_info, newer also GET /server_info);
-`internal_states[i]["avg_spec_accept_length"]` (`srt/managers/scheduler.py:get_internal_state`, present
-once a speculative server has verified something). Flag names are `ServerArgs` fields with `-`.
+Sources (sglang 0.5.14, https://github.com/sgl-project/sglang/tree/v0.5.14/python/sglang/srt): the info
+document is `{**dataclasses.asdict(server_args), **scheduler_info, "internal_states": [per DP rank
+scheduler.get_internal_state()], "version"}` (`entrypoints/http_server.py` GET /server_info; GET
+/get_server_info is its deprecated alias). `internal_states[i]["avg_spec_accept_length"]` is
+`spec_total_num_accept_tokens / spec_total_num_forward_ct` (`managers/scheduler.py`), lifetime
+counters that `metrics_reporter.py` folds in every `--decode-log-interval` (40) decode iterations and
+that only POST /set_internal_state resets. CUDA graphs: `cuda_graph_config.{decode,prefill}.backend`
+(`model_executor/cuda_graph_config.py`); `disable_cuda_graph` is a deprecated flag that servers started
+with the new `--cuda-graph-backend-decode disabled` still report as False. Flag names and aliases:
+`server_args.py` (`ServerArgs` fields with `-`, `Arg(aliases=...)`, parsed by argparse with abbreviations).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import signal
@@ -23,9 +30,37 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common.stage import StageError
+from common.stage import StageError, sha256_file
 
 INFO_PATHS = ("/server_info", "/get_server_info")  # newer name first; older releases only the second
+# Connection refused/reset and these statuses are retried (a server restarting, a proxy in front of a
+# busy one); anything else is an answer. Waits 1, 2, 4, 8, 16 s: about half a minute in all.
+TRANSIENT_HTTP = {500, 502, 503, 504}
+RETRY_ATTEMPTS = 6
+RETRY_FIRST_WAIT_S = 1.0
+# launch_server options 05 refuses in --server-extra-args, by ServerArgs field, with every option
+# string sglang 0.5.14's parser accepts for it (server_args.py). Refused because they skip aux capture
+# or fix the algorithm (pp_size, enable_two_batch_overlap, speculative_algorithm), could set anything
+# (--config, a YAML of options), or are set by 05 itself and a later copy would silently win over what
+# 05 records (model, draft, setting, ports, TP, memory, CUDA-graph mode).
+GUARDED_OPTIONS = {
+    "--pp-size": "pp_size", "--pipeline-parallel-size": "pp_size",
+    "--enable-two-batch-overlap": "enable_two_batch_overlap",
+    "--speculative-algorithm": "speculative_algorithm",
+    "--config": "config",
+    "--model-path": "model_path", "--model": "model_path",
+    "--speculative-draft-model-path": "speculative_draft_model_path",
+    "--speculative-draft-model": "speculative_draft_model_path",
+    "--speculative-num-steps": "speculative_num_steps", "--speculative-eagle-topk": "speculative_eagle_topk",
+    "--speculative-num-draft-tokens": "speculative_num_draft_tokens",
+    "--tp-size": "tp_size", "--tensor-parallel-size": "tp_size", "--host": "host", "--port": "port",
+    "--mem-fraction-static": "mem_fraction_static",
+    "--disable-cuda-graph": "cuda_graph", "--cuda-graph-config": "cuda_graph",
+    "--cuda-graph-backend-decode": "cuda_graph", "--cuda-graph-backend-prefill": "cuda_graph",
+    "--disable-decode-cuda-graph": "cuda_graph", "--disable-prefill-cuda-graph": "cuda_graph",
+    "--enable-breakable-cuda-graph": "cuda_graph", "--disable-piecewise-cuda-graph": "cuda_graph",
+    "--enforce-piecewise-cuda-graph": "cuda_graph",
+}
 CHANCE_CAUSES = (
     "the server runs --speculative-algorithm EAGLE instead of EAGLE3 (no aux capture: the draft sees "
     "H-wide final states), the draft was trained on other capture points (eagle_config ids must be "
@@ -57,6 +92,38 @@ def parse_spec_setting(text: str) -> tuple[int, int, int]:
     return steps, topk, ndt
 
 
+def guarded_option(token: str) -> str | None:
+    """The guarded ServerArgs field a launch_server argument sets, resolved the way argparse does.
+
+    `--name=value` is split at `=`; an exact option string wins; otherwise argparse (allow_abbrev, the
+    default) takes any unambiguous prefix (`--speculative-algo` = `--speculative-algorithm`) and stops
+    on an ambiguous one, so any prefix of a guarded option is refused too. No other sglang 0.5.14 option
+    string is a prefix of a guarded one, so nothing SGLang would read as another flag is caught.
+    """
+    if not token.startswith("--") or token == "--":
+        return None
+    name = token.split("=", 1)[0]
+    if name in GUARDED_OPTIONS:
+        return GUARDED_OPTIONS[name]
+    hits = sorted({field for option, field in GUARDED_OPTIONS.items() if option.startswith(name)})
+    return hits[0] if hits else None
+
+
+def check_extra_args(extra_args: list[str]) -> None:
+    """Refuse --server-extra-args that set a guarded launch_server option (GUARDED_OPTIONS)."""
+    for token in extra_args:
+        field = guarded_option(token)
+        if field is None:
+            continue
+        why = {"pp_size": "pipeline parallelism skips aux capture on non-last ranks",
+               "enable_two_batch_overlap": "two-batch overlap runs layers outside the capturing loop",
+               "speculative_algorithm": "the algorithm is fixed to EAGLE3 (EAGLE would skip aux capture)",
+               "config": "a config file could set any of the options 05 guards"}.get(
+            field, "05 sets it itself (use 05's own flag: --target-path, --spec-settings, --cuda-graph, "
+                   "--sglang-tp-size, --mem-fraction-static, --baseline-port/--eagle3-port)")
+        raise StageError(f"--server-extra-args may not contain {token!r} (SGLang reads it as {field}): {why}")
+
+
 def server_command(target: str | Path, port: int, tp_size: int, mem_fraction: float,
                    cuda_graph: bool, draft_dir: str | Path | None = None,
                    setting: tuple[int, int, int] | None = None, python: str = sys.executable,
@@ -64,32 +131,56 @@ def server_command(target: str | Path, port: int, tp_size: int, mem_fraction: fl
     """argv of `python -m sglang.launch_server` for a baseline (no draft) or an EAGLE3 server.
 
     Prefix caching stays on (the benchmark sends distinct prompts); `--speculative-algorithm` is
-    always EAGLE3 here, never EAGLE.
+    always EAGLE3 here, never EAGLE. CUDA graphs off = both phases' backends `disabled` (the
+    non-deprecated form of `--disable-cuda-graph`).
     """
+    check_extra_args(list(extra_args or []))
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(target), "--trust-remote-code",
            "--host", "127.0.0.1", "--port", str(int(port)), "--tp-size", str(int(tp_size)),
            "--mem-fraction-static", str(mem_fraction)]
     if not cuda_graph:
-        cmd.append("--disable-cuda-graph")
+        cmd += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
     if draft_dir is not None:
         steps, topk, ndt = setting
         cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
                 "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
                 "--speculative-num-draft-tokens", str(ndt)]
-    for bad in ("--enable-two-batch-overlap", "--speculative-algorithm", "--pp-size"):
-        if bad in (extra_args or []):
-            raise StageError(f"--server-extra-args may not set {bad}: two-batch overlap and pipeline "
-                             "parallelism skip aux capture; the algorithm is fixed to EAGLE3")
     return cmd + list(extra_args or [])
 
 
 # ---------------------------------------------------------------- process life cycle
+def with_retries(call, what: str):
+    """call(), retried on connection refused/reset and transient 5xx with waits doubling from
+    RETRY_FIRST_WAIT_S; after RETRY_ATTEMPTS tries one clear StageError instead of a traceback."""
+    for attempt in range(RETRY_ATTEMPTS):
+        try:
+            return call()
+        except urllib.error.HTTPError as e:  # an HTTP answer: only a transient status is retried
+            if e.code not in TRANSIENT_HTTP:
+                raise
+            last = f"HTTP {e.code} {e.reason}"
+        except urllib.error.URLError as e:  # no answer: retried when the connection was refused/reset
+            if not isinstance(e.reason, ConnectionError):
+                raise
+            last = str(e.reason)
+        except ConnectionError as e:  # reset or closed mid-response
+            last = str(e) or type(e).__name__
+        if attempt + 1 < RETRY_ATTEMPTS:
+            time.sleep(RETRY_FIRST_WAIT_S * 2 ** attempt)
+    waited = RETRY_FIRST_WAIT_S * (2 ** (RETRY_ATTEMPTS - 1) - 1)
+    raise StageError(f"{what}: {last} ({RETRY_ATTEMPTS} tries over {waited:.0f} s). Is the server running and "
+                     "ready? For a launched server see its log under 05_benchmark/server/server_logs/.")
+
+
 def http_json(url: str, payload: dict | None = None, timeout: float = 30.0) -> dict:
-    """GET (payload None) or POST JSON; returns the decoded document."""
+    """GET (payload None) or POST JSON; returns the decoded document (transient failures retried)."""
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read().decode())
+
+    def call():
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read().decode())
+    return with_retries(call, f"{'POST' if payload is not None else 'GET'} {url}")
 
 
 def get_server_info(base_url: str, timeout: float = 30.0) -> dict:
@@ -101,6 +192,17 @@ def get_server_info(base_url: str, timeout: float = 30.0) -> dict:
         except urllib.error.HTTPError as e:  # 404: this release has the other name
             last = e
     raise StageError(f"{base_url} answers neither {' nor '.join(INFO_PATHS)} ({last}): is it SGLang?")
+
+
+def reset_accept_counters(base_url: str) -> bool:
+    """Zero the lifetime counters behind avg_spec_accept_length (POST /set_internal_state with no
+    changes: scheduler.set_internal_state resets both). False when the server refuses (an admin API
+    key, or a release without the endpoint): its average then cannot be windowed to one run."""
+    try:
+        http_json(base_url.rstrip("/") + "/set_internal_state", {"server_args": {}})
+    except urllib.error.HTTPError:
+        return False
+    return True
 
 
 def launch_server(cmd: list[str], log_path: Path) -> subprocess.Popen:
@@ -129,16 +231,65 @@ def wait_ready(base_url: str, proc: subprocess.Popen | None, timeout_s: float,
     raise StageError(f"{base_url} was not ready after {timeout_s:.0f} s (--server-timeout); see {log_path}")
 
 
-def stop_server(proc: subprocess.Popen | None, grace_s: float = 60.0) -> None:
-    """SIGTERM the server's process group, wait, then SIGKILL what is left."""
-    if proc is None or proc.poll() is not None:
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group `pgid`, from /proc (Linux); elsewhere the group's
+    existence (killpg signal 0) is all that can be asked."""
+    proc_dir = Path("/proc")
+    if not (proc_dir / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        return [pgid]
+    live = []
+    for stat in proc_dir.glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after the last ')'
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue  # exited while being read
+        if int(pgrp) == pgid and state not in ("Z", "X"):
+            live.append(int(stat.parent.name))
+    return live
+
+
+def wait_group_exit(pgid: int, timeout_s: float, poll_s: float = 0.2) -> list[int]:
+    """Wait until no live process is left in the group; returns the ones still alive at the timeout."""
+    deadline = time.time() + timeout_s
+    while (left := group_members(pgid)) and time.time() < deadline:
+        time.sleep(poll_s)
+    return left
+
+
+def stop_server(proc: subprocess.Popen | None, grace_s: float = 60.0, kill_wait_s: float = 30.0) -> None:
+    """SIGTERM the server's process group and wait until every member has exited (SGLang refuses to
+    start while the previous server's TP workers still hold GPU memory); SIGKILL what is left after
+    `grace_s`. The launcher alone exiting is not enough: its workers may outlive it."""
+    if proc is None:
         return
-    os.killpg(proc.pid, signal.SIGTERM)
+    pgid = proc.pid  # launch_server starts a new session: the group id is the launcher's pid
     try:
-        proc.wait(timeout=grace_s)
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.time() + grace_s
+    try:
+        proc.wait(timeout=grace_s)  # reap the launcher so it does not linger as a zombie
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        pass
+    left = wait_group_exit(pgid, max(0.0, deadline - time.time()))
+    if left:
+        print(f"[05] server processes {left} still alive {grace_s:.0f} s after SIGTERM: SIGKILL")
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if proc.poll() is None:
+            proc.wait(timeout=kill_wait_s)
+        left = wait_group_exit(pgid, kill_wait_s)
+    if left:
+        raise StageError(f"server processes {left} (process group {pgid}) survived SIGKILL; they may still "
+                         "hold GPU memory: end them before starting another server")
 
 
 # ---------------------------------------------------------------- preflight
@@ -147,8 +298,59 @@ def spec_settings_of(info: dict) -> tuple[int, int, int]:
             int(info["speculative_num_draft_tokens"]))
 
 
+def cuda_graph_on(info: dict) -> bool:
+    """Whether the server decodes with CUDA graphs: `cuda_graph_config.decode.backend` != disabled.
+
+    Servers started with `--cuda-graph-backend-decode disabled` still report the deprecated
+    `disable_cuda_graph` False; it is read only from releases without cuda_graph_config.
+    """
+    config = info.get("cuda_graph_config")
+    if isinstance(config, dict) and isinstance(config.get("decode"), dict):
+        return config["decode"].get("backend") != "disabled"
+    return not info.get("disable_cuda_graph", False)
+
+
+DRAFT_FILES = ("config.json", "model.safetensors")
+
+
+def folder_fingerprint(folder: str | Path, files: tuple[str, ...]) -> str | None:
+    """sha256 over the named files' bytes (name + content hash each), or None when one is unreadable.
+    Cached by path, size and mtime: a Kimi draft's weights are gigabytes and every preflight asks."""
+    stats = []
+    for name in files:
+        path = Path(folder) / name
+        if not path.is_file():
+            return None
+        st = path.stat()
+        stats.append((str(path.resolve()), st.st_size, st.st_mtime_ns))
+    return _fingerprint(tuple(stats))
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(stats: tuple[tuple[str, int, int], ...]) -> str:
+    h = hashlib.sha256()
+    for path, _size, _mtime in stats:
+        h.update(Path(path).name.encode() + b"\0" + sha256_file(path).encode())
+    return h.hexdigest()
+
+
+def same_folder(reported: str | None, ours: Path, files: tuple[str, ...]) -> bool:
+    """The server's folder is ours: the same resolved path, or byte-identical `files` (a copy on another
+    mount). Read from this machine: a path that exists only on the server's host cannot be checked."""
+    if not reported:
+        return False
+    if Path(reported).resolve() == Path(ours).resolve():
+        return True
+    theirs = folder_fingerprint(reported, files)
+    return theirs is not None and theirs == folder_fingerprint(ours, files)
+
+
 def check_server_info(info: dict, export_dir: Path, target_dir: Path | None = None) -> None:
-    """Refuse unless the server runs EAGLE3 with exactly 04's export as its draft (and our target)."""
+    """Refuse unless the server runs EAGLE3 with exactly 04's export as its draft (and our target).
+
+    The draft counts as ours when its folder is 04's export or a byte-identical copy (config.json and
+    model.safetensors); the target when its folder is ours or has our config.json.
+    """
     algo = info.get("speculative_algorithm")
     if algo != "EAGLE3":
         raise StageError(
@@ -156,17 +358,35 @@ def check_server_info(info: dict, export_dir: Path, target_dir: Path | None = No
             "EAGLE skips aux hidden-state capture and acceptance falls to chance while nothing errors. "
             "Restart it with --speculative-algorithm EAGLE3 (see docs/sglang.md).")
     draft = info.get("speculative_draft_model_path")
-    if not draft or Path(draft).resolve() != Path(export_dir).resolve():
-        raise StageError(f"the server's draft is {draft!r}, not 04's export {Path(export_dir).resolve()}: "
-                         "restart it with --speculative-draft-model-path pointing at that folder")
-    if target_dir is not None and Path(info.get("model_path", "")).resolve() != Path(target_dir).resolve():
+    if not same_folder(draft, export_dir, DRAFT_FILES):
+        raise StageError(f"the server's draft is {draft!r}, not 04's export {Path(export_dir).resolve()} "
+                         "(neither the same folder nor a byte-identical copy of its config.json and "
+                         "model.safetensors, as read from this machine): restart it with "
+                         "--speculative-draft-model-path pointing at that folder")
+    check_model_path(info, target_dir)
+
+
+def check_model_path(info: dict, target_dir: Path | None) -> None:
+    if target_dir is not None and not same_folder(info.get("model_path"), target_dir, ("config.json",)):
         raise StageError(f"the server serves {info.get('model_path')!r}, but the draft was trained for "
-                         f"{Path(target_dir).resolve()}")
+                         f"{Path(target_dir).resolve()} (another folder whose config.json differs)")
+
+
+def check_baseline_info(info: dict, target_dir: Path | None) -> None:
+    """A baseline runs no speculative algorithm and serves our target."""
+    algo = info.get("speculative_algorithm")
+    if algo:
+        raise StageError(f"the baseline server runs speculative_algorithm={algo!r} (draft "
+                         f"{info.get('speculative_draft_model_path')!r}): a baseline must run without "
+                         "speculative decoding, or the speed ratio compares two speculative servers")
+    check_model_path(info, target_dir)
 
 
 def check_draft_files(export_dir: Path, m02b: dict, m04: dict) -> dict:
     """The exported draft against the target (02b manifest) and 04's manifest. Returns its config."""
     from safetensors import safe_open
+
+    from common.draft.capture import sglang_layer_ids
 
     cfg = json.loads((Path(export_dir) / "config.json").read_text())
     with safe_open(str(Path(export_dir) / "model.safetensors"), framework="pt") as f:
@@ -174,13 +394,21 @@ def check_draft_files(export_dir: Path, m02b: dict, m04: dict) -> dict:
     points = [int(p) for p in m02b["capture_points"]]
     hidden, vocab = int(m02b["hidden_size"]), int(m02b["vocab_size"])
     dv = int(m04["draft_vocab_size"])
+    # The ids SGLang must read to capture exactly the 02b points on this target (its rule per model
+    # family; 02b already refused points it cannot express, unless the architecture was accepted as
+    # unknown there, in which case the common +1 applies).
+    architecture = m02b.get("target_architecture")
+    if architecture is None:
+        raise StageError("the 02b manifest has no target_architecture (made by an older 02b): re-run "
+                         "`python 02b_extract_hidden_states_sglang.py --overwrite`")
+    expected = sglang_layer_ids(points, architecture, allow_unknown=True)
     problems = []
     if "fc.weight" not in shapes or shapes["fc.weight"][1] != 3 * hidden:
         problems.append(f"fc.weight {shapes.get('fc.weight')} must take 3 x target hidden = {3 * hidden}")
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids != [p - 1 for p in points]:
-        problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids {ids} must be the 02b capture "
-                        f"points - 1 = {[p - 1 for p in points]} (SGLang adds +1)")
+    if ids != expected:
+        problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids {ids} must be {expected}: SGLang "
+                        f"captures h{points} (the 02b capture points) from those ids on {architecture}")
     if [int(p) for p in m04.get("capture_points", [])] != points:
         problems.append(f"04 trained on capture points {m04.get('capture_points')}, 02b captured {points}")
     if cfg.get("vocab_size") != vocab:
@@ -198,7 +426,8 @@ def check_draft_files(export_dir: Path, m02b: dict, m04: dict) -> dict:
 
 
 def server_accept_length(info: dict) -> float | None:
-    """Server-wide tau: internal_states[0].avg_spec_accept_length (absent before any verify)."""
+    """Server-wide tau: internal_states[0].avg_spec_accept_length (absent before any verify, and until
+    the first --decode-log-interval decode iterations after a counter reset)."""
     states = info.get("internal_states") or [{}]
     value = states[0].get("avg_spec_accept_length")
     return None if value is None else float(value)
@@ -220,6 +449,7 @@ def preflight(base_url: str, export_dir: Path, m02b: dict, m04: dict, warmup_fn,
     info = get_server_info(base_url)
     check_server_info(info, export_dir, target_dir)
     check_draft_files(export_dir, m02b, m04)
+    reset_accept_counters(base_url)  # so the server's average below is the warm-up's alone
     tau_requests = warmup_fn(base_url)
     check_acceptance(tau_requests, min_accept_length, f"{base_url} warm-up (per-request)")
     tau_server = server_accept_length(get_server_info(base_url))
@@ -228,5 +458,7 @@ def preflight(base_url: str, export_dir: Path, m02b: dict, m04: dict, warmup_fn,
     print(f"[05] preflight ok: EAGLE3, draft {export_dir}, warm-up tau {tau_requests:.2f} "
           f"(server {tau_server})")
     return {"speculative_algorithm": info["speculative_algorithm"], "draft": str(export_dir),
+            "draft_sha256": folder_fingerprint(export_dir, DRAFT_FILES),
+            "server_draft_path": info.get("speculative_draft_model_path"),
             "warmup_tau": tau_requests, "server_avg_spec_accept_length": tau_server,
             "version": info.get("version")}

@@ -1,0 +1,293 @@
+"""The smoke run: the first thing to run on a GPU box, proving the whole SGLang path on a small real target.
+
+On SmolLM2-135M-Instruct (00_build_smollm2_world.py; a Llama target) and a few dozen prompts it runs:
+01 -> an SGLang server for the target -> 01b (openai backend) against it -> 01c -> 02b through SGLang
+(torchrun, SpecForge's runner) AND through transformers on the same samples, shard against shard ->
+03 -> a short 04 -> 05 reference mode (transformers speculative decoding, k = 3) and 05 --mode server
+(SGLang, EAGLE3 3,1,4, launched by 05 with its preflight) -> SGLang's accept length against the
+reference tau. It stops at the first step that fails or disagrees and names the layer of the stack
+that does. Every stage gets its flags here (no preset), so a preset change cannot turn it into
+another run. Not yet run on a GPU: see docs/sglang.md ("Smoke run").
+
+Usage: bash scripts/box_smoke.sh [--dry-run]   (environment: TARGET, DATA, WORK, PY, SGLANG_PY, PORT)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SERVED_NAME = "smoke-target"
+NUM_DRAFT_TOKENS = 3  # reference k = 3 <-> SGLang chain (steps 3, topk 1, 4 draft tokens)
+SPEC_SETTING = "3,1,4"
+
+
+class SmokeMismatch(SystemExit):
+    """A step failed or two layers of the stack disagree: printed as one line naming the layer."""
+
+    def __init__(self, layer: str, detail: str):
+        super().__init__(f"SMOKE FAILED - {layer} disagrees: {detail}")
+        self.layer, self.detail = layer, detail
+
+
+@dataclass
+class Settings:
+    target: Path
+    data: Path  # train_prompts.jsonl and heldout_prompts.jsonl, as 00_build_smollm2_world.py writes them
+    work: Path
+    py: str
+    sglang_py: str
+    port: int = 30000
+    num_train: int = 64          # training prompts (a few dozen)
+    num_heldout: int = 16        # held-out prompts for 05 (benchmark-only)
+    max_new_tokens: int = 256    # 01b answer budget (tokens)
+    bench_new_tokens: int = 128  # 05 answer budget, both modes (tokens)
+    train_steps: int = 400       # 04 optimizer steps
+    mem_fraction: float = 0.6    # SGLang mem_fraction_static (weights + KV pool share of the GPU)
+    shard_rel_tol: float = 0.05  # 02b sglang vs hf: ||a - b|| / ||b|| per capture point and final state
+    tau_rel_tol: float = 0.05    # 05 server accept length vs reference tau
+
+    @property
+    def work_hf(self) -> Path:  # 02b through transformers on the same 01c output
+        return self.work.parent / (self.work.name + "_hf")
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]
+    layer: str  # what disagrees when this command fails
+    env: dict = field(default_factory=dict)
+
+
+DEFAULT_TARGET = Path("build/smollm2/target")
+
+
+def settings_from_env(environ=os.environ) -> Settings:
+    py = environ.get("PY", sys.executable)
+    target = Path(environ.get("TARGET", str(DEFAULT_TARGET)))
+    return Settings(target=target, data=Path(environ.get("DATA", str(target.parent / "data"))),
+                    work=Path(environ.get("WORK", "runs/box_smoke")), py=py,
+                    sglang_py=environ.get("SGLANG_PY", py), port=int(environ.get("PORT", "30000")))
+
+
+def data_specs(s: Settings) -> str:
+    """01's --datasets: training prompts, and held-out prompts kept whole for 05 (never generated)."""
+    return json.dumps([
+        {"name": "smoke_train", "adapter": "messages", "path": str(s.data / "train_prompts.jsonl"),
+         "max-records": s.num_train},
+        {"name": "smoke_heldout", "adapter": "messages", "path": str(s.data / "heldout_prompts.jsonl"),
+         "max-records": s.num_heldout, "benchmark-only": True},
+    ])
+
+
+def target_server_command(s: Settings) -> list[str]:
+    """The SGLang server 01b generates against (the target alone, served under SERVED_NAME)."""
+    from common.sglang.server import server_command
+
+    return server_command(s.target, s.port, 1, s.mem_fraction, True, python=s.sglang_py,
+                          extra_args=["--served-model-name", SERVED_NAME, "--context-length", "4096"])
+
+
+def stage_steps(s: Settings) -> dict[str, list[Step]]:
+    """The commands, grouped by the points where the driver does something between them."""
+    py, w, t = s.py, str(s.work), str(s.target)
+    bench = ["--num-prompts", str(s.num_heldout), "--benchmark-max-new-tokens", str(s.bench_new_tokens)]
+    return {
+        "build": [Step("00 build the small target", [py, "00_build_smollm2_world.py", "--config",
+                                                        "configs/smollm2.yaml"], "the small-target build (00)")],
+        "prepare": [Step("01 prepare", [py, "01_prepare_datasets.py", "--work-dir", w, "--target-path", t,
+                                        "--datasets", data_specs(s), "--max-new-tokens", str(s.max_new_tokens),
+                                        "--max-context", "4096"], "data preparation (01)")],
+        "generate": [Step("01b generate through SGLang", [
+            py, "01b_generate_synthetic.py", "--work-dir", w, "--target-path", t, "--generation-backend",
+            "openai", "--server-url", f"http://127.0.0.1:{s.port}/v1", "--served-model-name", SERVED_NAME,
+            "--max-new-tokens", str(s.max_new_tokens), "--max-context", "4096", "--concurrency", "16"],
+            "SGLang serving the target through its OpenAI API (01b against launch_server)")],
+        "capture": [
+            Step("01c merge", [py, "01c_merge_datasets.py", "--work-dir", w, "--benchmark-size", "0"],
+                 "merge and tokenization (01c)"),
+            Step("02b capture through SGLang", [
+                py, "-m", "torch.distributed.run", "--nproc_per_node", "1", "02b_extract_hidden_states_sglang.py",
+                "--work-dir", w, "--capture-backend", "sglang", "--sglang-tp-size", "1",
+                "--mem-fraction-static", str(s.mem_fraction), "--hidden-states-dtype", "bfloat16"],
+                "SGLang capture (02b --capture-backend sglang: SpecForge's runner, set_eagle3_layers_to_capture)"),
+            Step("02b capture through transformers", [
+                py, "02b_extract_hidden_states_sglang.py", "--work-dir", str(s.work_hf), "--capture-backend", "hf",
+                "--device", "cuda", "--hidden-states-dtype", "bfloat16"],
+                "transformers capture (02b --capture-backend hf)")],
+        "train": [
+            Step("03 draft vocab", [py, "03_build_vocab_mapping.py", "--work-dir", w, "--draft-vocab-size", "4096"],
+                 "draft vocabulary (03)"),
+            Step("04 short training", [py, "04_train.py", "--work-dir", w, "--max-steps", str(s.train_steps),
+                                       "--learning-rate", "1e-3", "--batch-tokens", "4096", "--device", "cuda"],
+                 "draft training (04)")],
+        "benchmark": [
+            Step("05 reference (transformers)", [py, "05_benchmark.py", "--work-dir", w, "--mode", "reference",
+                                                  "--num-draft-tokens", str(NUM_DRAFT_TOKENS), "--device", "cuda",
+                                                  *bench],
+                 "reference speculative decoding (05 --mode reference, transformers)"),
+            Step("05 server (SGLang EAGLE3)", [
+                py, "05_benchmark.py", "--work-dir", w, "--mode", "server", "--spec-settings", SPEC_SETTING,
+                "--cuda-graph", "on", "--bench-concurrency", "1", "--sglang-tp-size", "1",
+                "--mem-fraction-static", str(s.mem_fraction), "--sglang-python", s.sglang_py,
+                "--warmup-requests", "2", "--min-accept-length", "1.1", "--baseline-port", str(s.port + 10),
+                "--eagle3-port", str(s.port + 20), *bench],
+                "SGLang EAGLE3 serving (05 --mode server: launch, draft loading, preflight)")],
+    }
+
+
+def run_step(step: Step, dry_run: bool) -> None:
+    print(f"==> {step.name}\n    {shlex.join(step.argv)}", flush=True)
+    if dry_run:
+        return
+    t0 = time.time()
+    done = subprocess.run(step.argv, cwd=REPO, env={**os.environ, **step.env})
+    if done.returncode != 0:
+        raise SmokeMismatch(step.layer, f"`{step.name}` exited with status {done.returncode} (output above)")
+    print(f"<== {step.name}: {time.time() - t0:.0f} s", flush=True)
+
+
+# ---------------------------------------------------------------- comparisons (CPU-testable)
+def compare_shards(sglang_dir: Path, hf_dir: Path, rel_tol: float) -> dict:
+    """02b through SGLang against 02b through transformers, same samples: ids and masks exactly, each
+    capture point's slice of aux and the final state within `rel_tol` (relative Frobenius error over
+    all tokens; bf16 kernels differ, a wrong layer differs by a whole layer's update). Prints the max
+    absolute difference and the relative error of each; stops at the first that disagrees."""
+    from common.draft.shards import ShardReader, list_shards
+    from common.stage import read_manifest
+
+    layer = "SGLang capture (02b sglang) vs transformers capture (02b hf)"
+    ms, mh = read_manifest(sglang_dir), read_manifest(hf_dir)
+    if ms["capture_points"] != mh["capture_points"] or ms["hidden_size"] != mh["hidden_size"]:
+        raise SmokeMismatch(layer, f"capture points {ms['capture_points']} vs {mh['capture_points']}")
+    points, hidden = ms["capture_points"], ms["hidden_size"]
+    names = [p.name for p in list_shards(sglang_dir)]
+    if names != [p.name for p in list_shards(hf_dir)] or not names:
+        raise SmokeMismatch(layer, f"shard files differ: {names} vs {[p.name for p in list_shards(hf_dir)]}")
+    parts = [f"h{p}" for p in points] + ["final"]
+    diff2 = dict.fromkeys(parts, 0.0)
+    ref2 = dict.fromkeys(parts, 0.0)
+    max_abs = dict.fromkeys(parts, 0.0)
+    for name in names:
+        a, b = ShardReader(sglang_dir / name), ShardReader(hf_dir / name)
+        if a.sample_ids != b.sample_ids:
+            raise SmokeMismatch(layer, f"{name} holds other samples ({a.sample_ids[:2]}... vs {b.sample_ids[:2]}...)")
+        for i in range(len(a)):
+            x, y = a[i], b[i]
+            for key in ("input_ids", "loss_mask"):
+                if not bool((x[key] == y[key]).all()):
+                    raise SmokeMismatch(layer, f"{name} sample {x['id']}: {key} differ")
+            slices = {f"h{p}": (x["aux"][:, k * hidden:(k + 1) * hidden], y["aux"][:, k * hidden:(k + 1) * hidden])
+                      for k, p in enumerate(points)}
+            slices["final"] = (x["final"], y["final"])
+            for part, (u, v) in slices.items():
+                d = u.float() - v.float()
+                diff2[part] += float(d.pow(2).sum())
+                ref2[part] += float(v.float().pow(2).sum())
+                max_abs[part] = max(max_abs[part], float(d.abs().max()))
+    report = {}
+    for part in parts:
+        rel = (diff2[part] / ref2[part]) ** 0.5 if ref2[part] else float("inf")
+        report[part] = {"max_abs_diff": max_abs[part], "rel_error": rel}
+        print(f"[smoke] 02b sglang vs hf, {part:>6}: max |diff| {max_abs[part]:.4g}, relative error {rel:.4f}")
+    for part in parts:
+        if not report[part]["rel_error"] <= rel_tol:
+            where = ("the final post-norm state" if part == "final"
+                     else f"capture point {part} (input of layer {part[1:]})")
+            raise SmokeMismatch(layer, f"{where}: relative error {report[part]['rel_error']:.4f} > {rel_tol} "
+                                "(a layer-id rule or capture-hook difference; see common/draft/capture.py)")
+    return report
+
+
+def compare_tau(reference_metrics: dict, server_metrics: dict, rel_tol: float) -> dict:
+    """SGLang's accept length at (3,1,4), batch 1, against reference tau at k = 3 on the same prompts.
+
+    Reference tau excludes the prefill token (common/draft/spec_decode.acceptance_stats); SGLang's
+    completion_tokens / spec_verify_ct includes it, one token per request: removed before comparing.
+    """
+    layer = "SGLang's EAGLE3 decoding (05 server) vs reference speculative decoding (05 reference)"
+    ref = reference_metrics["by_num_draft_tokens"][str(NUM_DRAFT_TOKENS)]["tau"]
+    key = f"{SPEC_SETTING.replace(',', '-')}/graph"
+    run = server_metrics["runs"][key]["by_concurrency"]["1"]
+    pooled = run["accept_length_pooled"]
+    rounds = run["completion_tokens"] / pooled
+    corrected = (run["completion_tokens"] - run["num_requests"]) / rounds
+    rel = abs(corrected - ref) / ref
+    print(f"[smoke] tau: reference {ref:.3f} (k={NUM_DRAFT_TOKENS}); SGLang {key} {pooled:.3f} as reported, "
+          f"{corrected:.3f} without the prefill token; relative difference {rel:.3f}")
+    if not rel <= rel_tol:
+        raise SmokeMismatch(layer, f"accept length {corrected:.3f} vs reference tau {ref:.3f} ({rel:.1%} > "
+                            f"{rel_tol:.0%}): draft loading (d2t, layer ids, embedding) or the verify rule differs")
+    return {"reference_tau": ref, "server_accept_length": pooled, "server_accept_length_no_prefill": corrected,
+            "relative_difference": rel}
+
+
+# ---------------------------------------------------------------- the run
+def main(argv=None, environ=os.environ) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = p.parse_args(argv)
+    s = settings_from_env(environ)
+    steps = stage_steps(s)
+    print(f"[smoke] target {s.target}, work dirs {s.work} and {s.work_hf}; {'DRY RUN' if args.dry_run else ''}")
+    if not args.dry_run:
+        for d in (s.work, s.work_hf):
+            if d.exists():
+                shutil.rmtree(d)  # a smoke run starts clean: every stage must run, none may be skipped
+    if args.dry_run or not (s.target / "config.json").is_file():
+        if not args.dry_run and s.target != DEFAULT_TARGET:
+            raise SmokeMismatch("the small target", f"TARGET={s.target} has no config.json (unset TARGET to "
+                                f"build {DEFAULT_TARGET} with 00_build_smollm2_world.py)")
+        run_step(steps["build"][0], args.dry_run)
+    run_step(steps["prepare"][0], args.dry_run)
+
+    from common.sglang import server as srv
+    cmd = target_server_command(s)
+    print(f"==> SGLang server for 01b\n    {shlex.join(cmd)}", flush=True)
+    if not args.dry_run:
+        log = s.work / "smoke_logs" / "target_server.log"
+        proc = srv.launch_server(cmd, log)
+        try:
+            try:
+                srv.wait_ready(f"http://127.0.0.1:{s.port}", proc, 900, log_path=log)
+            except SystemExit as e:  # StageError: exited early or never ready
+                raise SmokeMismatch("SGLang serving the target (launch_server)", str(e)) from None
+            run_step(steps["generate"][0], False)
+        finally:
+            srv.stop_server(proc)
+    else:
+        run_step(steps["generate"][0], True)
+
+    run_step(steps["capture"][0], args.dry_run)  # 01c
+    if not args.dry_run:  # the hf capture reads the same 01c output
+        s.work_hf.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(s.work / "01c_merged", s.work_hf / "01c_merged")
+    for step in steps["capture"][1:]:
+        run_step(step, args.dry_run)
+    if not args.dry_run:
+        compare_shards(s.work / "02b_hidden_states", s.work_hf / "02b_hidden_states", s.shard_rel_tol)
+    for step in steps["train"] + steps["benchmark"]:
+        run_step(step, args.dry_run)
+    if args.dry_run:
+        return
+    bench = s.work / "05_benchmark"
+    result = compare_tau(json.loads((bench / "reference" / "metrics.json").read_text()),
+                         json.loads((bench / "server" / "metrics.json").read_text()), s.tau_rel_tol)
+    (s.work / "smoke_result.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"[smoke] PASSED: SGLang capture, serving and EAGLE3 decoding agree with transformers "
+          f"({s.work / 'smoke_result.json'})")
+
+
+if __name__ == "__main__":
+    main()
