@@ -25,8 +25,9 @@ answering is waited for (health polling), input errors go to failures.jsonl with
 Durable: each result is appended as one whole, flushed line as it arrives; a re-run after a kill at
 any moment skips the ids already written (a torn last line is cut), so every id lands exactly once.
 SIGINT/SIGTERM stop new requests, let those in flight finish for --shutdown-grace s, and exit;
-a second signal stops at once. Transient failures are retried by the next run; `--retry-failed`
-re-runs only the ids in failures.jsonl (context overflows included).
+a second signal stops at once (the run loops: common/data/generation_loops.py; jobs and manifest
+counts: common/data/generation_jobs.py). Transient failures are retried by the next run;
+`--retry-failed` re-runs only the ids in failures.jsonl (context overflows included).
 Reads:  <work-dir>/01_prepared/<dataset>/records.jsonl (+ manifest.json)
 Writes: <work-dir>/01b_generated/<dataset>/{generated.jsonl, failures.jsonl, manifest.json},
         <work-dir>/01b_generated/manifest.json
@@ -39,11 +40,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 
 from common.config import base_parser, parse_args
-from common.data.generation import Progress, percentiles
+from common.data.generation import Progress
+from common.data.generation_jobs import PARTITIONS, dataset_counts, make_jobs, this_run_counts
+from common.data.generation_loops import run_hf, run_openai
 from common.data.run_state import (RunLog, check_unlocked, dataset_lock, distinct_settings, generation_settings,
                                    refuse_mixed_settings, resume_generated)
 from common.data.target_format import load_target_format
@@ -54,16 +57,6 @@ from common.stage import (StageError, is_complete, manifest_sha256, read_manifes
 STAGE, UPSTREAM = "01b_generate_synthetic", "01_prepare_datasets"
 # Failures that a re-run would repeat identically (kept unless --retry-failed); others are retried.
 PERMANENT_FAILURES = {"context_overflow"}
-PARTITIONS = ("normal", "long")
-# Tokenizer probe: specials, a tool call, code, and non-ASCII text, through the target's own template.
-PROBE_MESSAGES = [
-    {"role": "system", "content": "You are Kimi. Réponds brièvement; 日本語も可. Tabs\tand  spaces."},
-    {"role": "user", "content": "def f(x):\n    return {'a': [1, 2.5e-3, None]}  # naïve café ✓ 🙂\n"},
-    {"role": "assistant", "content": "Sure.", "reasoning_content": "Check the dict.",
-     "tool_calls": [{"id": "functions.run:0", "type": "function",
-                     "function": {"name": "run", "arguments": "{\"cmd\": \"ls -la /tmp\"}"}}]},
-    {"role": "tool", "tool_call_id": "functions.run:0", "name": "run", "content": "total 0\r\n\u00a0ok"},
-]
 
 
 class ServerUrls(argparse.Action):
@@ -175,175 +168,6 @@ def open_response_cache(args, target: Path, tok, fmt):
     return cache
 
 
-def make_jobs(records: list[dict], tok, args, fmt, benchmark_only: bool = False
-              ) -> tuple[list[dict], list[dict], list[dict]]:
-    """Render prompts; split into (to generate, passed through, context overflows). A job's response
-    budget is what its partition's context leaves after the prompt (at most --max-new-tokens).
-    Records of a benchmark-only dataset are all passed through as prompts (origin "prompt", no answer)."""
-    from common.data.chat_format import render_prompt
-    from common.data.target_format import FormatError, render_final_turn
-
-    prompts = []
-    for r in records:
-        msgs = r["messages"][:-1] if r["complete"] else r["messages"]
-        prompts.append(render_prompt(tok, msgs, r.get("tools"), thinking=r["thinking"]))
-    lengths = [len(x) for x in tok(prompts, add_special_tokens=False)["input_ids"]] if prompts else []
-    completions = {}
-    for r in records:
-        if r["complete"] and not benchmark_only:
-            try:
-                completions[r["id"]] = render_final_turn(tok, fmt, r["messages"], r.get("tools"), r["thinking"])
-            except FormatError as e:  # 01 skips these; records from elsewhere may still hold one
-                raise StageError(f"record {r['id']}: the target's template cannot render its answer ({e}); "
-                                 "re-run 01_prepare_datasets.py --overwrite for this target") from None
-    n_completion = dict(zip(completions, (len(x) for x in tok(list(completions.values()), add_special_tokens=False)
-                                          ["input_ids"]))) if completions else {}
-    todo, passed, overflow = [], [], []
-    for r, prompt, n in zip(records, prompts, lengths):
-        base = {"id": r["id"], "source": r["source"], "prompt": prompt}
-        part = r.get("partition", "normal")
-        limit, flag = ((args.long_context, "--long-context") if part == "long" and args.long_context
-                       else (args.max_context, "--max-context"))
-        if benchmark_only:
-            passed.append({**base, "completion": None, "completion_ids": None, "finish_reason": None,
-                           "num_prompt_tokens": n, "num_completion_tokens": None, "origin": "prompt",
-                           "backend": None})
-        elif r["complete"]:
-            passed.append({**base, "completion": completions[r["id"]], "completion_ids": None, "finish_reason": "stop",
-                           "num_prompt_tokens": n, "num_completion_tokens": n_completion[r["id"]],
-                           "origin": "dataset", "backend": None})
-        elif n >= limit:
-            overflow.append({"id": r["id"], "reason": "context_overflow",
-                             "detail": f"prompt has {n} tokens, {flag} is {limit} ({part} partition)"})
-        else:
-            todo.append({**base, "n_prompt": n, "max_new": min(args.max_new_tokens, limit - n), "partition": part})
-    return todo, passed, overflow
-
-
-async def run_openai(pool, tok, jobs: dict, write, fail, args, bars: dict, gate=None, on_ready=None) -> str | None:
-    """Run every job through the server pool; returns the name of the signal that stopped it, if any.
-    `gate`: the target health gate (common/data/server_checks.HealthGate); `on_ready(found)` runs after
-    the start-up checks, before any work (it may refuse)."""
-    import signal
-
-    from common.data.chat_format import render_prompt
-    from common.data.generation import log
-    from common.data.server_checks import StartupCheckFailed, startup_checks
-    from common.data.server_pool import RequestFailed, ServersDown
-
-    loop = asyncio.get_running_loop()
-    stop, stopped_by, main, starting = asyncio.Event(), [], None, None
-
-    def on_signal(name):
-        if starting is not None and not starting.done():  # still in start-up checks: nothing in flight
-            stopped_by.append(name)
-            starting.cancel()
-        elif not stopped_by:
-            stopped_by.append(name)
-            stop.set()
-            n = sum(b.in_flight for b in bars.values())
-            log(f"[01b] {name}: no new requests; {n} in flight may finish within {args.shutdown_grace:.0f} s "
-                "(send it again to stop now)")
-            loop.call_later(args.shutdown_grace, lambda: main and main.cancel())
-        elif main is not None:
-            main.cancel()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig.name)
-
-    async def worker(queue, bar):
-        while queue and not stop.is_set():
-            job = queue.popleft()
-            t0 = time.monotonic()
-            bar.in_flight += 1
-            try:
-                result = await pool.generate(job["prompt"], job["max_new"], bar.errors)
-            except RequestFailed as e:
-                fail(job, e.kind, e.detail)
-                bar.update(failed=True)
-            else:
-                write(job, result)
-                bar.update(tokens=result["num_completion_tokens"] or 0, latency=time.monotonic() - t0)
-            finally:
-                bar.in_flight -= 1
-
-    async def partition(part, concurrency):
-        queue = deque(jobs[part])
-        async with asyncio.TaskGroup() as group:
-            for _ in range(min(concurrency, len(queue))):
-                group.create_task(worker(queue, bars[part]))
-
-    async def everything():
-        limits = {"normal": args.concurrency, "long": args.long_concurrency}
-        if args.long_after_normal:
-            for part in PARTITIONS:
-                await partition(part, limits[part])
-        else:
-            async with asyncio.TaskGroup() as group:
-                for part in PARTITIONS:
-                    group.create_task(partition(part, limits[part]))
-
-    async def ticker():
-        while True:
-            await asyncio.sleep(args.summary_interval)
-            for bar in bars.values():
-                if bar.total:
-                    log(bar.line())
-
-    need = max([j["n_prompt"] + j["max_new"] for part in PARTITIONS for j in jobs[part]] or [0])
-    probes = [render_prompt(tok, PROBE_MESSAGES, None, thinking=True),
-              next(j["prompt"] for part in PARTITIONS for j in jobs[part])]
-    tick = None
-    try:
-        async with pool:
-            starting = asyncio.ensure_future(startup_checks(pool, tok, probes, need, gate))
-            try:
-                found = await starting
-            except asyncio.CancelledError:
-                if not stopped_by:
-                    raise
-                return stopped_by[0]
-            except StartupCheckFailed as e:
-                raise StageError(f"start-up check failed, nothing sent: {e}") from None
-            for url, info in found.items():
-                log(f"[01b] server {url}: model {info['model']!r}, context {info['max_model_len']}, "
-                    f"tokenizer agrees ({info['tokenizer_check']})"
-                    + (f", health gate passed ({info['health']})" if "health" in info else ""))
-            if on_ready is not None:
-                on_ready(found)
-            tick = asyncio.ensure_future(ticker())
-            main = asyncio.ensure_future(everything())
-            try:
-                await main
-            except asyncio.CancelledError:
-                if not stopped_by:
-                    raise
-            except BaseExceptionGroup as eg:  # a worker's exception, from the TaskGroups
-                down = eg.subgroup(ServersDown)
-                if down is None:
-                    raise
-                while isinstance(down, BaseExceptionGroup):
-                    down = down.exceptions[0]
-                raise StageError(f"{down}; results so far are kept, re-run to resume") from None
-    finally:
-        if tick is not None:
-            tick.cancel()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-    return stopped_by[0] if stopped_by else None
-
-
-def run_hf(backend, todo, write, batch_size: int, progress: Progress):
-    # Similar lengths batch together: less padding, fewer wasted positions.
-    todo = sorted(todo, key=lambda j: (j["n_prompt"], j["id"]))
-    for i in range(0, len(todo), batch_size):
-        batch = todo[i:i + batch_size]
-        results = backend.generate_batch([j["prompt"] for j in batch], [j["max_new"] for j in batch])
-        for job, result in zip(batch, results):
-            write(job, result)
-        progress.update(len(batch), sum(r["num_completion_tokens"] for r in results))
-
-
 def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir: Path, ids: dict,
                      backends: dict, fmt=None, cache=None) -> dict | None:
     """Generate what is missing of one dataset; its counts when complete, None when not yet.
@@ -378,7 +202,9 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
         print(f"[01b] {name}: resuming, {len(done)} generated and {len(kept)} failed before, "
               f"{len(pending)} to go" + (f" (--retry-failed; {unattempted} never tried are left)" if retry is not None
                                          else ""))
-    todo, passed, overflow = make_jobs(pending, tok, args, fmt, benchmark_only)
+    todo, passed, overflow = make_jobs(pending, tok, fmt, max_new_tokens=args.max_new_tokens,
+                                       max_context=args.max_context, long_context=args.long_context,
+                                       benchmark_only=benchmark_only)
     counts = Counter()
     hits = []
     if cache is not None:  # a known greedy answer to the same prompt under the same cap: no request
@@ -435,8 +261,11 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
                     settings["model"] = pool.model  # as the server reported it
                     refuse_mixed_settings(gen_path, earlier, settings, args.allow_mixed_settings, keys=("model",))
 
-                stopped_by = asyncio.run(run_openai(pool, tok, jobs, write, fail, args, bars,
-                                                    backends["health_gate"], on_ready))
+                stopped_by = asyncio.run(run_openai(
+                    pool, tok, jobs, write, fail, bars, concurrency=args.concurrency,
+                    long_concurrency=args.long_concurrency, long_after_normal=args.long_after_normal,
+                    shutdown_grace=args.shutdown_grace, summary_interval=args.summary_interval,
+                    gate=backends["health_gate"], on_ready=on_ready))
                 counts["requests_per_server"] = {s.url: s.num_requests for s in pool.servers}
             elif todo:
                 from common.data.generation import HFBackend
@@ -459,32 +288,12 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
     rows = list(iter_jsonl(gen_path))
     failures = list(iter_jsonl(fail_path))
     assert len({r["id"] for r in rows}) == len(rows), f"duplicate ids in {gen_path}"
-    generated = [r for r in rows if r["origin"] == "target"]
-    new_tokens = sum(b.tokens for b in bars.values())
-    latencies = [x for b in bars.values() for x in b.latencies]
-    result = {
-        "num_records": len(records), "generated": len(generated),
-        "passed_through": sum(r["origin"] in ("dataset", "prompt") for r in rows),
-        "from_cache": sum(r["origin"] == "cache" for r in rows),
-        "benchmark_only": benchmark_only,
-        "failed": dict(Counter(f["reason"] for f in failures)),
-        "finish_reasons": dict(Counter(r["finish_reason"] for r in rows)),
-        "partitions": dict(Counter(r.get("partition", "normal") for r in records)),
-        "prompt_tokens": sum(r["num_prompt_tokens"] or 0 for r in rows),
-        "completion_tokens": sum(r["num_completion_tokens"] or 0 for r in rows),
-        "prompt_token_count_mismatch": counts["prompt_token_count_mismatch"],
-        "this_run": {"requests": n_done, "seconds": round(seconds, 2),
-                     "requests_per_s": round(n_done / max(seconds, 1e-9), 3),
-                     "completion_tokens": new_tokens,
-                     "completion_tokens_per_s": round(new_tokens / max(seconds, 1e-9), 1),
-                     "errors": dict(sum((b.errors for b in bars.values()), Counter())),
-                     "latency_s": percentiles(latencies),
-                     "completion_tokens_per_request": percentiles(
-                         [r["num_completion_tokens"] or 0 for r in generated if r["id"] not in settled]),
-                     "client_cpu_ms_per_request": round(1000 * cpu / max(n_done, 1), 3),
-                     "requests_per_server": counts["requests_per_server"] or None,
-                     "response_cache": None if cache is None else {"hits": len(hits), "misses": len(todo)}},
-        "all_runs": run_log.totals()}
+    new_rows = [r for r in rows if r["origin"] == "target" and r["id"] not in settled]
+    result = {**dataset_counts(records, rows, failures, benchmark_only),
+              "prompt_token_count_mismatch": counts["prompt_token_count_mismatch"],
+              "this_run": this_run_counts(bars, new_rows, seconds, cpu, counts.get("requests_per_server"),
+                                          None if cache is None else {"hits": len(hits), "misses": len(todo)}),
+              "all_runs": run_log.totals()}
     transient = [f for f in failures if f["reason"] not in PERMANENT_FAILURES]
     if len(transient) > args.max_transient_failures:
         # Leave the dataset incomplete: a re-run keeps every result and retries only these.

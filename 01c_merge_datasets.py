@@ -7,6 +7,8 @@ whose prompt equals a held-out prompt, samples longer than `--max-seq-len`, answ
 only with `--drop-length-finished`, and answers that exist only as text whose re-tokenization disagrees
 with the target's own token count (unless `--keep-retokenize-mismatch`), all counted per reason;
 applies per-dataset `--dataset-weights` (kept fraction) and `--dataset-caps` (max samples).
+Training samples are written shortest first (by token count, then id), so that 02b's consecutive
+shards hold equal or similar lengths: its SGLang backend captures only rows of one length together.
 A sample's ids are the prompt's tokenization followed by the completion ids the target emitted
 (01b's `completion_ids`); only answers without them (servers that return text, dataset answers) are
 tokenized. The loss mask is 1 exactly on the completion: from right after the generation prompt through
@@ -33,6 +35,8 @@ from common.stage import (StageError, check_same_tokenizer, manifest_sha256, req
                           resolve_target, stage_dir, start_stage, tokenizer_identity, write_manifest)
 
 STAGE, UPSTREAM = "01c_merge_datasets", "01b_generate_synthetic"
+# The order of tokenized_data.jsonl, recorded in the manifest (see the sort in main).
+SAMPLE_ORDER = "seq_len, id"
 TARGET_ORIGINS = ("target", "cache")  # 01b rows the target wrote (others: "dataset" answers, "prompt" only)
 
 
@@ -274,6 +278,12 @@ def main(argv=None):
         raise StageError(f"no sample survived the filters ({ {k: dict(v) for k, v in dropped.items()} }); "
                          "raise --max-seq-len or --max-new-tokens, or pass --no-drop-length-finished or "
                          "--keep-retokenize-mismatch")
+    # Shortest first, ties by id (SAMPLE_ORDER): 02b cuts this file into shards of consecutive samples,
+    # and its SGLang backend captures only rows of one length in one call (no padding), so equal lengths
+    # must sit together; 04 shuffles shards and samples within a shard, so a batch drawn from one
+    # length-homogeneous shard pads little. Only the lengths of pass 1 are needed: ids stay on disk and
+    # are read back by offset below, in this order.
+    selected.sort(key=lambda item: (item[1] + item[2], item[0]["id"]))
 
     # Pass 2: tokenize the kept samples in batches and stream them out.
     stats = defaultdict(Counter)
@@ -318,7 +328,7 @@ def main(argv=None):
     write_json(out / "stats.json", {"totals": result, "per_source": per,
                                     "length_histogram": length_histogram(lengths, args.max_seq_len)})
     write_manifest(out, STAGE, args, datasets=names, tokenizer=upstream["tokenizer"], target=upstream["target"],
-                   input_manifest_sha256=manifest_sha256(up_dir), counts=result)
+                   input_manifest_sha256=manifest_sha256(up_dir), sample_order=SAMPLE_ORDER, counts=result)
     print(f"[01c] {num_samples} samples, {totals['num_tokens']} tokens ({totals['num_response_tokens']} "
           f"supervised), {len(bench_out)} held-out prompts, dropped {result['dropped'] or 0}, "
           f"{result['seconds']} s")

@@ -3,9 +3,10 @@
 computed by the HF micro target. Proves: equal-length grouping under a token budget (shards keep 01c's
 order), refused settings (also SpecForge's own keyword arguments), the process count checked before any
 model loads, rank 0 alone preparing the stage folder, shape checks that stop before storing, shards
-identical to the hf backend, and per-shard resume."""
+identical to the hf backend, per-shard resume, and 01c's length order giving shards of one length."""
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from common.sglang import capture as cs
 from common.draft.capture import capture_hf
 from common.draft.shards import ShardReader, list_shards, shard_name
+from common.io import iter_jsonl
 from common.stage import StageError, read_manifest
 from tests.test_02b_extract import STAGE, make_01c
 
@@ -143,6 +145,41 @@ def test_equal_lengths_share_one_call(tmp_path, micro_target, patched):
         for key in ("aux", "final"):
             torch.testing.assert_close(a[i][key], b[i][key], rtol=1e-5, atol=1e-5)
     assert read_manifest(sg / "02b_hidden_states")["this_run"]["num_forward_calls"] == 3
+
+
+def test_01c_order_gives_shards_of_one_length(tmp_path, micro_target, patched):
+    """01 -> 01b (hf) -> 01c -> 02b (sglang): prompts of two lengths alternate within each of two datasets
+    (content of 1 or 2 tokens, answers capped at 4 tokens). 01c writes them shortest first, so each
+    02b shard of 4 holds one length and goes through capture_eagle3 in one call; in 01b's order (dataset
+    by dataset, id by id) every shard would mix both lengths and take two calls."""
+    _, made = patched
+    prompts = {"a": ["class", "return", "self", "def"], "b": ["None", "True", "value", "False"]}
+    datasets = []
+    for name, texts in prompts.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"id": str(k), "messages": [{"role": "user", "content": text}]}) + "\n"
+                                for k, text in enumerate(texts)))
+        datasets.append({"name": name, "adapter": "messages", "path": str(path)})
+    work = tmp_path / "work"
+    importlib.import_module("01_prepare_datasets").main(
+        ["--work-dir", str(work), "--target-path", str(micro_target), "--datasets", json.dumps(datasets)])
+    importlib.import_module("01b_generate_synthetic").main(
+        ["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "4", "--device", "cpu"])
+    importlib.import_module("01c_merge_datasets").main(["--work-dir", str(work), "--benchmark-size", "0"])
+    samples = list(iter_jsonl(work / "01c_merged" / "tokenized_data.jsonl"))
+    assert read_manifest(work / "01c_merged")["sample_order"] == "seq_len, id"
+    short, long = sorted({s["seq_len"] for s in samples})
+    assert [s["seq_len"] for s in samples] == [short] * 4 + [long] * 4
+    assert [s["id"] for s in samples] == sorted(s["id"] for s in samples[:4]) + sorted(s["id"] for s in samples[4:])
+    in_01b_order = [s["seq_len"] for s in sorted(samples, key=lambda s: s["id"])]  # "a/0" < ... < "b/3"
+    assert in_01b_order == [short, long] * 4
+
+    STAGE.main(["--work-dir", str(work), "--samples-per-shard", "4", "--capture-batch-tokens", "1000",
+                "--hidden-states-dtype", "float32", "--capture-backend", "sglang"])
+    shards = list_shards(work / "02b_hidden_states")
+    assert [ShardReader(p).sample_ids for p in shards] == [[s["id"] for s in samples[:4]],
+                                                           [s["id"] for s in samples[4:]]]
+    assert made[0].calls == [[short] * 4, [long] * 4]  # one call per shard, all its rows at once
 
 
 def test_world_size_checked_before_any_model_loads(tmp_path, micro_target, patched, monkeypatch):

@@ -1,4 +1,4 @@
-"""Golden renders of the Kimi-K2.5 format through the shipped template (REFERENCE section 6)."""
+"""Golden renders of the Kimi-K2.5 format through the shipped template (docs/design.md section 6)."""
 import pytest
 from transformers import AutoTokenizer
 

@@ -4,7 +4,7 @@ An adapter takes `(row: dict, index: int)` and returns `(key, messages, tools, m
 `BadRow(reason)` so that 01 can skip the row and count the reason. Adapters only map fields; what is
 common to every family (dropping turns before the first user turn, cutting to a prompt, tool-call id
 rewriting, special-token scrubbing, validation) happens in `unify()` / `finish_record()`.
-Families (schemas: research/kimi_and_datasets.md Part B):
+Families (schemas: docs/design.md section 8):
   messages       {"id"|"prompt_id"|"uuid"|..., "messages": [OpenAI messages] (list or JSON text),
                   "tools"?: [OpenAI tool schemas] (list or JSON text)}   (ultrachat, SWE traces, demo)
   conversations  {"id"?, "system"?, "conversations": [{"from": human|gpt|system|tool|..., "value"}]}

@@ -5,7 +5,8 @@ common/data/adapters.py) and raises `BadRow(reason)` for a broken row or `Filter
 a configured filter rejects (counted apart). Messages come out as whole conversations with the
 dataset's own call ids; cutting at an assistant turn, id rewriting to `functions.NAME:IDX` and
 scrubbing happen later (common/data/adapters_v4.expand_row, common/data/adapters.unify). Schemas:
-research/kimi_and_datasets.md Part B (#10-#18); fields marked (verify) there are handled both ways.
+docs/design.md section 8 (#10-#18); a field seen in two forms (e.g. `messages` or `trajectory`) is
+handled both ways.
 """
 from __future__ import annotations
 

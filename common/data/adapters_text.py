@@ -3,7 +3,7 @@
 Same contract as common/data/adapters_agentic.py: `fn(row, index, **options) -> (key, messages, tools,
 meta)`, `BadRow` for broken rows, `FilteredRow` for rows a filter drops. Every answer here was written
 by another model, so these datasets are prompts: 01 cuts the answer off and the target writes its own
-in 01b. Schemas: research/kimi_and_datasets.md Part B (#1-#3, #5-#9, #19).
+in 01b. Schemas: docs/design.md section 8 (#1-#3, #5-#9, #19).
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from common.data.adapters_text import (adapt_magicoder_evol, adapt_magicoder_oss
 __all__ = ["V4_ADAPTERS", "RAW_ADAPTERS", "FilteredRow", "BadRow", "expand_row", "cut_trajectory",
            "thinking_for", "length_partition", "check_v4_spec", "V4_SPEC_KEYS", "CUT_MODES"]
 
-# name -> (adapter, family). Families as in research/kimi_and_datasets.md B2.
+# name -> (adapter, family). Families as in the mix table of train_plan_v4.md section 1.
 RAW_ADAPTERS = {
     "swe_rebench": adapt_swe_rebench,          # SWE trajectories, OpenAI tool calls
     "open_swe": adapt_open_swe,

@@ -5,7 +5,7 @@ with an empty `<think></think>` (reasoning dropped), so rendering a whole conver
 the text the model produced for its final turn. The training text of a sample is therefore
 `render_prompt(history)` (ending in the generation prompt `...<|im_middle|><think>`) followed by
 `render_completion(final assistant turn)` (`reasoning</think>content[tool calls]<|im_end|>`), which
-is exactly what the model emits after that prompt (REFERENCE section 6).
+is exactly what the model emits after that prompt (docs/design.md section 6).
 """
 from __future__ import annotations
 

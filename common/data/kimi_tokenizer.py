@@ -4,7 +4,7 @@ Encodes exactly as Moonshot's `tokenization_kimi.py` (`TikTokenTokenizer`) does:
 of `tiktoken.model`, Kimi's split pattern, special ids 163584..163839 (named ones from the table below,
 the others `<|reserved_token_{id}|>`), special-token strings in the text become control tokens
 (`allowed_special="all"`), and long inputs are cut at 400k chars and at runs of more than 25k
-(non-)whitespace chars before BPE, as the original does (research/kimi_and_datasets.md A5).
+(non-)whitespace chars before BPE, as the original does.
 Chat rendering goes through transformers' own `apply_chat_template` (its Jinja environment and
 settings) with K2.5's `tools_ts_str` injected, as K2.5's tokenizer code does.
 
@@ -49,7 +49,8 @@ PAT_STR = "|".join([
     r"\s+(?!\S)",
     r"\s+",
 ])
-# The named special ids shared by K2 / K2.5 / K2.6 (research/kimi_and_datasets.md A5).
+# The named special ids shared by K2 / K2.5 / K2.6 (`added_tokens_decoder` of Moonshot's
+# tokenizer_config.json; docs/design.md section 6; golden ids in assets/kimi_k25/verification.txt).
 SPECIAL_TOKEN_NAMES = {
     163584: "[BOS]", 163585: "[EOS]", 163586: "<|im_end|>", 163587: "<|im_user|>",
     163588: "<|im_assistant|>", 163590: "<|start_header_id|>", 163591: "<|end_header_id|>",

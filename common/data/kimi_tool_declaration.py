@@ -1,9 +1,10 @@
 """Kimi-K2.5's TypeScript-style tool declarations (the `tools_ts_str` its chat template expects).
 
 K2.5's own tokenizer code turns the OpenAI `tools` list into a TypeScript namespace before the
-template runs; the template prefers that text over JSON (research/kimi_and_datasets.md A3). This is
-an independent implementation of the same rules, checked byte for byte against 13 schema ->
-declaration pairs produced by K2.5's code (assets/kimi_k25/tool_declaration_fixtures/):
+template runs; the template prefers that text over JSON (docs/design.md section 6,
+`assets/kimi_k25/chat_template.jinja`). This is an independent implementation of the same rules,
+checked byte for byte against 13 schema -> declaration pairs produced by K2.5's code
+(assets/kimi_k25/tool_declaration_fixtures/):
 
 - a function becomes `type NAME = (_: {...}) => any;`, preceded by `// description` lines;
 - object fields: required ones first, then optional ones (`name?:`), each group sorted by name,

@@ -2,7 +2,7 @@
 
 `describe_target(tokenizer, model_dir)` probes the chat template with a few tiny conversations and
 returns a `TargetFormat`; stages 01, 01b and 01c use it instead of assuming Kimi-K2.5:
-  kimi                the template produces Kimi-K2.5's format (REFERENCE section 6): the generation
+  kimi                the template produces Kimi-K2.5's format (docs/design.md section 6): the generation
                       prompt ends `<|im_assistant|>assistant<|im_middle|><think>` and turns end with
                       `<|im_end|>`; only then are completions rendered by chat_format.render_completion
                       and tool-call ids rewritten to `functions.NAME:IDX`.

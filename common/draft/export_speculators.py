@@ -1,7 +1,7 @@
 """Convert 04's SGLang export into the speculators/vLLM folder format, and back (for the round trip).
 
 speculators (vllm-project/speculators `src/speculators/models/eagle3/config.py`, `convert/eagle/
-eagle3_converter.py`; research/eagle3_spec.md section 4.2): `architectures ["Eagle3Speculator"]`,
+eagle3_converter.py`; docs/design.md section 4): `architectures ["Eagle3Speculator"]`,
 `speculators_model_type "eagle3"`, the draft layer's Llama config nested as `transformer_layer_config`,
 `speculators_config` (algorithm, greedy proposal with K speculative tokens, verifier), top-level
 `eagle_aux_hidden_state_layer_ids` in the vLLM convention = the capture points themselves (INPUT of

@@ -3,7 +3,7 @@
 Batch size 1, greedy everywhere. The draft is anything with the `Eagle3DraftModel` surface
 (`project`, `step`, `draft_to_target`, see common/draft/model.py); the target is an HF causal LM whose
 hidden states are captured at the draft's capture points (h_i = input of decoder layer i =
-HF `hidden_states[i]`, REFERENCE section 1).
+HF `hidden_states[i]`, docs/design.md section 1).
 
 Vocabulary of this file, for one sequence:
   n_ctx    tokens whose target features (aux states) are known = length of the target's KV cache.
@@ -129,8 +129,8 @@ def speculative_decode(target, draft, prompt_ids: list[int], num_draft_tokens: i
     pending = int(logits[0, -1].argmax())
     res = SpecResult(tokens=[pending])
     n_ctx = prompt.shape[1]
-    # EAGLE-3 alignment (REFERENCE 3): draft position t pairs fc(aux_t) with token t+1 and predicts
-    # token t+2. So the first feed is positions 0..n-1 with tokens p_1..p_{n-1}, x_n.
+    # EAGLE-3 alignment (docs/design.md section 3): draft position t pairs fc(aux_t) with token t+1 and
+    # predicts token t+2. So the first feed is positions 0..n-1 with tokens p_1..p_{n-1}, x_n.
     feed_hidden = draft.project(aux)                                          # [1, n, H]
     feed_ids = torch.cat([prompt[:, 1:], prompt.new_tensor([[pending]])], dim=1)  # [1, n]
     feed_start = 0

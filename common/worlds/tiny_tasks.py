@@ -1,6 +1,6 @@
 """Tasks of the tiny world: chat samples made from the Python standard library's own functions.
 
-Why these tasks (REFERENCE section 9): a tiny target pre-trained on raw source collapses into loops,
+Why these tasks (docs/design.md section 9): a tiny target pre-trained on raw source collapses into loops,
 and a draft trained on loops looks good for the wrong reason. These tasks are varied (every function
 differs) but regular (fixed phrasings, short answers that mostly copy from the prompt), so an
 8-layer model learns them in CPU minutes and its greedy outputs are real, prompt-dependent text that
