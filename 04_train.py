@@ -4,37 +4,38 @@ The draft (common/draft/model.py) learns, at every position t and TTT step k, th
 t+1+k restricted to the draft vocab, from fc(target features at t) (step 0) or its own previous output,
 plus the ground-truth token t+1+k. The teacher is the target's lm_head over the stored final hidden
 state; only the target's embedding and lm_head are read (common/draft/target_head.py). Samples are streamed
-shard by shard in a seeded order and packed into batches by a token budget. Checkpoints hold weights,
-optimizer, scheduler, RNG and the data cursor; a re-run resumes from the newest complete one.
+shard by shard in a seeded order and packed into batches by a token budget (common/draft/train_data.py);
+a background thread reads and collates the next batches while one trains. Under torchrun each rank reads
+a disjoint slice of every batch (DDP, optionally ZeRO-1; common/draft/distributed.py) and rank 0 alone
+writes. Checkpoints hold weights, optimizer, scheduler, RNG and the data cursor; a re-run resumes from
+the newest complete one, on any number of processes.
 Reads:  <work-dir>/02b_hidden_states/shard_*.safetensors (+ manifest.json),
         <work-dir>/03_vocab/vocab_mapping.safetensors (+ manifest.json), the target (02b manifest)
-Writes: <work-dir>/04_draft/checkpoints/step_NNNNNN/, train_log.jsonl, export_sglang/,
+Writes: <work-dir>/04_draft/checkpoints/step_NNNNNN/, train_log.jsonl, train_curves.png, export_sglang/,
         export_speculators/ (vLLM speculators layout), manifest.json
-Real:   python 04_train.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
+Real:   torchrun --nproc_per_node 8 04_train.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
 Tiny:   python 04_train.py --config configs/tiny.yaml --work-dir runs/tiny
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import random
 import shutil
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 from common.config import base_parser, parse_args
+from common.draft.checkpoints import complete_checkpoints, load_checkpoint, save_checkpoint
 from common.io import JsonlAppender, iter_jsonl, write_json, write_jsonl
 from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
                           resolve_target, stage_dir, start_stage, write_manifest)
 
 STAGE = "04_train"
-CKPT_MARKER = "COMPLETE"
-# Flags whose change makes a checkpoint's data cursor or schedule meaningless: resume refuses them.
-PLAN_KEYS = ("seed", "batch_tokens", "max_seq_len", "eval_fraction", "num_epochs", "max_steps",
-             "ttt_steps", "learning_rate", "warmup_ratio", "draft_num_attention_heads",
-             "draft_num_key_value_heads", "draft_intermediate_size")
+# Flags whose change makes a checkpoint's data cursor, schedule or recipe meaningless: resume refuses them.
+PLAN_KEYS = ("seed", "batch_tokens", "max_samples_per_batch", "max_seq_len", "eval_fraction", "num_epochs",
+             "max_steps", "ttt_steps", "learning_rate", "warmup_ratio", "adam_betas", "init", "init_std",
+             "loss_normalization", "draft_num_attention_heads", "draft_num_key_value_heads",
+             "draft_intermediate_size")
 
 
 def build_parser():
@@ -48,7 +49,10 @@ def build_parser():
     g.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (the schedule ends there)")
     g.add_argument("--warmup-ratio", type=float, default=0.015, help="share of steps with linear warmup")
     g.add_argument("--grad-clip", type=float, default=0.5, help="global gradient-norm clip")
-    g.add_argument("--batch-tokens", type=int, default=4096, help="token budget per batch (padded tokens)")
+    g.add_argument("--batch-tokens", type=int, default=4096,
+                   help="token budget per batch = optimizer step, all ranks together (samples x longest)")
+    g.add_argument("--max-samples-per-batch", type=int, default=None,
+                   help="cap on samples per batch besides the token budget (1 = one sample per step)")
     g.add_argument("--max-seq-len", type=int, default=4096,
                    help="longest sample used (tokens); 01c drops longer ones, 04 truncates any left")
     g.add_argument("--eval-fraction", type=float, default=0.02,
@@ -65,131 +69,25 @@ def build_parser():
                    help="draft KV heads (default: min(8, heads) when it divides heads, else heads)")
     g.add_argument("--draft-intermediate-size", type=int, default=None,
                    help="draft MLP width (default: the target's dense intermediate_size)")
+    g.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("BETA1", "BETA2"),
+                   help="AdamW betas")
+    g.add_argument("--init", choices=("default", "normal"), default="default",
+                   help="weights of the draft's linear layers: PyTorch's default init or normal(0, --init-std)")
+    g.add_argument("--init-std", type=float, default=0.02, help="std of --init normal")
+    g.add_argument("--loss-normalization", choices=("supervised", "batch"), default="supervised",
+                   help="divide each TTT step's summed soft-CE by its supervised positions, or by samples x "
+                        "padded length of the batch (B*T, as SpecForge)")
     g.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
-    g.add_argument("--device", default=None, help="cpu|cuda (default: cuda if available)")
+    g.add_argument("--device", default=None, help="cpu|cuda (default: cuda if available; torchrun: one GPU per rank)")
+    g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="bf16: autocast matmuls and attention over fp32 master weights, bf16 teacher head; "
+                        "auto = bf16 on CUDA, fp32 on CPU")
+    g.add_argument("--prefetch-batches", type=int, default=2,
+                   help="batches read and collated ahead on a background thread (0 = read in the loop)")
+    g.add_argument("--shard-optimizer", choices=("auto", "on", "off"), default="auto",
+                   help="ZeRO-1 AdamW state sharding under torchrun; auto = on when the fp32 weights, grads and "
+                        "moments would take > 15%% of one GPU")
     return p
-
-
-# ---- data: index, held-out split, seeded shard-by-shard order, token-budget batches ----
-
-def is_eval(sample_id: str, fraction: float) -> bool:
-    return int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 2 ** 32 < fraction
-
-
-class ShardData:
-    """Sample-level access to all 02b shards, keeping at most `max_open` shards open."""
-
-    def __init__(self, shard_dir: Path, names: list[str], max_open: int = 32):
-        from common.draft.shards import ShardReader
-
-        self._open = ShardReader
-        self.paths = [shard_dir / n for n in names]
-        self.entries = []  # (shard index, index in shard, length, sample id)
-        for si, path in enumerate(self.paths):
-            shard = self._open(path)
-            lengths = (shard.offsets[1:] - shard.offsets[:-1]).tolist()
-            self.entries += [(si, i, n, sid) for i, (n, sid) in enumerate(zip(lengths, shard.sample_ids))]
-        self.readers, self.max_open = OrderedDict(), max_open
-
-    def _reader(self, si: int):
-        if si not in self.readers:
-            if len(self.readers) >= self.max_open:
-                self.readers.popitem(last=False)
-            self.readers[si] = self._open(self.paths[si])
-        self.readers.move_to_end(si)
-        return self.readers[si]
-
-    def sample(self, i: int, max_len: int) -> dict:
-        si, j, _, _ = self.entries[i]
-        return self._reader(si).sample(j, max_len)
-
-
-def epoch_order(entries: list, idx: list[int], seed: int, epoch: int) -> list[int]:
-    """Seeded order of sample indices: shards in random order, samples shuffled within each shard
-    (so reading stays local to one shard at a time)."""
-    rng = random.Random(seed * 1_000_003 + epoch)
-    by_shard: dict[int, list[int]] = {}
-    for i in idx:
-        by_shard.setdefault(entries[i][0], []).append(i)
-    order = []
-    for si in rng.sample(sorted(by_shard), len(by_shard)):
-        group = by_shard[si][:]
-        rng.shuffle(group)
-        order += group
-    return order
-
-
-def make_batches(order: list[int], lengths: list[int], batch_tokens: int, max_len: int) -> list[list[int]]:
-    """Greedy packing in order: a batch grows while (samples x longest) stays within the budget."""
-    batches, cur, longest = [], [], 0
-    for i in order:
-        n = min(lengths[i], max_len)
-        if cur and (len(cur) + 1) * max(longest, n) > batch_tokens:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-def collate(data: ShardData, batch: list[int], max_len: int, device):
-    """Right-padded tensors: aux [B, T, 3H], final [B, T, H], input_ids [B, T], loss_mask [B, T]."""
-    import torch
-    samples = [data.sample(i, max_len) for i in batch]
-    t = max(len(s["input_ids"]) for s in samples)
-    out = {"aux": torch.zeros(len(batch), t, samples[0]["aux"].shape[1], dtype=samples[0]["aux"].dtype),
-           "final": torch.zeros(len(batch), t, samples[0]["final"].shape[1], dtype=samples[0]["final"].dtype),
-           "input_ids": torch.zeros(len(batch), t, dtype=torch.int64),
-           "loss_mask": torch.zeros(len(batch), t, dtype=torch.bool)}
-    for r, s in enumerate(samples):
-        n = len(s["input_ids"])
-        out["aux"][r, :n], out["final"][r, :n] = s["aux"], s["final"]
-        out["input_ids"][r, :n], out["loss_mask"][r, :n] = s["input_ids"], s["loss_mask"].bool()
-    return {k: v.to(device, non_blocking=True) for k, v in out.items()}
-
-
-# ---- checkpoints: step_NNNNNN/ counts only with its COMPLETE marker ----
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("step_*") if (p / CKPT_MARKER).is_file())
-
-
-def save_checkpoint(root: Path, step: int, model, opt, sched, cursor: dict, plan: dict, keep: int) -> Path:
-    import torch
-    path = root / f"step_{step:06d}"
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    torch.save(model.trainable_state_dict(), path / "model.pt")
-    torch.save(opt.state_dict(), path / "optimizer.pt")
-    torch.save(sched.state_dict(), path / "scheduler.pt")
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    torch.save(rng, path / "rng.pt")
-    write_json(path / "state.json", {"step": step, "cursor": cursor, "plan": plan})
-    (path / CKPT_MARKER).write_text("ok\n")          # last: the folder counts from now on
-    for old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old)
-    for stale in root.glob("step_*"):                 # incomplete leftovers of a killed save
-        if not (stale / CKPT_MARKER).is_file() and stale != path:
-            shutil.rmtree(stale)
-    return path
-
-
-def load_checkpoint(path: Path, model, opt, sched, device) -> dict:
-    import torch
-    missing, unexpected = model.load_state_dict(torch.load(path / "model.pt", map_location=device), strict=False)
-    assert missing == ["embed_tokens.weight"] and not unexpected, (missing, unexpected)
-    opt.load_state_dict(torch.load(path / "optimizer.pt", map_location=device))
-    sched.load_state_dict(torch.load(path / "scheduler.pt"))
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return json.loads((path / "state.json").read_text())
 
 
 def cosine_with_warmup(warmup: int, total: int):
@@ -203,26 +101,45 @@ def cosine_with_warmup(warmup: int, total: int):
 
 # ---- one batch: teacher, TTT unroll, loss ----
 
-def run_batch(model, lm_head, batch: dict, ttt_steps: int, autocast):
-    from common.draft.loss import teacher_targets, ttt_loss
-    teach = teacher_targets(batch["final"], lm_head, model.d2t, model.t2d)
-    with autocast():
-        logits = model.forward_ttt(batch["aux"], batch["input_ids"], ttt_steps)
-    return ttt_loss(logits, teach, batch["loss_mask"])
-
-
-def evaluate(model, lm_head, data, batches, args, device, autocast) -> dict | None:
+def run_batch(model, lm_head, batch: dict, args, ranks, autocast):
+    """(loss to backpropagate, per-step stats) of one batch on this rank. The loss is scaled so that
+    DDP's average over ranks is the gradient of the whole global batch's loss."""
     import torch
+
+    from common.draft.distributed import all_max, all_sum, unwrap
+    from common.draft.loss import step_counts, teacher_targets, ttt_loss
+    core, mask, k = unwrap(model), batch["loss_mask"], args.ttt_steps
+    teach = teacher_targets(batch["final"], lm_head, core.d2t, core.t2d, mask)
+    if args.loss_normalization == "supervised":
+        denominators = all_sum(step_counts(teach, k), ranks).clamp(min=1)
+    else:  # B*T of the global batch: all its samples, padded to its longest
+        b = all_sum(torch.tensor(batch["num_samples"], device=mask.device), ranks)
+        denominators = (b * all_max(torch.tensor(mask.shape[1], device=mask.device), ranks)).expand(k)
+    with autocast():
+        hidden = model(batch["aux"], batch["input_ids"], k)
+        loss, stats = ttt_loss(hidden, core.logits, teach, mask, denominators.float())
+    return loss * ranks.world, stats
+
+
+def evaluate(model, lm_head, data, batches, args, ranks, autocast) -> dict | None:
+    """Held-out TTT metrics; each rank evaluates its slices and the counts are summed over ranks."""
+    import torch
+
+    from common.draft.distributed import Ranks, all_sum, unwrap
     from common.draft.loss import TTTMeter
+    from common.draft.train_data import load_batch, rank_slice, to_device
     if not batches:
         return None
-    meter = TTTMeter(args.ttt_steps)
-    model.eval()
+    core, meter, lengths = unwrap(model), TTTMeter(args.ttt_steps), [e[2] for e in data.entries]
+    core.eval()
     with torch.no_grad():
         for b in batches:
-            _, stats = run_batch(model, lm_head, collate(data, b, args.max_seq_len, device), args.ttt_steps, autocast)
-            meter.add(stats)
-    model.train()
+            if rank_slice(b, lengths, ranks.rank, ranks.world):
+                batch = to_device(load_batch(data, b, lengths, args.max_seq_len, ranks.rank, ranks.world),
+                                  ranks.device)
+                meter.add(run_batch(core, lm_head, batch, args, Ranks(device=ranks.device), autocast)[1])
+    core.train()
+    meter.sums = all_sum(meter.sums.to(ranks.device), ranks)
     return meter.summary()
 
 
@@ -242,7 +159,7 @@ def load_inputs(args) -> dict:
     return {"hs_dir": hs_dir, "vocab_dir": vocab_dir, "m02": m02, "m03": m03, "target_path": target_path}
 
 
-def build_draft(args, inputs: dict, device):
+def build_draft(args, inputs: dict, device, bf16: bool, verbose: bool):
     """The draft (seeded init, frozen target embedding, d2t/t2d) and the target's lm_head, on `device`.
     Refuses when the target, 02b and 03 disagree on hidden size or vocabulary."""
     import torch
@@ -251,12 +168,11 @@ def build_draft(args, inputs: dict, device):
     from common.draft.model import Eagle3DraftModel, draft_config
     from common.draft.target_head import load_target_head, read_target_text_config
 
-    on_gpu = device.type == "cuda"
     target_path, m02 = inputs["target_path"], inputs["m02"]
     tcfg = read_target_text_config(target_path)
     mapping = load_file(str(inputs["vocab_dir"] / "vocab_mapping.safetensors"))
     d2t, t2d = mapping["d2t"], mapping["t2d"]
-    embed, lm_head = load_target_head(target_path, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    embed, lm_head = load_target_head(target_path, dtype=torch.bfloat16 if bf16 else torch.float32)
     hidden, points = int(m02["hidden_size"]), [int(p) for p in m02["capture_points"]]
     if not (embed.shape[1] == hidden == tcfg["hidden_size"] and lm_head.shape[0] == t2d.shape[0] == tcfg["vocab_size"]):
         raise StageError(f"shapes disagree: 02b hidden {hidden}, target config hidden {tcfg['hidden_size']} "
@@ -266,40 +182,47 @@ def build_draft(args, inputs: dict, device):
                        args.draft_num_key_value_heads, args.draft_intermediate_size)
     torch.manual_seed(args.seed)
     model = Eagle3DraftModel(cfg)
+    if args.init == "normal":
+        model.init_normal_(args.init_std)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(embed.float())
     model.set_vocab_mapping(d2t, t2d)
     model.to(device)
-    if on_gpu:
+    if bf16:
         model.embed_tokens.to(torch.bfloat16)  # frozen: no fp32 master copy needed
-    print(f"[04] target {target_path} (hidden {hidden}, vocab {cfg['vocab_size']}, capture points {points}); "
-          f"draft {json.dumps(cfg)}; device {device}")
+    if verbose:
+        print(f"[04] target {target_path} (hidden {hidden}, vocab {cfg['vocab_size']}, capture points {points}); "
+              f"draft {json.dumps(cfg)}; device {device}, {'bf16 autocast' if bf16 else 'fp32'}")
     return model, lm_head.to(device), cfg
 
 
-def plan_data(args, hs_dir: Path) -> dict:
+def plan_data(args, hs_dir: Path, verbose: bool) -> dict:
     """The held-out split (by sample-id hash) and every epoch's batches, fixed by the seed."""
     from common.draft.shards import list_shards
+    from common.draft.train_data import ShardData, epoch_order, is_eval, make_batches
 
-    data = ShardData(hs_dir, [p.name for p in list_shards(hs_dir)])
+    data = ShardData(list_shards(hs_dir))
     lengths = [e[2] for e in data.entries]
     eval_idx = [i for i, e in enumerate(data.entries) if is_eval(e[3], args.eval_fraction)]
     held = set(eval_idx)
     train_idx = [i for i in range(len(data.entries)) if i not in held]
     if not train_idx:
         raise StageError(f"no training samples in {hs_dir} after holding out {len(eval_idx)} for eval")
-    epochs = [make_batches(epoch_order(data.entries, train_idx, args.seed, e), lengths,
-                           args.batch_tokens, args.max_seq_len) for e in range(args.num_epochs)]
+    epochs = [make_batches(epoch_order(data.entries, train_idx, args.seed, e), lengths, args.batch_tokens,
+                           args.max_seq_len, args.max_samples_per_batch) for e in range(args.num_epochs)]
     total = sum(len(e) for e in epochs)
     total = min(total, args.max_steps) if args.max_steps else total
-    eval_batches = make_batches(sorted(eval_idx), lengths, args.batch_tokens, args.max_seq_len)
-    print(f"[04] {len(train_idx)} train / {len(eval_idx)} eval samples, {total} steps "
-          f"({args.num_epochs} epochs of ~{len(epochs[0])} batches, budget {args.batch_tokens} tokens)")
+    eval_batches = make_batches(sorted(eval_idx), lengths, args.batch_tokens, args.max_seq_len,
+                                args.max_samples_per_batch)
+    if verbose:
+        print(f"[04] {len(train_idx)} train / {len(eval_idx)} eval samples, {total} steps "
+              f"({args.num_epochs} epochs of ~{len(epochs[0])} batches, budget {args.batch_tokens} tokens"
+              + (f", <= {args.max_samples_per_batch} samples" if args.max_samples_per_batch else "") + ")")
     return {"data": data, "lengths": lengths, "epochs": epochs, "total": total, "eval_batches": eval_batches,
             "num_train": len(train_idx), "num_eval": len(eval_idx)}
 
 
-def resume(ckpt_root: Path, log_path: Path, plan: dict, model, opt, sched, device) -> tuple[int, dict]:
+def resume(ckpt_root: Path, log_path: Path, plan: dict, model, opt, sched, ranks) -> tuple[int, dict]:
     """(step, data cursor) of the newest complete checkpoint, its state loaded, or a fresh start.
     Refuses a checkpoint made with other PLAN_KEYS; drops log rows written after it."""
     step, cursor = 0, {"epoch": 0, "batch": 0, "position": 0}
@@ -310,21 +233,26 @@ def resume(ckpt_root: Path, log_path: Path, plan: dict, model, opt, sched, devic
             changed = sorted(k for k in plan if state["plan"].get(k) != plan[k])
             raise StageError(f"{done[-1]} was made with other settings ({', '.join(changed)}); "
                              "use the same flags to resume, or --overwrite to start over")
-        state = load_checkpoint(done[-1], model, opt, sched, device)
+        state = load_checkpoint(done[-1], model, opt, sched, ranks.device)
         step, cursor = state["step"], state["cursor"]
-        print(f"[04] resumed from {done[-1]} (step {step}, epoch {cursor['epoch']}, batch {cursor['batch']})")
-    if log_path.exists():
+        if ranks.main:
+            print(f"[04] resumed from {done[-1]} (step {step}, epoch {cursor['epoch']}, batch {cursor['batch']})")
+    if log_path.exists() and ranks.main:
         write_jsonl(log_path, [r for r in iter_jsonl(log_path) if r["step"] <= step])
     return step, cursor
 
 
 def train_loop(args, model, lm_head, opt, sched, params, dp: dict, step: int, cursor: dict, plan: dict,
-               out: Path, device, autocast) -> tuple[int, dict | None]:
+               out: Path, ranks, autocast) -> tuple[int, dict | None]:
     """The loop, fresh and resumed runs alike: (last step, final eval or None when stopped early)."""
+    import contextlib
+
     import torch
     from tqdm import tqdm
 
+    from common.draft.distributed import all_sum, optimizer_state, unwrap
     from common.draft.loss import TTTMeter
+    from common.draft.train_data import Prefetcher, load_batch, schedule, to_device
 
     data, lengths, epochs, total = dp["data"], dp["lengths"], dp["epochs"], dp["total"]
     ckpt_root, log_path = out / "checkpoints", out / "train_log.jsonl"
@@ -332,16 +260,17 @@ def train_loop(args, model, lm_head, opt, sched, params, dp: dict, step: int, cu
     meter, interval_tokens, t_interval, t_start = TTTMeter(args.ttt_steps), 0, time.time(), time.time()
     start_step = last_log = step
     stop_at = min(total, args.stop_at_step) if args.stop_at_step else total
-    bar = tqdm(total=total, initial=step, desc="04 train", unit="step", disable=None)
-    with JsonlAppender(log_path) as log:
-        epoch, bi = cursor["epoch"], cursor["batch"]
-        while step < stop_at:
-            if bi >= len(epochs[epoch]):
-                epoch, bi = epoch + 1, 0
-                continue
+    reader = data.fork()  # the prefetch thread's own open shards
+    batches = Prefetcher(lambda job: load_batch(reader, epochs[job[0]][job[1]], lengths, args.max_seq_len,
+                                                ranks.rank, ranks.world),
+                         schedule(epochs, cursor, stop_at - step), args.prefetch_batches,
+                         pin=ranks.device.type == "cuda")
+    bar = tqdm(total=total, initial=step, desc="04 train", unit="step", disable=None if ranks.main else True)
+    log = JsonlAppender(log_path) if ranks.main else contextlib.nullcontext()
+    with log, batches:
+        for (epoch, bi), batch in batches:
             idx = epochs[epoch][bi]
-            batch = collate(data, idx, args.max_seq_len, device)
-            loss, stats = run_batch(model, lm_head, batch, args.ttt_steps, autocast)
+            loss, stats = run_batch(model, lm_head, to_device(batch, ranks.device), args, ranks, autocast)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
@@ -349,55 +278,61 @@ def train_loop(args, model, lm_head, opt, sched, params, dp: dict, step: int, cu
             sched.step()
             step, bi = step + 1, bi + 1
             meter.add(stats)
-            interval_tokens += sum(min(lengths[i], args.max_seq_len) for i in idx)  # real tokens
+            interval_tokens += sum(min(lengths[i], args.max_seq_len) for i in idx)  # real tokens, all ranks
             bar.update(1)
-            cursor = {"epoch": epoch, "batch": bi,
-                      "position": sum(len(b) for b in epochs[epoch][:bi])}
+            cursor = {"epoch": epoch, "batch": bi, "position": sum(len(b) for b in epochs[epoch][:bi])}
             if step % args.log_every == 0 or step == stop_at:
+                meter.sums = all_sum(meter.sums, ranks)
                 s, dt = meter.summary(), time.time() - t_interval
-                elapsed = time.time() - t_start
-                eta = elapsed / (step - start_step) * (total - step)
+                eta = (time.time() - t_start) / (step - start_step) * (total - step)
                 row = {"step": step, "split": "train", "epoch": epoch, **s,
                        "lr": sched.get_last_lr()[0], "grad_norm": float(grad_norm),
                        "tokens_per_s": interval_tokens / max(dt, 1e-9),
                        "ms_per_step": 1000 * dt / (step - last_log), "eta_s": eta}
-                log.write(row)
-                tqdm.write(f"step {step}/{total} | {fmt(s)} | lr {row['lr']:.2e} | "
-                           f"{row['ms_per_step']:.0f} ms | {row['tokens_per_s']:.0f} tok/s | eta {eta / 60:.1f} m")
+                if ranks.main:
+                    log.write(row)
+                    tqdm.write(f"step {step}/{total} | {fmt(s)} | lr {row['lr']:.2e} | {row['ms_per_step']:.0f} ms"
+                               f" | {row['tokens_per_s']:.0f} tok/s | eta {eta / 60:.1f} m")
                 meter, interval_tokens, t_interval = TTTMeter(args.ttt_steps), 0, time.time()
                 last_log = step
             if step % args.eval_every == 0 and step < total:
-                ev = evaluate(model, lm_head, data, dp["eval_batches"], args, device, autocast)
-                if ev:
+                ev = evaluate(model, lm_head, data, dp["eval_batches"], args, ranks, autocast)
+                if ev and ranks.main:
                     log.write({"step": step, "split": "eval", **ev})
                     tqdm.write(f"eval step {step} | {fmt(ev)}")
             if step % args.save_every == 0 or step == stop_at:
-                save_checkpoint(ckpt_root, step, model, opt, sched, cursor, plan, args.keep_checkpoints)
+                opt_state = optimizer_state(opt, ranks)    # collective when the optimizer is sharded
+                if ranks.main:
+                    save_checkpoint(ckpt_root, step, unwrap(model), opt_state, sched, cursor, plan,
+                                    args.keep_checkpoints)
         bar.close()
         if step < total:
             return step, None
-        final_eval = evaluate(model, lm_head, data, dp["eval_batches"], args, device, autocast)
-        if final_eval:
+        final_eval = evaluate(model, lm_head, data, dp["eval_batches"], args, ranks, autocast)
+        if final_eval and ranks.main:
             log.write({"step": step, "split": "eval", **final_eval})
             print(f"[04] final eval | {fmt(final_eval)}")
     return step, final_eval
 
 
-def export(args, model, cfg: dict, inputs: dict, dp: dict, final_eval: dict | None, out: Path) -> None:
-    """The SGLang and speculators folders, then the manifest (last: it marks the stage complete)."""
+def export(args, model, cfg: dict, inputs: dict, dp: dict, final_eval: dict | None, out: Path, run: dict) -> None:
+    """The SGLang and speculators folders and the training curves, then the manifest (last: it marks
+    the stage complete)."""
     from common.draft.export_speculators import export_speculators
     from common.draft.model import export_sglang
+    from common.draft.plot import plot_training_curves
 
     m02, target_path = inputs["m02"], inputs["target_path"]
     points = [int(p) for p in m02["capture_points"]]
     export_dir = export_sglang(model, out / "export_sglang", points)
     spec_dir = export_speculators(export_dir, out / "export_speculators", points, target_path,
                                   json.loads((Path(target_path) / "config.json").read_text()).get("architectures", []))
+    curves = plot_training_curves(out / "train_log.jsonl", out / "train_curves.png")
     write_manifest(out, STAGE, args, draft_config=cfg, capture_points=points,
                    draft_vocab_size=cfg["draft_vocab_size"], vocab_size=cfg["vocab_size"],
                    num_steps=dp["total"], num_train_samples=dp["num_train"], num_eval_samples=dp["num_eval"],
                    final_eval=final_eval, export_dir=str(export_dir), export_speculators_dir=str(spec_dir),
-                   tokenizer=m02["tokenizer"], target=m02["target"],
+                   train_curves=str(curves), **run, tokenizer=m02["tokenizer"], target=m02["target"],
                    inputs={"02b_hidden_states/manifest.json": manifest_sha256(inputs["hs_dir"]),
                            "03_vocab/manifest.json": manifest_sha256(inputs["vocab_dir"])})
     print(f"[04] exported {export_dir}")
@@ -405,37 +340,65 @@ def export(args, model, cfg: dict, inputs: dict, dp: dict, final_eval: dict | No
 
 def main(argv=None):
     args = parse_args(build_parser(), argv)
+    from common.draft.distributed import setup, teardown
+
+    if args.keep_checkpoints < 2:
+        raise StageError("--keep-checkpoints must be >= 2 (never overwrite the only good checkpoint)")
+    if args.max_samples_per_batch is not None and args.max_samples_per_batch < 1:
+        raise StageError("--max-samples-per-batch must be >= 1")
+    ranks = setup(args.device)
+    try:
+        train(args, ranks)
+    finally:
+        teardown(ranks)
+
+
+def train(args, ranks) -> None:
     import contextlib
 
     import torch
 
-    if args.keep_checkpoints < 2:
-        raise StageError("--keep-checkpoints must be >= 2 (never overwrite the only good checkpoint)")
+    from common.draft.distributed import (broadcast_flag, make_optimizer, shard_optimizer_wanted, unwrap,
+                                          wrap_model)
+
     out = stage_dir(args.work_dir, STAGE)
     inputs = load_inputs(args)
-    if args.overwrite and out.exists() and not (out / "manifest.json").exists():
-        shutil.rmtree(out)     # --overwrite also drops the checkpoints of an unfinished run
-    if not start_stage(out, args.overwrite, "04"):
+    go = True
+    if ranks.main:
+        if args.overwrite and out.exists() and not (out / "manifest.json").exists():
+            shutil.rmtree(out)     # --overwrite also drops the checkpoints of an unfinished run
+        go = start_stage(out, args.overwrite, "04")
+    if not broadcast_flag(go, ranks):
         return
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and ranks.device.type == "cuda")
+    autocast = ((lambda: torch.autocast(ranks.device.type, dtype=torch.bfloat16)) if bf16
                 else contextlib.nullcontext)
 
-    model, lm_head, cfg = build_draft(args, inputs, device)
-    dp = plan_data(args, inputs["hs_dir"])
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    core, lm_head, cfg = build_draft(args, inputs, ranks.device, bf16, ranks.main)
+    dp = plan_data(args, inputs["hs_dir"], ranks.main)
+    params = [p for p in core.parameters() if p.requires_grad]
+    shard = shard_optimizer_wanted(args.shard_optimizer, params, ranks)
+    model = wrap_model(core, ranks)
+    opt = make_optimizer(params, args.learning_rate, args.adam_betas, shard, ranks)
     warmup = max(1, round(args.warmup_ratio * dp["total"]))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(warmup, dp["total"]))
     plan = {k: getattr(args, k) for k in PLAN_KEYS}
+    if ranks.main and ranks.world > 1:
+        small = sum(len(b) < ranks.world for e in dp["epochs"] for b in e)
+        print(f"[04] {ranks.world} ranks (DDP{', ZeRO-1 optimizer' if shard else ''}); "
+              + (f"{small} batches hold fewer samples than ranks (idle ranks compute a zero-weight copy): "
+                 "raise --batch-tokens or --max-samples-per-batch" if small else "every batch feeds every rank"))
 
-    step, cursor = resume(out / "checkpoints", out / "train_log.jsonl", plan, model, opt, sched, device)
+    step, cursor = resume(out / "checkpoints", out / "train_log.jsonl", plan, core, opt, sched, ranks)
     step, final_eval = train_loop(args, model, lm_head, opt, sched, params, dp, step, cursor, plan,
-                                  out, device, autocast)
+                                  out, ranks, autocast)
     if step < dp["total"]:
-        print(f"[04] stopped at step {step} of {dp['total']} (--stop-at-step); re-run to resume")
+        if ranks.main:
+            print(f"[04] stopped at step {step} of {dp['total']} (--stop-at-step); re-run to resume")
         return
-    export(args, model, cfg, inputs, dp, final_eval, out)
+    if ranks.main:
+        export(args, unwrap(model), cfg, inputs, dp, final_eval, out,
+               {"world_size": ranks.world, "precision": "bf16" if bf16 else "fp32", "optimizer_sharded": shard})
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
-"""04_train: training on micro-target hidden states, export, resume, upstream checks, data plan."""
+"""04_train: training on micro-target hidden states, export, resume, upstream checks, data plan,
+the recipe flags, data-parallel training (2 processes, gloo) and the training-curve plot."""
 import argparse
 import importlib
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from common.draft import train_data
 from common.draft.shards import shard_name, write_shard
 from common.stage import StageError, is_complete, target_identity, tokenizer_identity, write_manifest
 
@@ -106,6 +112,8 @@ def test_train_end_to_end_improves_and_exports(upstream, tmp_path, micro_target)
     assert spec["eagle_aux_hidden_state_layer_ids"] == POINTS and spec["norm_before_residual"] is False
     assert (out / "export_speculators" / "model.safetensors").is_file()
     assert man["export_speculators_dir"] == str(out / "export_speculators")
+    assert man["train_curves"] == str(out / "train_curves.png") and man["world_size"] == 1
+    assert (out / "train_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a complete stage re-run is a no-op
     mtime = (out / "manifest.json").stat().st_mtime_ns
     train.main(argv)
@@ -126,6 +134,11 @@ def test_resume_equals_uninterrupted(upstream, tmp_path):
     (b / "04_draft" / "checkpoints" / "step_000009").mkdir()
     with pytest.raises(StageError, match="batch_tokens"):
         train.main(["--work-dir", str(b), *flags, "--batch-tokens", "128"])
+    for changed, name in ((["--adam-betas", "0.9", "0.999"], "adam_betas"), (["--init", "normal"], "init"),
+                          (["--loss-normalization", "batch"], "loss_normalization"),
+                          (["--max-samples-per-batch", "1"], "max_samples_per_batch")):
+        with pytest.raises(StageError, match=name):
+            train.main(["--work-dir", str(b), *flags, *changed])
     train.main(["--work-dir", str(b), *flags])
     sa = torch.load(a / "04_draft" / "checkpoints" / "step_000012" / "model.pt")
     sb = torch.load(b / "04_draft" / "checkpoints" / "step_000012" / "model.pt")
@@ -153,16 +166,163 @@ def test_refuses_missing_upstream_and_other_target(upstream, tmp_path, other_mic
 def test_data_plan_batches_order_and_split():
     lengths = [10, 30, 5, 40, 20, 8, 33]
     order = list(range(7))
-    batches = train.make_batches(order, lengths, batch_tokens=64, max_len=32)
+    batches = train_data.make_batches(order, lengths, batch_tokens=64, max_len=32)
     assert sorted(i for b in batches for i in b) == order
     for b in batches:
         assert len(b) == 1 or len(b) * max(min(lengths[i], 32) for i in b) <= 64
     entries = [(i % 3, 0, 5, f"s{i}") for i in range(30)]
-    o1 = train.epoch_order(entries, list(range(30)), seed=1, epoch=0)
-    assert sorted(o1) == list(range(30)) and o1 == train.epoch_order(entries, list(range(30)), 1, 0)
-    assert o1 != train.epoch_order(entries, list(range(30)), 1, 1)
+    o1 = train_data.epoch_order(entries, list(range(30)), seed=1, epoch=0)
+    assert sorted(o1) == list(range(30)) and o1 == train_data.epoch_order(entries, list(range(30)), 1, 0)
+    assert o1 != train_data.epoch_order(entries, list(range(30)), 1, 1)
     shards_seen = [entries[i][0] for i in o1]              # shard by shard: 3 contiguous runs
     assert sum(1 for x, y in zip(shards_seen, shards_seen[1:]) if x != y) == 2
     ids = [f"x/{i}" for i in range(2000)]
-    share = sum(train.is_eval(s, 0.1) for s in ids) / len(ids)
-    assert 0.07 < share < 0.13 and train.is_eval("x/1", 0.1) == train.is_eval("x/1", 0.1)
+    share = sum(train_data.is_eval(s, 0.1) for s in ids) / len(ids)
+    assert 0.07 < share < 0.13 and train_data.is_eval("x/1", 0.1) == train_data.is_eval("x/1", 0.1)
+
+
+def test_batches_cap_samples_and_ranks_split_them_disjointly():
+    lengths = [10, 30, 5, 40, 20, 8, 33, 12]
+    order = list(range(8))
+    capped = train_data.make_batches(order, lengths, batch_tokens=10_000, max_len=64, max_samples=3)
+    assert capped == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert train_data.make_batches(order, lengths, 10_000, 64, max_samples=1) == [[i] for i in order]
+    for batch in capped:
+        parts = [train_data.rank_slice(batch, lengths, r, 2) for r in range(2)]
+        assert sorted(parts[0] + parts[1]) == sorted(batch) and not set(parts[0]) & set(parts[1])
+    assert train_data.rank_slice([3, 0, 1], lengths, 0, 2) == [3, 0]     # longest first, dealt round-robin
+    assert train_data.rank_slice([3], lengths, 1, 2) == []               # fewer samples than ranks
+    assert train_data.rank_slice([3, 0, 1], lengths, 0, 1) == [3, 0, 1]
+
+
+def test_prefetcher_same_order_bounded_and_raises_where_it_failed():
+    import threading
+    import time
+    loaded = []
+
+    def load(job):
+        loaded.append(job)
+        if job == 7:
+            raise ValueError("bad shard 7")
+        return {"x": torch.full((2,), job)}
+
+    with train_data.Prefetcher(load, range(5), depth=2) as pf:
+        got = [(job, int(b["x"][0])) for job, b in pf]
+    assert got == [(i, i) for i in range(5)]
+    loaded.clear()
+    pf = train_data.Prefetcher(load, range(100), depth=2)
+    time.sleep(0.3)
+    assert len(loaded) <= 4                      # depth 2 queued + one being put + one loading, not 100
+    assert next(pf)[0] == 0
+    pf.close()
+    assert not any(t.name == "04-prefetch" and t.is_alive() for t in threading.enumerate())
+    with train_data.Prefetcher(load, range(10), depth=3) as pf:
+        jobs = []
+        with pytest.raises(ValueError, match="bad shard 7"):
+            for job, _ in pf:
+                jobs.append(job)
+    assert jobs == list(range(7))
+    assert [j for j, _ in train_data.Prefetcher(load, range(3), depth=0)] == [0, 1, 2]   # no thread
+
+
+def test_recipe_flags_reach_the_run(upstream, tmp_path):
+    """--max-samples-per-batch 1 makes one optimizer step per sample; --init normal changes the start;
+    --adam-betas reaches the optimizer (its checkpointed state)."""
+    base = [*FLAGS, "--num-epochs", "1", "--eval-every", "100", "--save-every", "100", "--log-every", "1",
+            "--max-steps", "4", "--stop-at-step", "3"]
+    rows = {}
+    for name, extra in (("a", []), ("b", ["--adam-betas", "0.9", "0.999", "--init", "normal", "--init-std", "0.02"]),
+                        ("c", ["--max-samples-per-batch", "1"])):
+        work = fresh_work(upstream, tmp_path / name)
+        train.main(["--work-dir", str(work), *base, *extra])
+        rows[name] = [json.loads(x) for x in (work / "04_draft" / "train_log.jsonl").read_text().splitlines()]
+        opt = torch.load(work / "04_draft" / "checkpoints" / "step_000003" / "optimizer.pt")
+        assert tuple(opt["param_groups"][0]["betas"]) == ((0.9, 0.999) if name == "b" else (0.9, 0.95))
+    assert rows["c"][0]["num_supervised"] < rows["a"][0]["num_supervised"]      # one sample vs several
+    assert abs(rows["b"][0]["loss"][0] - rows["a"][0]["loss"][0]) > 1e-3         # normal(0, 0.02) init
+
+
+@pytest.mark.parametrize("normalization", ["supervised", "batch"])
+def test_run_batch_divides_each_step_as_asked(normalization):
+    """04's run_batch: each TTT step's summed soft-CE over its supervised positions, or over B*T."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from common.draft.distributed import Ranks
+    from common.draft.model import Eagle3DraftModel
+    torch.manual_seed(0)
+    model = Eagle3DraftModel({"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
+                              "intermediate_size": 32, "rms_norm_eps": 1e-5, "rope_theta": 1e4,
+                              "max_position_embeddings": 64, "vocab_size": 40, "draft_vocab_size": 40})
+    model.set_vocab_mapping(torch.zeros(40, dtype=torch.int64), torch.ones(40, dtype=torch.bool))
+    b, t = 3, 9
+    mask = torch.rand(b, t) > 0.3
+    batch = {"aux": torch.randn(b, t, 48), "final": torch.randn(b, t, 16), "input_ids": torch.randint(0, 40, (b, t)),
+             "loss_mask": mask, "num_samples": b}
+    args = SimpleNamespace(ttt_steps=3, loss_normalization=normalization)
+    loss, stats = train.run_batch(model, torch.randn(40, 16), batch, args, Ranks(), contextlib.nullcontext)
+    denom = [max(int(n), 1) for n in stats["num_loss"]] if normalization == "supervised" else [b * t] * 3
+    want = sum(0.8 ** k * float(stats["loss_sum"][k]) / denom[k] for k in range(3))
+    assert abs(float(loss.detach()) - want) < 1e-5 and int(stats["num_acc"][0]) == int(mask[:, 1:].sum())
+
+
+def test_plot_training_curves(tmp_path):
+    import matplotlib.image
+
+    from common.draft.plot import plot_training_curves
+    log = tmp_path / "train_log.jsonl"
+    rows = [{"step": s, "split": "train", "loss": [3 - s / 10, 3.5 - s / 10], "acc": [s / 20, s / 40], "tau": 1 + s / 20}
+            for s in range(1, 11)]
+    rows.insert(5, {"step": 5, "split": "eval", "loss": [2.6, 3.1], "acc": [0.2, 0.1], "tau": 1.22})
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = plot_training_curves(log, tmp_path / "curves.png")
+    img = matplotlib.image.imread(png)
+    assert img.shape[0] > 300 and img.shape[1] > 1000 and img.std() > 0.05     # drawn, not blank
+    assert not (tmp_path / "curves.png.tmp").exists()
+    log.write_text(json.dumps({"step": 1, "split": "eval", "loss": [1.0], "acc": [0.5], "tau": 1.5}) + "\n")
+    with pytest.raises(AssertionError, match="no train rows"):
+        plot_training_curves(log, tmp_path / "none.png")
+
+
+def torchrun(nproc: int, argv: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(Path(train.__file__)), *argv]
+    out = subprocess.run(cmd, cwd=Path(train.__file__).parent, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+
+
+def test_two_processes_train_like_one_and_resume(upstream, tmp_path):
+    """torchrun --nproc_per_node 2 (gloo, ZeRO-1 optimizer) on the same global batches as one process:
+    the same per-step losses and accuracies and the same weights; stopped at step 6 and resumed;
+    rank 0 alone writes (one log row per step)."""
+    flags = [*FLAGS, "--num-epochs", "2", "--max-steps", "10", "--log-every", "1", "--save-every", "5",
+             "--eval-every", "5", "--batch-tokens", "160"]
+    one = fresh_work(upstream, tmp_path / "one")
+    train.main(["--work-dir", str(one), *flags])
+    two = fresh_work(upstream, tmp_path / "two")
+    torchrun(2, ["--work-dir", str(two), *flags, "--shard-optimizer", "on", "--stop-at-step", "6"])
+    assert [p.name for p in train.complete_checkpoints(two / "04_draft" / "checkpoints")] == ["step_000005",
+                                                                                              "step_000006"]
+    torchrun(2, ["--work-dir", str(two), *flags, "--shard-optimizer", "on"])
+    rows = {}
+    for name, work in (("one", one), ("two", two)):
+        rows[name] = [json.loads(x) for x in (work / "04_draft" / "train_log.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in rows["two"] if r["split"] == "train"]
+    assert train_steps == list(range(1, 11))                           # each step once: rank 0 alone logs
+    assert len(rows["one"]) == len(rows["two"])
+    for ra, rb in zip(rows["one"], rows["two"]):
+        assert (ra["step"], ra["split"]) == (rb["step"], rb["split"])
+        assert ra["num_supervised"] == rb["num_supervised"]
+        if ra["split"] == "train":    # the gradient itself: a missing x world would halve it
+            assert abs(ra["grad_norm"] - rb["grad_norm"]) < 1e-5 * max(1.0, ra["grad_norm"]), ra["step"]
+        for k in range(3):
+            assert abs(ra["loss"][k] - rb["loss"][k]) < 1e-5, (ra["step"], k)
+            assert abs(ra["acc"][k] - rb["acc"][k]) < 1e-9, (ra["step"], k)
+    wa = torch.load(one / "04_draft" / "checkpoints" / "step_000010" / "model.pt")
+    wb = torch.load(two / "04_draft" / "checkpoints" / "step_000010" / "model.pt")
+    for k in wa:
+        assert torch.allclose(wa[k].float(), wb[k].float(), atol=1e-5), k
+    man = json.loads((two / "04_draft" / "manifest.json").read_text())
+    assert man["world_size"] == 2 and man["optimizer_sharded"] is True
+    assert (two / "04_draft" / "train_curves.png").is_file()

@@ -7,9 +7,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common.draft.loss import TTTMeter, simulated_tau, soft_cross_entropy, step_counts, teacher_targets, ttt_loss
 from common.draft.model import (DraftCache, Eagle3DraftModel, draft_config, export_sglang, export_shapes,
-                           load_sglang_export)
-from common.draft.loss import simulated_tau, teacher_targets, ttt_loss
+                                load_sglang_export, ttt_attention, ttt_attention_masked)
 from common.stage import StageError
 from common.draft.target_head import load_target_head, read_target_text_config
 
@@ -89,6 +89,49 @@ def test_ttt_step_k_sees_only_same_position_keys_of_steps_1_to_k():
                 assert changed.nonzero().flatten().tolist() == [2], (j, k)
 
 
+@pytest.mark.parametrize("heads,kv", [(4, 4), (4, 2)])
+def test_ttt_attention_equals_masked_reference_outputs_and_gradients(heads, kv):
+    """The causal block + diagonal terms merged by log-sum-exp (ttt_attention) against the first
+    implementation, one SDPA over all steps' keys under the [T, (k+1)T] mask: every step's logits and
+    the gradient of every trainable parameter agree to float tolerance."""
+    m = small_model(heads=heads, kv=kv, h=32).train()
+    aux, ids = batch(b=2, t=13, h=32)
+    w = [torch.randn(2, 13, DV, generator=torch.Generator().manual_seed(k)) for k in range(5)]
+    results = []
+    for masked in (True, False):
+        m.zero_grad()
+        logits = m.forward_ttt(aux, ids, 5, masked_attention=masked)
+        sum((lg * wk).sum() for lg, wk in zip(logits, w)).backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+        results.append((logits, grads))
+    (ref_logits, ref_grads), (new_logits, new_grads) = results
+    for k in range(5):
+        assert torch.allclose(ref_logits[k], new_logits[k], atol=1e-5), k
+    for n in ref_grads:
+        assert torch.allclose(ref_grads[n], new_grads[n], atol=1e-4, rtol=1e-4), n
+        assert ref_grads[n].abs().sum() > 0, n
+
+
+def test_ttt_attention_kernel_level_fp32_and_bf16():
+    """ttt_attention against the masked reference on raw q/k/v (grouped heads), float32 and bfloat16;
+    a mask that forgot the diagonal (causal only) would differ."""
+    g = torch.Generator().manual_seed(3)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        q = torch.randn(2, 8, 17, 16, generator=g).to(dtype).requires_grad_()
+        keys = [torch.randn(2, 2, 17, 16, generator=g).to(dtype).requires_grad_() for _ in range(4)]
+        values = [torch.randn(2, 2, 17, 16, generator=g).to(dtype).requires_grad_() for _ in range(4)]
+        up = torch.randn(2, 8, 17, 16, generator=g)
+        got = ttt_attention(q, keys, values)
+        want = ttt_attention_masked(q, keys, values)
+        assert got.dtype == dtype and torch.allclose(got.float(), want.float(), atol=tol)
+        causal_only = ttt_attention_masked(q, keys[:1], values[:1])
+        assert not torch.allclose(got.float(), causal_only.float(), atol=0.1)
+        g_got = torch.autograd.grad((got.float() * up).sum(), [q, *keys, *values])
+        g_want = torch.autograd.grad((want.float() * up).sum(), [q, *keys, *values])
+        for a, b in zip(g_got, g_want):
+            assert torch.allclose(a.float(), b.float(), atol=tol * 4), dtype
+
+
 def test_step_with_cache_equals_ttt_step0_and_the_chain_equals_ttt_steps():
     m = small_model()
     aux, ids = batch(b=2, t=9)
@@ -141,22 +184,26 @@ def test_step0_alignment_hand_built():
     ids = torch.arange(t_len).view(1, -1) % n
     recorded = []
     handle = m.embed_tokens.register_forward_hook(lambda _m, inp, _o: recorded.append(inp[0].clone()))
-    logits = m.forward_ttt(aux, ids, 1)
+    hidden = m(aux, ids, 1)
     handle.remove()
     assert recorded[0][0, :-1].tolist() == ids[0, 1:].tolist()   # row t embeds token t+1
-    teach = teacher_targets(final, torch.eye(n), m.d2t, m.t2d)
     mask = torch.ones(1, t_len, dtype=torch.bool)
-    _, stats = ttt_loss(logits, teach, mask)
+    teach = teacher_targets(final, torch.eye(n), m.d2t, m.t2d, mask)
+    _, stats = ttt_loss(hidden, m.logits, teach, mask, step_counts(teach, 1))
     assert stats["correct"][0] == stats["num_acc"][0] == t_len - 1
+    logits = [m.logits(h) for h in hidden]
     # the off-by-one pairing (draft at t vs target at t) would score almost nothing
     misaligned = (logits[0][0, 1:].argmax(-1) == teach["target_arg"][0, 1:]).sum()
     assert misaligned <= 2
 
 
-def test_loss_equals_direct_per_position_computation_and_drops_oov():
+@pytest.mark.parametrize("normalization", ["supervised", "batch"])
+def test_loss_equals_direct_per_position_computation_and_drops_oov(normalization):
+    """ttt_loss (teacher on supervised rows only, head on the rows that have a label, fused soft-CE)
+    against a position-by-position loop over full logits: value, counts and gradients."""
     torch.manual_seed(0)
     m = small_model()
-    b, t, k_steps = 2, 7, 3
+    b, t, k_steps, hd = 2, 7, 3, 5
     final = torch.randn(b, t, H) * 3
     lm_head = torch.randn(V, H)
     # force some positions' argmax outside the draft vocab
@@ -165,13 +212,21 @@ def test_loss_equals_direct_per_position_computation_and_drops_oov():
     final[1, 5] = lm_head[oov_id] * 10
     mask = torch.ones(b, t, dtype=torch.bool)
     mask[1, :2] = False
-    logits = [torch.randn(b, t, DV, requires_grad=True) for _ in range(k_steps)]
-    teach = teacher_targets(final, lm_head, m.d2t, m.t2d, chunk_rows=3)
+    mask[0, 5] = False
+    hidden = [torch.randn(b, t, hd, requires_grad=True) for _ in range(k_steps)]
+    w_head = torch.randn(DV, hd, requires_grad=True)
+    teach = teacher_targets(final, lm_head, m.d2t, m.t2d, mask, chunk_rows=3)
+    assert teach["target_p"].shape == (int(mask.sum()), DV) and teach["row"][0, 5] == -1
     assert not teach["in_vocab"][0, 3] and not teach["in_vocab"][1, 5]
-    total, stats = ttt_loss(logits, teach, mask)
+    if normalization == "supervised":
+        denominators = step_counts(teach, k_steps).clamp(min=1)
+    else:
+        denominators = torch.full((k_steps,), b * t)
+    total, stats = ttt_loss(hidden, lambda x: x @ w_head.T, teach, mask, denominators.float())
     draft_cols = (torch.arange(DV) + m.d2t).tolist()
     want_total = 0.0
     for k in range(k_steps):
+        logits = hidden[k] @ w_head.T                             # [B, T, Dv], every position
         terms, correct, num_acc = [], 0, 0
         for bi in range(b):
             for pos in range(t - 1 - k):
@@ -183,16 +238,49 @@ def test_loss_equals_direct_per_position_computation_and_drops_oov():
                 if not m.t2d[full.argmax()]:
                     continue                                  # dropped: target argmax not draftable
                 p = torch.softmax(full[draft_cols], 0)
-                terms.append(-(p * torch.log_softmax(logits[k][bi, pos], 0)).sum())
-                correct += int(draft_cols[int(logits[k][bi, pos].argmax())] == int(full.argmax()))
-        want_total += 0.8 ** k * torch.stack(terms).mean()
+                terms.append(-(p * torch.log_softmax(logits[bi, pos], 0)).sum())
+                correct += int(draft_cols[int(logits[bi, pos].argmax())] == int(full.argmax()))
+        denom = len(terms) if normalization == "supervised" else b * t
+        want_total += 0.8 ** k * torch.stack(terms).sum() / denom
         assert int(stats["correct"][k]) == correct and int(stats["num_acc"][k]) == num_acc
+        assert int(stats["num_loss"][k]) == len(terms) == int(step_counts(teach, k_steps)[k])
     assert torch.allclose(total, want_total, atol=1e-5)
-    # an OOV position's logits get no gradient at all
-    total.backward()
-    assert logits[0].grad[0, 2].abs().sum() == 0           # step 0, label position 3 is OOV
+    got = torch.autograd.grad(total, [*hidden, w_head])
+    want = torch.autograd.grad(want_total, [*hidden, w_head])
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5)
+    assert got[0][0, 2].abs().sum() == 0                  # step 0, label position 3 is OOV: no gradient
+    assert got[0][0, 4].abs().sum() == 0                  # label position 5 is not supervised
     inv = int(teach["in_vocab"][0, 1:].nonzero()[0])
-    assert logits[0].grad[0, inv].abs().sum() > 0          # an in-vocab label position does
+    assert got[0][0, inv].abs().sum() > 0                 # an in-vocab supervised label does
+
+
+def test_soft_cross_entropy_gradient_and_bf16():
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(6, 50) * 2, -1)
+    cases = ((torch.tensor([5, 0, 3, 3]), torch.float32, 1e-5), (torch.tensor([5, 0, 3, 3]), torch.bfloat16, 2e-2),
+             (torch.tensor([1, 2, 3, 4]), torch.float32, 1e-5),      # a contiguous range: read as a view
+             (torch.tensor([0, 0, 2, 3]), torch.float32, 1e-5))      # first..last spans 4 but is no range
+    for rows, dtype, tol in cases:
+        logits = (torch.randn(4, 50) * 3).to(dtype).requires_grad_()
+        ce, arg = soft_cross_entropy(logits, p, rows)
+        ref = -(p[rows] * torch.log_softmax(logits.float(), -1)).sum(-1)
+        assert torch.allclose(ce, ref, atol=tol) and torch.equal(arg, logits.float().argmax(-1))
+        w = torch.tensor([1.0, 0.0, 2.0, 0.5])
+        g, = torch.autograd.grad((ce * w).sum(), logits)
+        g_ref, = torch.autograd.grad((ref * w).sum(), logits)
+        assert g.dtype == dtype and torch.allclose(g.float(), g_ref.float(), atol=tol)
+
+
+def test_meter_sums_steps_and_batches():
+    meter = TTTMeter(2)
+    meter.add({"loss_sum": [torch.tensor(4.0), torch.tensor(1.0)], "num_loss": [torch.tensor(2), torch.tensor(1)],
+               "correct": [torch.tensor(1), torch.tensor(0)], "num_acc": [torch.tensor(2), torch.tensor(2)]})
+    meter.add({"loss_sum": [torch.tensor(2.0), torch.tensor(3.0)], "num_loss": [torch.tensor(2), torch.tensor(1)],
+               "correct": [torch.tensor(2), torch.tensor(1)], "num_acc": [torch.tensor(2), torch.tensor(2)]})
+    s = meter.summary()
+    assert s["loss"] == [1.5, 2.0] and s["acc"] == [0.75, 0.25] and s["num_supervised"] == 4
+    assert abs(s["tau"] - (1 + 0.75 + 0.75 * 0.25)) < 1e-12
 
 
 def test_simulated_tau():

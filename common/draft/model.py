@@ -68,7 +68,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight.to(dtype) * x.to(dtype)  # stays in x's dtype under autocast (bf16 in, bf16 out)
 
 
 def rope_cos_sin(position_ids, head_dim: int, theta: float):
@@ -111,9 +111,12 @@ class Attention(nn.Module):
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        return self.output(F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask))
+
+    def output(self, heads):
+        """Per-head attention output [B, nh, T, d] -> o_proj of the merged heads [B, T, H]."""
+        b, _, t, _ = heads.shape
+        return self.o_proj(heads.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -186,6 +189,119 @@ def ttt_attention_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
     return torch.cat([causal] + [diag] * step, dim=1)
 
 
+def ttt_attention_masked(q, keys, values):
+    """The first TTT attention, kept as the reference of ttt_attention (tests, benchmark): one SDPA over
+    the keys of all steps so far under ttt_attention_mask. It scores (k+1) T^2 pairs per head at step k
+    where T(T+1)/2 + kT are attended. q [B, nh, T, d]; keys/values: per step j <= k, [B, nkv, T, d]."""
+    rep = q.shape[1] // keys[0].shape[1]
+    k, v = torch.cat(keys, 2), torch.cat(values, 2)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    mask = ttt_attention_mask(q.shape[2], len(keys) - 1, device=q.device)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+
+
+def ttt_attention(q, keys, values):
+    """TTT attention of step k = len(keys) - 1 without masked-out work -> [B, nh, T, d].
+
+    q [B, nh, T, d]; keys/values: per step j <= k, [B, nkv, T, d] (post-RoPE; nh a multiple of nkv).
+    Query (t, k) attends to the step-0 keys at positions <= t (a causal SDPA, T(T+1)/2 scores) and to
+    the step-1..k keys at position t (k dot products per query), one softmax over both sets: same
+    result as ttt_attention_masked, up to float rounding.
+    """
+    if len(keys) == 1:
+        return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True,
+                                              enable_gqa=q.shape[1] != keys[0].shape[1])
+    return _CausalPlusDiagonal.apply(q, keys[0], values[0], *keys[1:], *values[1:])
+
+
+def _causal_forward(q, k, v, scale: float):
+    """Causal attention that also returns its log-sum-exp: (out [B, nh, T, d], lse [B, nh, T] float32,
+    extra state for _causal_backward). k/v may have fewer (grouped) heads. This and _causal_backward
+    are the only calls of private SDPA kernels; their schemas and autograd formulas are in torch's
+    native_functions.yaml / derivatives.yaml (`_scaled_dot_product_flash_attention[_for_cpu]`)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, lse, ()
+    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
+        out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale)
+        return out, lse, (cum_q, cum_k, max_q, max_k, rng, unused)
+    raise ValueError(f"TTT attention runs on CPU, or on CUDA in bf16/fp16; got {q.device.type} {q.dtype} "
+                     "(use --precision bf16 on CUDA)")
+
+
+def _causal_backward(dout, q, k, v, out, lse, extra, scale: float):
+    """(dq, dk, dv) of causal attention for the given softmax normaliser `lse` and output `out`."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, True, scale=scale)
+    cum_q, cum_k, max_q, max_k, rng, unused = extra
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale)
+
+
+class _CausalPlusDiagonal(torch.autograd.Function):
+    """softmax over [causal step-0 keys | same-position keys of steps 1..k], without a mask.
+
+    Forward: (o_c, L_c) = causal attention over step 0 (flash kernel, with its log-sum-exp), diagonal
+    scores s_j = q_t . k_j[t] * scale (j = 1..k); the joint normaliser L = logaddexp(L_c, logsumexp_j s_j)
+    and out = exp(L_c - L) o_c + sum_j exp(s_j - L) v_j[t].
+    Backward: for one softmax over a union of key sets, each set's score gradient is
+    dS = P (dout . v - D) with P = exp(S - L) under the JOINT L and D = rowsum(dout * out) of the JOINT
+    out (the split ring attention uses). The flash backward computes exactly that when handed the joint
+    out and L instead of its own, so the causal block costs one kernel call; the k diagonal terms are
+    per-position dot products in float32 (vecdot/addcmul: measured faster on a CPU than batched tiny
+    matmuls over stacked keys). Grouped heads: views [B, nkv, rep, T, .], query head h = kv head h // rep.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, *diag):
+        n, scale, nkv = len(diag) // 2, q.shape[-1] ** -0.5, k0.shape[1]
+        with torch.autocast(q.device.type, enabled=False):
+            out_c, lse_c, extra = _causal_forward(q, k0, v0, scale)
+            qg, lse_cg = _grouped(q.float(), nkv), _grouped(lse_c, nkv)               # [B, nkv, rep, T(, d)]
+            s = torch.stack([torch.linalg.vecdot(qg, _kv(kj)) for kj in diag[:n]], -1) * scale   # [.., T, k]
+            lse = torch.logaddexp(lse_cg, s.logsumexp(-1))                              # [B, nkv, rep, T]
+            p = (s - lse.unsqueeze(-1)).exp_()                                          # diagonal weights
+            out = _grouped(out_c.float(), nkv) * (lse_cg - lse).exp_().unsqueeze(-1)
+            for j, vj in enumerate(diag[n:]):
+                out.addcmul_(p[..., j, None], _kv(vj))
+            out, lse = out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)               # [B, nh, T(, d)]
+        ctx.save_for_backward(q, k0, v0, out, lse, p, *diag)
+        ctx.extra, ctx.scale = extra, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0, v0, out, lse, p, *diag = ctx.saved_tensors
+        n, scale, nkv = len(diag) // 2, ctx.scale, k0.shape[1]
+        dout = dout.contiguous()
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk0, dv0 = _causal_backward(dout, q, k0, v0, out, lse, ctx.extra, scale)
+            g, qg = _grouped(dout.float(), nkv), _grouped(q.float(), nkv)
+            big_d = torch.linalg.vecdot(g, _grouped(out.float(), nkv))                 # D [B, nkv, rep, T]
+            dq = _grouped(dq.float(), nkv)
+            grads_k, grads_v = [], []
+            for j, (kj, vj) in enumerate(zip(diag[:n], diag[n:])):
+                kf, pj = _kv(kj), p[..., j]
+                ds = (pj * (torch.linalg.vecdot(g, _kv(vj)) - big_d) * scale).unsqueeze(-1)   # dS * scale
+                dq.addcmul_(ds, kf)
+                grads_k.append((ds * qg).sum(2).to(kj.dtype))                        # sum over the group
+                grads_v.append((pj.unsqueeze(-1) * g).sum(2).to(vj.dtype))
+        return (dq.flatten(1, 2).to(q.dtype), dk0, dv0, *grads_k, *grads_v)
+
+
+def _grouped(x, nkv: int):
+    """Query heads grouped by kv head: [B, nh, ...] -> [B, nkv, rep, ...] (a view)."""
+    return x.unflatten(1, (nkv, -1))
+
+
+def _kv(x):
+    """A step's keys or values [B, nkv, T, d] -> float32 [B, nkv, 1, T, d], broadcast over the group."""
+    return x.float().unsqueeze(2)
+
+
 def shift_left(x, n: int, fill=0):
     """x [B, T, ...] -> x[:, n:] padded at the end with `fill` back to length T."""
     if n == 0:
@@ -211,6 +327,14 @@ class Eagle3DraftModel(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg["draft_vocab_size"], dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg["vocab_size"], dtype=torch.bool))
 
+    @torch.no_grad()
+    def init_normal_(self, std: float) -> None:
+        """Every trainable linear weight ~ normal(0, std) (HF/SpecForge `initializer_range` init; norms
+        stay at one, the frozen embedding is the target's). The default is PyTorch's Linear init."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+
     def set_vocab_mapping(self, d2t, t2d) -> None:
         assert d2t.shape == self.d2t.shape and t2d.shape == self.t2d.shape, (d2t.shape, t2d.shape)
         self.d2t.copy_(d2t)
@@ -218,7 +342,9 @@ class Eagle3DraftModel(nn.Module):
 
     def project(self, aux):
         """aux [B, T, 3Ht] (target states at the capture points, low|mid|high) -> [B, T, H]."""
-        return self.fc(aux.to(self.fc.weight.dtype))
+        if not torch.is_autocast_enabled(aux.device.type):   # under autocast fc casts aux itself
+            aux = aux.to(self.fc.weight.dtype)
+        return self.fc(aux)
 
     def embed(self, input_ids, like):
         return self.embed_tokens(input_ids).to(like.dtype)
@@ -245,29 +371,34 @@ class Eagle3DraftModel(nn.Module):
         out = layer.finish(layer.self_attn.attend(q, k, v, mask), hidden)
         return self.logits(out), out
 
-    def forward_ttt(self, aux, input_ids, ttt_steps: int):
-        """Training-time-test unroll. aux [B, T, 3Ht], input_ids [B, T] (the sample, unshifted).
+    def forward(self, aux, input_ids, ttt_steps: int, masked_attention: bool = False):
+        """Training-time-test unroll (the training forward). aux [B, T, 3Ht], input_ids [B, T] (unshifted).
 
         Step k at position t: token input = input_ids[t+1+k] (teacher forced), RoPE position t+k,
         hidden = fc(aux[t]) for k = 0, else the step k-1 pre-norm output at t; label (in the loss) =
         the target distribution at t+1+k. Positions past the end get token 0 and no loss.
-        Returns draft logits per step: a list of K tensors [B, T, Dv].
+        Returns the pre-norm output of every step: a list of K tensors [B, T, H] (logits = self.logits).
+        masked_attention: use the reference ttt_attention_masked (tests and the benchmark only).
         """
         b, t = input_ids.shape
         pos = torch.arange(t, device=input_ids.device).expand(b, t)
         hidden = self.project(aux)                         # [B, T, H]
-        layer, keys, values, out_logits = self.midlayer, [], [], []
+        layer, keys, values, outs = self.midlayer, [], [], []
+        attend = ttt_attention_masked if masked_attention else ttt_attention
         for k in range(ttt_steps):
             ids = shift_left(input_ids, 1 + k, 0)          # token t+1+k
             x = layer.attn_input(self.embed(ids, hidden), hidden)
             q, kk, vv = layer.self_attn.qkv(x, pos + k)
             keys.append(kk)
             values.append(vv)
-            mask = ttt_attention_mask(t, k, device=q.device)                 # [T, (k+1)T]
-            attn = layer.self_attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask)
+            attn = layer.self_attn.output(attend(q, keys, values))
             hidden = layer.finish(attn, hidden)            # pre-norm output -> next step's hidden
-            out_logits.append(self.logits(hidden))
-        return out_logits
+            outs.append(hidden)
+        return outs
+
+    def forward_ttt(self, aux, input_ids, ttt_steps: int, masked_attention: bool = False):
+        """Draft logits of every TTT step: a list of K tensors [B, T, Dv] (see forward)."""
+        return [self.logits(h) for h in self(aux, input_ids, ttt_steps, masked_attention)]
 
     def draft_to_target(self, draft_ids):
         """Draft vocab ids -> target ids (target = draft + d2t[draft])."""
@@ -279,7 +410,7 @@ class Eagle3DraftModel(nn.Module):
 
 
 def export_shapes(cfg: dict) -> dict[str, tuple]:
-    """The exact key set and shapes of the SGLang export (REFERENCE section 4)."""
+    """The exact key set and shapes of the SGLang export (docs/design.md section 4)."""
     h, d, i = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
     ht = cfg.get("target_hidden_size", h)
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
