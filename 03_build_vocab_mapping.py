@@ -3,8 +3,8 @@
 Counts only loss-masked (supervised) tokens of the 02b shards, the exact data training sees; prompt
 tokens never count. Keeps the most frequent ids (ties and padding: lowest target id first, so a
 corpus with fewer distinct supervised ids than draft_vocab_size is padded with the lowest unused ids),
-sorts them by target id and writes the mapping buffers the draft checkpoint carries (REFERENCE 2):
-`d2t` int64 [Dv] offsets (target_id = draft_id + d2t[draft_id]) and `t2d` bool [V] membership.
+sorts them by target id and writes the mapping buffers the draft checkpoint carries (docs/design.md
+section 2): `d2t` int64 [Dv] offsets (target_id = draft_id + d2t[draft_id]) and `t2d` bool [V] membership.
 Coverage = share of supervised tokens the draft vocab can emit.
 
 Reads:  <work-dir>/02b_hidden_states/shard_*.safetensors (input_ids, loss_mask only) + manifest.json
@@ -23,7 +23,6 @@ from common.stage import (StageError, manifest_sha256, require_complete, resolve
 
 STAGE = "03_build_vocab_mapping"
 UPSTREAM = "02b_extract_hidden_states_sglang"
-IM_END = "<|im_end|>"
 
 
 def build_parser():
@@ -113,18 +112,21 @@ def main(argv=None):
     coverage = covered / total
     distinct = int((counts > 0).sum())
 
+    # The end-of-turn token must be draftable, or the draft can never propose the end of an answer.
+    from common.data.target_format import load_target_format
     from common.data.tokenizer import load_tokenizer
     tok = load_tokenizer(upstream["tokenizer"]["path"])
-    im_end = tok.convert_tokens_to_ids(IM_END)
-    im_end = im_end if isinstance(im_end, int) and im_end != tok.unk_token_id else None
-    im_end_in = bool(t2d[im_end]) if im_end is not None else False
+    fmt = load_target_format(upstream["target"]["path"], tok)
+    end_id = fmt.stop_ids[0]
+    end_in = bool(t2d[end_id])
 
     save_tensors(out / "vocab_mapping.safetensors", {"d2t": d2t, "t2d": t2d})
     save_tensors(out / "token_counts.safetensors", {"counts": counts})
     write_manifest(
         out, STAGE, args, draft_vocab_size=dv, vocab_size=vocab_size, coverage=coverage,
         num_supervised_tokens=total, num_covered_tokens=covered, num_distinct_supervised=distinct,
-        num_padding_ids=max(0, dv - distinct), im_end_id=im_end, im_end_in_draft_vocab=im_end_in,
+        num_padding_ids=max(0, dv - distinct), end_of_turn=fmt.end_of_turn, end_of_turn_id=end_id,
+        end_of_turn_in_draft_vocab=end_in,
         counted_from="02b_hidden_states (input_ids, loss_mask)",
         capture_points=upstream["capture_points"], hidden_size=upstream["hidden_size"],
         num_hidden_layers=upstream["num_hidden_layers"],
@@ -133,7 +135,7 @@ def main(argv=None):
         elapsed_s=round(time.time() - t0, 2))
     print(f"[03] coverage {coverage:.4f} ({covered:,} of {total:,} supervised tokens); "
           f"{distinct} distinct supervised ids, {max(0, dv - distinct)} padding ids; "
-          f"{IM_END} in draft vocab: {im_end_in} ({time.time() - t0:.1f} s)")
+          f"{fmt.end_of_turn} in draft vocab: {end_in} ({time.time() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
 """Benchmark the exported EAGLE-3 draft: acceptance length (tau), speed, and losslessness.
 
-Mode `reference`: real greedy speculative decoding in transformers (common/draft/spec_decode.py) with the
-HF target and the draft loaded from the SGLang export exactly as an engine does (the draft gets the
-target's embedding; d2t maps draft ids to target ids; aux states come from the capture points in the
-export config). For each k in --num-draft-tokens, on the held-out prompts, it measures tau (accepted
-drafts + 1 bonus per verify round, SGLang's definition), per-position acceptance, the histogram of
-accepted lengths, speculative vs target-only tokens/s (interleaved per prompt, same run), and the tau
-of an untrained draft of the same shape (seeded) for contrast. Every speculative output must equal
-target-only greedy decoding; otherwise the differences go to mismatches.json and the run raises.
-Float32 throughout: a reference measures acceptance, not engine speed.
+Mode `reference` (common/draft/reference_bench.py): greedy EAGLE-3 with the HF target and the draft
+loaded from the SGLang export exactly as an engine does (the draft gets the target's embedding; d2t
+maps draft ids to target ids; aux states come from the capture points in the export config). tau on
+ALL held-out prompts comes from replay (common/draft/replay.py): the target's greedy answer (cached
+under --replay-cache-dir), one target forward for its features, one draft forward for every round at
+every k - exact, and cheap enough for 100+ prompts on a CPU. It reports tau with a 95% bootstrap
+interval over prompts, per-position acceptance, the histogram of accepted lengths, tau by prompt
+family, and an untrained draft of the same shape (seeded) as the chance level. Real speculative
+decoding (KV caches, rollback) runs on the first --loop-prompts prompts: every output must equal
+target-only greedy decoding (else mismatches.json and the run raises), it is timed against target-only
+decoding (speed ratio), and its statistics are checked against the replay's. Float32 throughout: a
+reference measures acceptance, not engine speed; a target too large for this machine is refused.
 Mode `server` (common/sglang/bench.py, docs/sglang.md): launches (or attaches to) a baseline and EAGLE3
 SGLang servers per --spec-settings and --cuda-graph mode, preflights each EAGLE3 server (EAGLE3, 04's
 draft, draft config vs manifests, warm-up tau above chance), then reports output tok/s, TTFT, tau and
@@ -50,7 +53,19 @@ def build_parser():
                    help="use only the first N held-out prompts (default: all)")
     g.add_argument("--target-path", type=Path, default=None,
                    help="target model folder; read from the 04 manifest, and when given it must match")
-    g.add_argument("--seed", type=int, default=0, help="seed of the untrained contrast draft's init")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the untrained contrast draft's init and of the bootstrap intervals")
+    g.add_argument("--loop-prompts", type=int, default=None,
+                   help="reference: prompts (the first N) that also run the step-by-step loop for the lossless "
+                        "check and the speed ratio (default: all; 0: replay only)")
+    g.add_argument("--loop-untrained", action="store_true",
+                   help="reference: run the untrained draft through the loop too (it costs a target-only "
+                        "decode per prompt and k; its tau comes from replay anyway)")
+    g.add_argument("--replay-cache-dir", type=Path, default=Path("build/replay_cache"),
+                   help="reference: where the target's greedy answers are cached (keyed by its weights)")
+    g.add_argument("--response-cache", type=Path, default=None,
+                   help="reference: a response cache file (01b --response-cache) whose greedy answers to the "
+                        "benchmark prompts, when it has them for this target, stand in for generating them")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where target and draft run (default: cuda if available)")
     g.add_argument("--cpu-threads", type=int, default=1,
@@ -146,145 +161,44 @@ def load_models(target_dir: Path, export_dir: Path, device: str, seed: int):
     return target, trained, untrained.to(device).eval()
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def check_fits(target_dir: Path, device: str) -> None:
+    """Refuse a target whose float32 weights cannot fit this machine (Kimi-K2.5: ~1T parameters):
+    reference mode loads the whole model with transformers; SGLang serves it (--mode server)."""
+    import os
 
-
-def top2_margin(target, ids: list[int]) -> float:
-    """Target logit gap top1 - top2 after `ids` (full forward): ~0 means a genuine argmax near-tie."""
     import torch
 
-    with torch.no_grad():
-        logits = target(input_ids=torch.tensor([ids], device=target.device)).logits[0, -1]
-    top = logits.float().topk(2).values
-    return float(top[0] - top[1])
+    from common.draft.target_head import estimate_num_parameters, read_target_text_config
+
+    need = 4 * estimate_num_parameters(read_target_text_config(target_dir))
+    if device == "cuda":
+        have, where = torch.cuda.get_device_properties(0).total_memory, "GPU 0"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+    if need > 0.9 * have:
+        raise StageError(f"reference mode loads the target in float32 on one device: ~{need / 2**30:,.0f} GiB for "
+                         f"{target_dir}, more than {where} ({have / 2**30:,.0f} GiB). Measure this target "
+                         "with --mode server (SGLang), which serves it sharded and quantized as in production")
 
 
-def run_reference(args, target, drafts: dict, rows: list[dict], points: list[int], eos: set[int]):
-    """Interleave per prompt: target-only greedy, then every (draft, k). Returns (metrics, mismatches)."""
-    from tqdm import tqdm
+def known_answers(args, target_dir: Path, tok, fmt):
+    """row -> the target's greedy answer ids from --response-cache, or None (a miss); None without one."""
+    if args.response_cache is None:
+        return None
+    from common.data.generation import hf_generator
+    from common.data.response_cache import ResponseCache, cache_identity
 
-    from common.draft import spec_decode as sd
+    # 05 decodes in float32 like 01b's hf backend on CPU: the same greedy answers.
+    identity = cache_identity(target_dir, fmt, hf_generator("cpu"))
+    cache = ResponseCache.load(args.response_cache, identity, tok)
+    if cache.mismatch:
+        print(f"[05] --response-cache {args.response_cache} was made for another target ({', '.join(cache.mismatch)} "
+              "differ): the greedy answers are generated")
 
-    ks = sorted(set(args.num_draft_tokens))
-    results = {(name, k): [] for name in drafts for k in ks}
-    base_tokens = base_seconds = 0.0
-    mismatches = []
-    # Warm-up (allocator, kernels, lazy init) so the first timed call is not penalised.
-    sd.greedy_decode(target, rows[0]["prompt_ids"], 4, eos)
-    sd.speculative_decode(target, drafts["trained"], rows[0]["prompt_ids"], ks[0], 4, eos, points)
-    for row in tqdm(rows, desc="[05] prompts", unit="prompt"):
-        ids = row["prompt_ids"]
-        ref, secs = sd.greedy_decode(target, ids, args.benchmark_max_new_tokens, eos)
-        base_tokens += len(ref)
-        base_seconds += secs
-        for (name, k), bucket in results.items():
-            res = sd.speculative_decode(target, drafts[name], ids, k, args.benchmark_max_new_tokens, eos, points)
-            bucket.append(res)
-            at = first_difference(ref, res.tokens)
-            if at is not None:
-                mismatches.append({
-                    "id": row["id"], "draft": name, "num_draft_tokens": k, "first_difference": at,
-                    "target_only": ref[at:at + 16], "speculative": res.tokens[at:at + 16],
-                    "target_top2_logit_margin": top2_margin(target, ids + ref[:at])})
-    base_tps = base_tokens / base_seconds
-    per_k = {}
-    for k in ks:
-        entry = {}
-        for name in drafts:
-            stats = sd.acceptance_stats(results[(name, k)], k)
-            stats["tokens_per_s"] = stats["num_generated_tokens"] / stats["seconds"]
-            stats["speed_ratio"] = stats["tokens_per_s"] / base_tps
-            stats["lossless"] = not any(m["draft"] == name and m["num_draft_tokens"] == k
-                                        for m in mismatches)
-            entry[name] = stats
-        t, u = entry["trained"], entry["untrained"]
-        per_k[str(k)] = {"tau": t["tau"], "untrained_tau": u["tau"],
-                         "per_position_acceptance": t["per_position_acceptance"],
-                         "accept_length_histogram": t["accept_length_histogram"],
-                         "tokens_per_s_speculative": t["tokens_per_s"],
-                         "tokens_per_s_target_only": base_tps, "speed_ratio": t["speed_ratio"],
-                         "lossless": t["lossless"] and u["lossless"], **entry}
-    metrics = {
-        "mode": "reference", "device": str(target.device), "dtype": "float32",
-        "num_prompts": len(rows), "max_new_tokens": args.benchmark_max_new_tokens, "capture_points": points,
-        "num_draft_tokens": ks, "lossless": not mismatches, "num_mismatches": len(mismatches),
-        "target_only": {"num_generated_tokens": int(base_tokens), "seconds": base_seconds,
-                        "tokens_per_s": base_tps},
-        "by_num_draft_tokens": per_k,
-    }
-    return metrics, mismatches
-
-
-def fmt(x, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def write_report(out: Path, metrics: dict, draft_info: dict) -> None:
-    from common.io import atomic_path
-
-    lines = [
-        "# EAGLE-3 draft benchmark (reference mode)", "",
-        f"Target `{draft_info['target']}`, draft `{draft_info['export']}` (draft vocab "
-        f"{draft_info['draft_vocab_size']}, capture points {metrics['capture_points']}).",
-        f"{metrics['num_prompts']} held-out prompts, greedy, up to {metrics['max_new_tokens']} new tokens, "
-        f"float32 on {metrics['device']}. Target-only: {metrics['target_only']['num_generated_tokens']} "
-        f"tokens at {metrics['target_only']['tokens_per_s']:.1f} tok/s.", "",
-        "**Lossless: " + ("yes** - every speculative output equals target-only greedy decoding."
-                          if metrics["lossless"] else
-                          f"NO** - {metrics['num_mismatches']} outputs differ (see mismatches.json)."), "",
-        "tau = tokens committed per verify round (accepted drafts + 1 bonus/correction; SGLang's "
-        "accept length). Untrained = same shape, random init: the chance level.", "",
-        "| k | tau | untrained tau | spec tok/s | target tok/s | speed ratio | lossless |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for k, e in metrics["by_num_draft_tokens"].items():
-        lines.append(f"| {k} | {fmt(e['tau'])} | {fmt(e['untrained_tau'])} | "
-                     f"{fmt(e['tokens_per_s_speculative'], 1)} | {fmt(e['tokens_per_s_target_only'], 1)} | "
-                     f"{fmt(e['speed_ratio'])} | {'yes' if e['lossless'] else 'NO'} |")
-    lines += ["", "Per-position acceptance P(draft j accepted | drafts 1..j-1 accepted), trained draft; "
-              "histogram of accepted drafts per round (0..k):", ""]
-    for k, e in metrics["by_num_draft_tokens"].items():
-        pos = ", ".join(fmt(p) for p in e["per_position_acceptance"])
-        lines.append(f"- k={k}: per position [{pos}]; histogram {e['accept_length_histogram']} "
-                     f"over {e['trained']['num_rounds']} rounds")
-    lines += ["", "Speed in reference mode is transformers eager on "
-              f"{metrics['device']}: the draft costs a Python-level forward per token, so the ratio "
-              "understates an engine's. tau is the portable number.", ""]
-    with atomic_path(out / "report.md") as tmp:
-        tmp.write_text("\n".join(lines))
-
-
-def plot_acceptance(out: Path, metrics: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from common.io import atomic_path
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for c, (k, e) in enumerate(metrics["by_num_draft_tokens"].items()):
-        for name, style in (("trained", "-o"), ("untrained", "--x")):  # one colour per k
-            acc = [float("nan") if p is None else p for p in e[name]["per_position_acceptance"]]
-            ax.plot(range(1, len(acc) + 1), acc, style, color=f"C{c}",
-                    label=f"{name} k={k} (tau {fmt(e[name]['tau'])})")
-    k_max = max(metrics["num_draft_tokens"])
-    ax.set_xticks(range(1, k_max + 1))
-    ax.set_xlim(0.5, k_max + 0.5)
-    ax.set_xlabel("draft position j")
-    ax.set_ylabel("P(accepted | reached)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title("EAGLE-3 per-position acceptance (greedy, reference)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    with atomic_path(out / "acceptance.png") as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    def lookup(row):
+        hit = cache.lookup(row["prompt"], args.benchmark_max_new_tokens) if "prompt" in row else None
+        return None if hit is None else list(hit["completion_ids"])
+    return lookup
 
 
 def main(argv=None):
@@ -309,8 +223,11 @@ def main(argv=None):
         return
     import torch
 
+    from common.data.target_format import load_target_format
+    from common.data.tokenizer import load_tokenizer
+    from common.draft import reference_bench as rb
     from common.draft.capture import load_target_config, target_dims
-    from common.draft.spec_decode import LosslessError, eos_ids_of
+    from common.draft.spec_decode import LosslessError
 
     dims = target_dims(load_target_config(target_dir))
     export_cfg = read_json(export_dir / "config.json")
@@ -319,26 +236,33 @@ def main(argv=None):
     if bad:
         raise StageError(f"benchmark prompts {bad[:3]} are empty or hold ids outside the target vocab")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_fits(target_dir, device)
     if device == "cpu":
         # Measured on the 2-core dev box under load, tiny target (H 128, 8 layers): 12 ms/token with
         # 1 thread vs 180 ms/token with 2 (spin-waiting threads fight the other processes).
         torch.set_num_threads(args.cpu_threads)
     print(f"[05] target {target_dir}: N={dims['num_hidden_layers']}, H={dims['hidden_size']}, vocab "
           f"{dims['vocab_size']}; draft {export_dir} (draft vocab {export_cfg['draft_vocab_size']}); "
-          f"capture points {points}; {len(rows)} prompts; k {args.num_draft_tokens}; "
-          f"max {args.benchmark_max_new_tokens} new tokens; {device}")
+          f"capture points {points}; {len(rows)} prompts (loop on {'all' if args.loop_prompts is None else args.loop_prompts}); "
+          f"k {args.num_draft_tokens}; max {args.benchmark_max_new_tokens} new tokens; {device}")
     target, trained, untrained = load_models(target_dir, export_dir, device, args.seed)
-    eos = eos_ids_of(target.config)
-    metrics, mismatches = run_reference(args, target, {"trained": trained, "untrained": untrained},
-                                        rows, points, eos)
+    tok = load_tokenizer(target_dir)
+    fmt = load_target_format(target_dir, tok)
+    eos = set(fmt.stop_ids)  # the target's end of turn and its generation config's eos ids
+    cache_file = (args.replay_cache_dir / f"{rb.weights_key(target_dir, args.benchmark_max_new_tokens, eos)}"
+                  "_greedy.jsonl")
+    metrics, mismatches = rb.run_reference(args, target, {"trained": trained, "untrained": untrained},
+                                           rows, points, eos, cache_file, known_answers(args, target_dir, tok, fmt))
     write_json(out / "metrics.json", metrics)
-    write_report(out, metrics, {"target": target_dir, "export": export_dir,
-                                "draft_vocab_size": export_cfg["draft_vocab_size"]})
-    plot_acceptance(out, metrics)
+    rb.write_report(out, metrics, {"target": target_dir, "export": export_dir,
+                                   "draft_vocab_size": export_cfg["draft_vocab_size"]})
+    rb.plot_acceptance(out, metrics)
     for k, e in metrics["by_num_draft_tokens"].items():
-        print(f"[05] k={k}: tau {fmt(e['tau'])} (untrained {fmt(e['untrained_tau'])}), "
-              f"{fmt(e['tokens_per_s_speculative'], 1)} vs {fmt(e['tokens_per_s_target_only'], 1)} tok/s "
-              f"(x{fmt(e['speed_ratio'])}), lossless {e['lossless']}")
+        speed = (f", {rb.fmt(e['tokens_per_s_speculative'], 1)} vs {rb.fmt(e['tokens_per_s_target_only'], 1)} "
+                 f"tok/s (x{rb.fmt(e['speed_ratio'])}) on {e['loop_prompts']} loop prompts, lossless "
+                 f"{e['lossless']}" if "loop_tau" in e else "")
+        print(f"[05] k={k}: tau {rb.fmt(e['tau'])} {rb.fmt_ci(e['tau_ci95'])} (untrained "
+              f"{rb.fmt(e['untrained_tau'])}){speed}")
     if mismatches:
         write_json(out / "mismatches.json", mismatches)
         raise LosslessError(f"{len(mismatches)} speculative outputs differ from target-only greedy "
@@ -350,6 +274,7 @@ def main(argv=None):
                    counts={"num_prompts": len(rows),
                            "target_only_tokens": metrics["target_only"]["num_generated_tokens"]},
                    tau={k: e["tau"] for k, e in metrics["by_num_draft_tokens"].items()},
+                   tau_ci95={k: e["tau_ci95"] for k, e in metrics["by_num_draft_tokens"].items()},
                    untrained_tau={k: e["untrained_tau"] for k, e in metrics["by_num_draft_tokens"].items()})
     print(f"[05] wrote {out}")
 

@@ -64,7 +64,7 @@ def test_mapping_semantics_and_coverage(micro_target, tmp_path):
     assert man["coverage"] == pytest.approx(10 / 11)
     assert man["num_supervised_tokens"] == 11 and man["num_distinct_supervised"] == 4
     assert man["draft_vocab_size"] == 3 and man["vocab_size"] == 600
-    assert man["im_end_in_draft_vocab"] is False and man["im_end_id"] == IM_END_ID
+    assert man["end_of_turn_in_draft_vocab"] is False and man["end_of_turn_id"] == IM_END_ID
     assert man["capture_points"] == [2, 4, 5] and man["hidden_size"] == H
     assert man["target"] == read_manifest(tmp_path / "02b_hidden_states")["target"]
     counts = load_file(str(tmp_path / "03_vocab/token_counts.safetensors"))["counts"]
@@ -88,7 +88,7 @@ def test_padding_with_lowest_unused_ids(micro_target, tmp_path):
     assert target_ids == [0, 1, 2, 10, 20, 30, 40]
     assert torch.nonzero(maps["t2d"]).flatten().tolist() == target_ids
     assert man["coverage"] == 1.0 and man["num_padding_ids"] == 3
-    assert man["im_end_in_draft_vocab"] is True
+    assert man["end_of_turn_in_draft_vocab"] is True
 
 
 def test_refusals(micro_target, other_micro_target, tmp_path):

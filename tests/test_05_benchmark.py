@@ -247,18 +247,24 @@ def test_main_writes_metrics_report_plot(micro_target, target, prompts, tmp_path
     make_chain(tmp_path, micro_target, target, prompts)
     stage = importlib.import_module("05_benchmark")
     argv = ["--work-dir", str(tmp_path), "--num-draft-tokens", "2", "4", "--benchmark-max-new-tokens", "10",
-            "--num-prompts", "2", "--device", "cpu", "--target-path", str(micro_target)]
+            "--num-prompts", "3", "--loop-prompts", "2", "--device", "cpu", "--target-path", str(micro_target),
+            "--replay-cache-dir", str(tmp_path / "replay_cache")]
     stage.main(argv)
     out = tmp_path / "05_benchmark" / "reference"
     m = json.loads((out / "metrics.json").read_text())
-    assert m["lossless"] and m["num_prompts"] == 2 and m["capture_points"] == POINTS
+    assert m["lossless"] and m["num_prompts"] == 3 and m["loop_prompts"] == 2 and m["capture_points"] == POINTS
     assert set(m["by_num_draft_tokens"]) == {"2", "4"}
     for k, e in m["by_num_draft_tokens"].items():
         assert 1.0 <= e["tau"] <= int(k) + 1 and 1.0 <= e["untrained_tau"] <= int(k) + 1
+        assert e["tau_ci95"][0] <= e["tau"] <= e["tau_ci95"][1]
         assert len(e["per_position_acceptance"]) == int(k)
         assert sum(e["accept_length_histogram"]) == e["trained"]["num_rounds"] > 0
+        assert len(e["trained"]["per_prompt_rounds"]) == 3
         assert e["speed_ratio"] > 0 and e["tokens_per_s_target_only"] > 0
-    assert "Lossless: yes" in (out / "report.md").read_text()
+        assert e["loop_equals_replay_prompts"] == 2 and e["loop_tau"] == e["replay_tau_on_loop_prompts"]
+    assert "**lossless**" in (out / "report.md").read_text()
+    cached = list((tmp_path / "replay_cache").glob("*_greedy.jsonl"))
+    assert len(cached) == 1 and len(cached[0].read_text().splitlines()) == 3
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     assert read_manifest(out)["tau"].keys() == {"2", "4"}
     stage.main(argv)  # complete -> no-op
@@ -276,9 +282,31 @@ def test_main_raises_and_records_when_output_differs(micro_target, target, promp
         return res
     monkeypatch.setattr(sd, "speculative_decode", corrupted)
     with pytest.raises(sd.LosslessError):
-        importlib.import_module("05_benchmark").main(["--work-dir", str(tmp_path), "--benchmark-max-new-tokens", "6", "--num-prompts", "1",
-                           "--device", "cpu"])
+        importlib.import_module("05_benchmark").main([
+            "--work-dir", str(tmp_path), "--benchmark-max-new-tokens", "6", "--num-prompts", "1", "--device", "cpu",
+            "--loop-untrained", "--replay-cache-dir", str(tmp_path / "replay_cache")])
     out = tmp_path / "05_benchmark" / "reference"
     bad = json.loads((out / "mismatches.json").read_text())
     assert len(bad) == 2 and bad[0]["first_difference"] == ref_len - 1  # trained + untrained
     assert not (out / "manifest.json").exists()
+
+
+def test_reference_mode_refuses_a_target_too_large_for_the_machine(micro_target, target, prompts, tmp_path,
+                                                                    monkeypatch):
+    from common.draft import target_head
+
+    make_chain(tmp_path, micro_target, target, prompts)
+    monkeypatch.setattr(target_head, "estimate_num_parameters", lambda cfg: 10 ** 12)  # Kimi-K2.5-sized
+    with pytest.raises(SystemExit, match="--mode server"):
+        importlib.import_module("05_benchmark").main(["--work-dir", str(tmp_path), "--device", "cpu"])
+    assert not (tmp_path / "05_benchmark" / "reference" / "metrics.json").exists()
+
+
+def test_parameter_estimate_of_known_targets(micro_target):
+    from common.draft.target_head import estimate_num_parameters, read_target_text_config
+
+    kimi = estimate_num_parameters(read_target_text_config(REPO / "assets" / "kimi_k25"))
+    assert 0.95e12 < kimi < 1.1e12  # Kimi-K2.5: ~1.04 T parameters
+    from transformers import AutoModelForCausalLM
+    real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(micro_target)).parameters())
+    assert abs(estimate_num_parameters(read_target_text_config(micro_target)) - real) < 0.1 * real

@@ -95,3 +95,30 @@ def load_target_head(target_path: str | Path, dtype: torch.dtype | None = None,
         raise StageError(f"{target_path}: embedding {tuple(embed.shape)} and lm_head "
                          f"{tuple(head.shape)} differ in shape")
     return embed, head
+
+
+def estimate_num_parameters(cfg: dict) -> int:
+    """Parameters of a decoder-only target from its text config (dense or MoE; Llama, Qwen, DeepSeek).
+
+    Attention is counted as q/k/v/o projections (MLA's low-rank factors are smaller: an upper bound);
+    MLPs as gated (3 matrices). MoE layers (DeepSeek: after `first_k_dense_replace`; Qwen-MoE: all)
+    hold `n_routed_experts` (or `num_experts`) experts of `moe_intermediate_size` plus the shared ones.
+    Kimi-K2.5: ~1.03e12. Used to refuse loading what cannot fit, not for accounting.
+    """
+    h, v, n = int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg["num_hidden_layers"])
+    heads = int(cfg.get("num_attention_heads") or 1)
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    hd = int(cfg.get("head_dim") or h // heads)
+    attn = h * heads * hd * 2 + 2 * h * kv * hd
+    dense = 3 * h * int(cfg.get("intermediate_size") or 4 * h)
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+    if experts:
+        moe_i = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size"))
+        shared = int(cfg.get("n_shared_experts") or 0)
+        moe = 3 * h * moe_i * (experts + shared) + h * experts   # + the router
+        num_dense = int(cfg.get("first_k_dense_replace") or 0)
+        layers = num_dense * (attn + dense) + (n - num_dense) * (attn + moe)
+    else:
+        layers = n * (attn + dense)
+    head = 0 if cfg.get("tie_word_embeddings") else v * h
+    return layers + v * h + head
