@@ -11,8 +11,8 @@ import yaml
 from common.stage import REPO_ROOT, StageError
 
 # Stage files whose flags a shared config may set (one flat YAML serves the whole chain).
-STAGE_FILES = ("00_build_tiny_world.py", "01_prepare_datasets.py", "01b_generate_synthetic.py",
-               "01c_merge_datasets.py", "02b_extract_hidden_states_sglang.py",
+STAGE_FILES = ("00_build_tiny_world.py", "00_build_smollm2_world.py", "01_prepare_datasets.py",
+               "01b_generate_synthetic.py", "01c_merge_datasets.py", "02b_extract_hidden_states_sglang.py",
                "03_build_vocab_mapping.py", "04_train.py", "05_benchmark.py")
 
 
