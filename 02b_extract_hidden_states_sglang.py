@@ -1,8 +1,13 @@
 """Capture the target's hidden states for every training sample (the draft's inputs and teacher).
 
 Runs the target over 01c's tokenized samples and stores, per sample: the residual stream h_i at the
-capture points (default [2, N//2, N-3], concatenated low|mid|high, [T, 3H]), the final post-norm hidden
-state (the lm_head input, [T, H]), input_ids and loss_mask. Samples go to shards deterministically:
+capture points (default [2, N//2, N-3], concatenated low|mid|high, [T, 3H]), the teacher - the final
+post-norm hidden state (the lm_head input, [T, H]) - input_ids and loss_mask. Compact feature formats
+(common/draft/shards.py; recorded in the manifest and read by 03/04 without flags): --aux-format fp8
+(float8 e4m3, one scale per token and capture point), --teacher-format topk (the target's
+--teacher-topk largest logits over its full vocab instead of the final state; 04 then needs no
+lm_head), --prompt-window W (only the last W prompt tokens before the response, at their true
+positions), in any combination. Samples go to shards deterministically:
 shard k holds samples [k*S, (k+1)*S) of tokenized_data.jsonl, packed along tokens (no padding rows).
 A shard that exists is kept (resume); `*.tmp` files are partial and redone. Before the model loads,
 the disk the remaining shards need is printed, and the run refuses when the disk cannot hold it.
@@ -33,8 +38,6 @@ STAGE = "02b_extract_hidden_states_sglang"
 UPSTREAM = "01c_merge_datasets"
 STORAGE_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-# input_ids int64 (8 B) + loss_mask uint8 (1 B) per token; offsets (8 B per sample) are negligible.
-ID_MASK_BYTES = 9
 
 
 def build_parser():
@@ -62,7 +65,17 @@ def build_parser():
                    help="token budget per forward batch (batch size x longest sample, padding included; "
                         "sglang: rows of equal length only, rows x length)")
     g.add_argument("--hidden-states-dtype", choices=STORAGE_DTYPES, default="bfloat16",
-                   help="storage dtype of the hidden states (compute is fp32 on CPU, bf16 on CUDA)")
+                   help="storage dtype of dense hidden states (compute is fp32 on CPU, bf16 on CUDA)")
+    g.add_argument("--aux-format", choices=("bf16", "fp8"), default="bf16",
+                   help="aux states: bf16 = dense in --hidden-states-dtype; fp8 = float8 e4m3 with one float32 "
+                        "scale per token and capture point (3H + 12 B instead of 6H B per token)")
+    g.add_argument("--teacher-format", choices=("final", "topk"), default="final",
+                   help="teacher: final = the final hidden state (04 applies the target's lm_head); topk = the "
+                        "target's --teacher-topk largest logits over its full vocab (ids + fp16 values)")
+    g.add_argument("--teacher-topk", type=int, default=32, help="entries per position of --teacher-format topk")
+    g.add_argument("--prompt-window", type=int, default=None,
+                   help="store only the last W prompt tokens before each sample's first supervised token "
+                        "(tokens; their true positions are kept); default: the whole prompt")
     g.add_argument("--allow-unknown-architecture", action="store_true",
                    help="accept a target whose architecture is not in SGLang's layer-id table "
                         "(common/draft/capture.py), assuming SGLang captures h_(id+1) for draft-config id")
@@ -106,17 +119,22 @@ def scan_samples(path: Path, vocab_size: int) -> list[dict]:
         if max(row["input_ids"]) >= vocab_size or min(row["input_ids"]) < 0:
             raise StageError(f"{path} row {k} ({row['id']}): token id outside the target vocab "
                              f"[0, {vocab_size}); was it tokenized for another target?")
-        meta.append({"id": row["id"], "seq_len": n, "num_supervised": int(sum(row["loss_mask"]))})
+        first = next((i for i, m in enumerate(row["loss_mask"]) if m), 0)
+        meta.append({"id": row["id"], "seq_len": n, "num_supervised": int(sum(row["loss_mask"])),
+                     "first_supervised": first})
     if not meta:
         raise StageError(f"{path} holds no samples: re-run `python {UPSTREAM}.py`")
     return meta
 
 
-def existing_shard_tokens(path: Path, expected_ids: list[str]) -> int:
-    """Tokens in a complete shard, after checking it holds exactly the samples planned for it."""
+def existing_shard_tokens(path: Path, expected_ids: list[str], fmt) -> int:
+    """Rows in a complete shard, after checking it holds exactly the samples planned for it, in `fmt`."""
     from common.draft.shards import ShardReader
 
     shard = ShardReader(path)
+    if shard.format != fmt:
+        raise StageError(f"{path} was written in feature format {shard.format.as_dict()}, this run asks for "
+                         f"{fmt.as_dict()}: use the same flags to resume, or --overwrite")
     if shard.sample_ids != expected_ids:
         raise StageError(f"{path} holds other samples than tokenized_data.jsonl assigns to it (another "
                          "01c run or --samples-per-shard?): re-run this stage with --overwrite")
@@ -216,17 +234,25 @@ def main(argv=None):
         rank = cs.check_world(args.sglang_tp_size)
         cs.init_process_group(args.sglang_tp_size)
         barrier = cs.barrier
+    from common.draft.shards import FeatureFormat
+    try:
+        fmt = FeatureFormat(aux=args.aux_format, teacher=args.teacher_format, window=args.prompt_window,
+                            topk=args.teacher_topk if args.teacher_format == "topk" else None)
+    except ValueError as e:
+        raise StageError(f"feature format: {e}") from None
     out = stage_dir(args.work_dir, STAGE)
     if not prepare_out_dir(out, args.overwrite, rank, barrier):
         return
     t0 = time.time()
-    bytes_per_token = 4 * hidden * DTYPE_BYTES[args.hidden_states_dtype] + ID_MASK_BYTES  # (3H + H) states + ids/mask
+    bytes_per_token = fmt.bytes_per_token(hidden, DTYPE_BYTES[args.hidden_states_dtype])
     print(f"[02b] target {target_dir} ({architecture}): N={n_layers} layers, H={hidden}, vocab {vocab}; "
           f"capture points h{points} (inputs of decoder layers {points}; SGLang draft ids {layer_ids}); "
-          f"storage {args.hidden_states_dtype}, {bytes_per_token} B/token")
+          f"features {fmt.as_dict()} ({args.hidden_states_dtype} dense), {bytes_per_token} B/stored token")
 
     data = src / "tokenized_data.jsonl"
     meta = scan_samples(data, vocab)
+    for m in meta:  # rows a shard stores per sample (a prompt-tail window drops the rest of the prompt)
+        m["num_rows"] = m["seq_len"] - (max(0, m["first_supervised"] - fmt.window) if fmt.window else 0)
     S = args.samples_per_shard
     num_shards = math.ceil(len(meta) / S)
     plan = {k: meta[k * S:(k + 1) * S] for k in range(num_shards)}  # shard k -> its samples
@@ -241,12 +267,12 @@ def main(argv=None):
     for k, rows in plan.items():
         path = out / shard_name(k)
         if path.exists():
-            done[k] = existing_shard_tokens(path, [m["id"] for m in rows])
+            done[k] = existing_shard_tokens(path, [m["id"] for m in rows], fmt)
     todo = [k for k in plan if k not in done]
     todo_tokens = sum(m["seq_len"] for k in todo for m in plan[k])
     print(f"[02b] {len(meta)} samples, {sum(m['seq_len'] for m in meta):,} tokens -> {num_shards} shards "
           f"of {S}; {len(done)} already complete, {len(todo)} to capture")
-    check_disk(out, todo_tokens, bytes_per_token, args.disk_margin)
+    check_disk(out, sum(m["num_rows"] for k in todo for m in plan[k]), bytes_per_token, args.disk_margin)
 
     import torch
     device = "cuda" if args.capture_backend == "sglang" else (
@@ -254,6 +280,13 @@ def main(argv=None):
     # fp32 on CPU (tests compare against fp32 references); bf16 on CUDA (the checkpoint's dtype).
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     store_dtype = getattr(torch, args.hidden_states_dtype)
+    # fp8 and a top-k teacher are encoded at write time from states kept in the compute dtype; top-k uses
+    # the target's lm_head on the capture device (rank 0 writes; Kimi: 2.35 GB of bf16 on its GPU).
+    keep_dtype = compute_dtype if (fmt.teacher == "topk" or fmt.aux == "fp8") else store_dtype
+    lm_head = None
+    if fmt.teacher == "topk" and rank == 0 and todo:
+        from common.draft.target_head import load_target_head
+        lm_head = load_target_head(target_dir, dtype=compute_dtype, device=device)[1]
     written = dict(done)
     calls = {"num_forward_calls": 0, "num_tokens": 0, "seconds": 0.0}  # this run's shards: calls, tokens, time
     if todo:
@@ -264,11 +297,11 @@ def main(argv=None):
         if args.capture_backend == "sglang":  # GPU box: SGLang runner on every rank, rank 0 writes
             model = cs.build_backend(target_dir, layer_ids, engine_args)
             capture = lambda m, rows, cb: cs.capture_samples_sglang(  # noqa: E731
-                m, rows, cs.capture_rows, args.capture_batch_tokens, hidden, store_dtype, on_batch=cb)
+                m, rows, cs.capture_rows, args.capture_batch_tokens, hidden, keep_dtype, on_batch=cb)
         else:
             model = load_model(target_dir, device, compute_dtype)
             capture = lambda m, rows, cb: capture_samples(  # noqa: E731
-                m, rows, capture_hf, points, args.capture_batch_tokens, device, store_dtype, on_batch=cb)
+                m, rows, capture_hf, points, args.capture_batch_tokens, device, keep_dtype, on_batch=cb)
         bar = tqdm(total=todo_tokens, unit="tok", desc="02b capture", disable=rank != 0)
 
         def on_batch(num_tokens: int) -> None:
@@ -286,8 +319,8 @@ def main(argv=None):
             if k in todo_set and (len(rows) == len(plan[k])):
                 t_shard = time.time()
                 samples = capture(model, rows, on_batch)
-                written[k] = (write_shard(out / shard_name(k), samples, store_dtype) if rank == 0
-                              else sum(len(r["input_ids"]) for r in rows))
+                written[k] = (write_shard(out / shard_name(k), samples, store_dtype, fmt, lm_head) if rank == 0
+                              else sum(m["num_rows"] for m in plan[k]))
                 calls["seconds"] += time.time() - t_shard  # capture + host copy + write: the hours to plan
                 rows = []
         bar.close()
@@ -297,10 +330,10 @@ def main(argv=None):
 
     shards = {}
     for k, members in plan.items():
-        expected = sum(m["seq_len"] for m in members)
-        assert written[k] == expected, f"shard {k}: {written[k]} tokens, expected {expected}"
+        expected = sum(m["num_rows"] for m in members)
+        assert written[k] == expected, f"shard {k}: {written[k]} rows, expected {expected}"
         shards[shard_name(k)] = {"num_samples": len(members), "num_tokens": expected}
-    num_tokens = sum(s["num_tokens"] for s in shards.values())
+    num_tokens = sum(s["num_tokens"] for s in shards.values())   # stored rows
     num_bytes = sum((out / name).stat().st_size for name in shards)  # on disk, headers included
     write_manifest(
         out, STAGE, args,
@@ -308,15 +341,16 @@ def main(argv=None):
         compute_dtype=str(compute_dtype).removeprefix("torch."), capture_points=points,
         target_architecture=architecture, sglang_layer_ids=layer_ids,
         hidden_size=hidden, num_hidden_layers=n_layers, vocab_size=vocab, dtype=args.hidden_states_dtype,
-        bytes_per_token=bytes_per_token,
-        num_samples=len(meta), num_tokens=num_tokens,
+        feature_format=fmt.as_dict(), bytes_per_token=bytes_per_token,
+        num_samples=len(meta), num_tokens=num_tokens, num_sample_tokens=sum(m["seq_len"] for m in meta),
+        bytes_per_sample_token=round(sum((out / n).stat().st_size for n in shards) / sum(m["seq_len"] for m in meta), 1),
         num_supervised_tokens=sum(m["num_supervised"] for m in meta), num_bytes=num_bytes,
         samples_per_shard=S, shards=shards, tokenizer=upstream["tokenizer"], target=upstream["target"],
         inputs={"01c_merged/manifest.json": manifest_sha256(src)},
         this_run={**calls, "seconds": round(calls["seconds"], 2),
                   "tokens_per_s": round(calls["num_tokens"] / calls["seconds"], 1) if calls["seconds"] else None},
         elapsed_s=round(time.time() - t0, 2))
-    print(f"[02b] done: {len(meta)} samples, {num_tokens:,} tokens, {num_shards} shards, "
+    print(f"[02b] done: {len(meta)} samples, {num_tokens:,} stored rows, {num_shards} shards, "
           f"{num_bytes / 1e9:.3f} GB in {out} ({time.time() - t0:.1f} s)")
 
 

@@ -18,6 +18,7 @@ Tiny:   python 04_train.py --config configs/tiny.yaml --work-dir runs/tiny
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -33,7 +34,7 @@ from common.stage import (StageError, check_same_tokenizer, manifest_sha256, req
 STAGE = "04_train"
 # Flags whose change makes a checkpoint's data cursor, schedule or recipe meaningless: resume refuses them.
 PLAN_KEYS = ("seed", "batch_tokens", "max_samples_per_batch", "max_seq_len", "eval_fraction", "num_epochs",
-             "max_steps", "ttt_steps", "learning_rate", "warmup_ratio", "adam_betas", "init", "init_std",
+             "max_steps", "max_train_samples", "ttt_steps", "learning_rate", "warmup_ratio", "adam_betas", "init", "init_std",
              "loss_normalization", "draft_num_attention_heads", "draft_num_key_value_heads",
              "draft_intermediate_size")
 
@@ -47,6 +48,9 @@ def build_parser():
     g.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW peak learning rate")
     g.add_argument("--num-epochs", type=int, default=10, help="passes over the training samples")
     g.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (the schedule ends there)")
+    g.add_argument("--max-train-samples", type=int, default=None,
+                   help="train on this many samples only (count), chosen by a seeded hash of the sample id, so "
+                        "smaller sets are subsets of larger ones (data-scaling curves, ablations)")
     g.add_argument("--warmup-ratio", type=float, default=0.015, help="share of steps with linear warmup")
     g.add_argument("--grad-clip", type=float, default=0.5, help="global gradient-norm clip")
     g.add_argument("--batch-tokens", type=int, default=4096,
@@ -108,15 +112,19 @@ def run_batch(model, lm_head, batch: dict, args, ranks, autocast):
 
     from common.draft.distributed import all_max, all_sum, unwrap
     from common.draft.loss import step_counts, teacher_targets, ttt_loss
+    from common.draft.teacher import teacher_from_topk
     core, mask, k = unwrap(model), batch["loss_mask"], args.ttt_steps
-    teach = teacher_targets(batch["final"], lm_head, core.d2t, core.t2d, mask)
+    if "final" in batch:   # 02b feature format teacher "final": the target's lm_head over its last state
+        teach = teacher_targets(batch["final"], lm_head, core.d2t, core.t2d, mask)
+    else:                  # teacher "topk": the target's stored top-k logits
+        teach = teacher_from_topk(batch["topk_ids"], batch["topk_logits"], core.d2t, core.t2d, mask)
     if args.loss_normalization == "supervised":
         denominators = all_sum(step_counts(teach, k), ranks).clamp(min=1)
     else:  # B*T of the global batch: all its samples, padded to its longest
         b = all_sum(torch.tensor(batch["num_samples"], device=mask.device), ranks)
         denominators = (b * all_max(torch.tensor(mask.shape[1], device=mask.device), ranks)).expand(k)
     with autocast():
-        hidden = model(batch["aux"], batch["input_ids"], k)
+        hidden = model(batch["aux"], batch["input_ids"], k, start=batch.get("start"))
         loss, stats = ttt_loss(hidden, core.logits, teach, mask, denominators.float())
     return loss * ranks.world, stats
 
@@ -166,15 +174,19 @@ def build_draft(args, inputs: dict, device, bf16: bool, verbose: bool):
     from safetensors.torch import load_file
 
     from common.draft.model import Eagle3DraftModel, draft_config
+    from common.draft.shards import FeatureFormat
     from common.draft.target_head import load_target_head, read_target_text_config
 
     target_path, m02 = inputs["target_path"], inputs["m02"]
     tcfg = read_target_text_config(target_path)
     mapping = load_file(str(inputs["vocab_dir"] / "vocab_mapping.safetensors"))
     d2t, t2d = mapping["d2t"], mapping["t2d"]
-    embed, lm_head = load_target_head(target_path, dtype=torch.bfloat16 if bf16 else torch.float32)
+    # A top-k teacher (02b feature format) needs no lm_head: Kimi's is 2.35 GB of GPU memory.
+    with_head = FeatureFormat.from_dict(m02.get("feature_format")).teacher == "final"
+    embed, lm_head = load_target_head(target_path, dtype=torch.bfloat16 if bf16 else torch.float32,
+                                      with_head=with_head)
     hidden, points = int(m02["hidden_size"]), [int(p) for p in m02["capture_points"]]
-    if not (embed.shape[1] == hidden == tcfg["hidden_size"] and lm_head.shape[0] == t2d.shape[0] == tcfg["vocab_size"]):
+    if not (embed.shape[1] == hidden == tcfg["hidden_size"] and embed.shape[0] == t2d.shape[0] == tcfg["vocab_size"]):
         raise StageError(f"shapes disagree: 02b hidden {hidden}, target config hidden {tcfg['hidden_size']} "
                          f"vocab {tcfg['vocab_size']}, embedding {tuple(embed.shape)}, t2d {tuple(t2d.shape)}: "
                          "re-run 02b/03 for this target")
@@ -193,7 +205,7 @@ def build_draft(args, inputs: dict, device, bf16: bool, verbose: bool):
     if verbose:
         print(f"[04] target {target_path} (hidden {hidden}, vocab {cfg['vocab_size']}, capture points {points}); "
               f"draft {json.dumps(cfg)}; device {device}, {'bf16 autocast' if bf16 else 'fp32'}")
-    return model, lm_head.to(device), cfg
+    return model, (lm_head.to(device) if lm_head is not None else None), cfg
 
 
 def plan_data(args, hs_dir: Path, verbose: bool) -> dict:
@@ -206,6 +218,9 @@ def plan_data(args, hs_dir: Path, verbose: bool) -> dict:
     eval_idx = [i for i, e in enumerate(data.entries) if is_eval(e[3], args.eval_fraction)]
     held = set(eval_idx)
     train_idx = [i for i in range(len(data.entries)) if i not in held]
+    if args.max_train_samples is not None:  # nested subsets: the first N of one seeded hash order
+        rank = lambda i: hashlib.sha256(f"{args.seed}:{data.entries[i][3]}".encode()).digest()  # noqa: E731
+        train_idx = sorted(sorted(train_idx, key=rank)[:args.max_train_samples])
     if not train_idx:
         raise StageError(f"no training samples in {hs_dir} after holding out {len(eval_idx)} for eval")
     epochs = [make_batches(epoch_order(data.entries, train_idx, args.seed, e), lengths, args.batch_tokens,

@@ -326,3 +326,18 @@ def test_two_processes_train_like_one_and_resume(upstream, tmp_path):
     man = json.loads((two / "04_draft" / "manifest.json").read_text())
     assert man["world_size"] == 2 and man["optimizer_sharded"] is True
     assert (two / "04_draft" / "train_curves.png").is_file()
+
+
+def test_max_train_samples_takes_nested_subsets(upstream, tmp_path):
+    """--max-train-samples N trains on N samples, and those are among the 2N of a larger run."""
+    import argparse as _ap
+
+    train = importlib.import_module("04_train")
+    work = fresh_work(upstream, tmp_path)
+    hs = work / "02b_hidden_states"
+    base = vars(train.build_parser().parse_args(["--work-dir", str(work)]))
+    sets = {}
+    for n in (3, 6, None):
+        plan = train.plan_data(_ap.Namespace(**{**base, "max_train_samples": n, "eval_fraction": 0.0}), hs, False)
+        sets[n] = {i for e in plan["epochs"] for b in e for i in b}
+    assert len(sets[3]) == 3 and len(sets[6]) == 6 and sets[3] < sets[6] < sets[None]

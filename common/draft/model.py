@@ -371,10 +371,11 @@ class Eagle3DraftModel(nn.Module):
         out = layer.finish(layer.self_attn.attend(q, k, v, mask), hidden)
         return self.logits(out), out
 
-    def forward(self, aux, input_ids, ttt_steps: int, masked_attention: bool = False):
+    def forward(self, aux, input_ids, ttt_steps: int, masked_attention: bool = False, start=None):
         """Training-time-test unroll (the training forward). aux [B, T, 3Ht], input_ids [B, T] (unshifted).
 
-        Step k at position t: token input = input_ids[t+1+k] (teacher forced), RoPE position t+k,
+        Step k at row t: token input = input_ids[t+1+k] (teacher forced), RoPE position start+t+k (start
+        [B]: the true position of row 0, > 0 when 02b stored only a prompt-tail window; default 0),
         hidden = fc(aux[t]) for k = 0, else the step k-1 pre-norm output at t; label (in the loss) =
         the target distribution at t+1+k. Positions past the end get token 0 and no loss.
         Returns the pre-norm output of every step: a list of K tensors [B, T, H] (logits = self.logits).
@@ -382,6 +383,8 @@ class Eagle3DraftModel(nn.Module):
         """
         b, t = input_ids.shape
         pos = torch.arange(t, device=input_ids.device).expand(b, t)
+        if start is not None:
+            pos = pos + start.view(b, 1)                    # [B, T] true positions
         hidden = self.project(aux)                         # [B, T, H]
         layer, keys, values, outs = self.midlayer, [], [], []
         attend = ttt_attention_masked if masked_attention else ttt_attention

@@ -78,20 +78,22 @@ def head_tensor_names(target_path: str | Path) -> tuple[str, str, dict[str, str]
 
 
 def load_target_head(target_path: str | Path, dtype: torch.dtype | None = None,
-                     device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (embed_tokens [V, H], lm_head [V, H]) of the target, reading only those two tensors."""
+                     device: str | torch.device = "cpu", with_head: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return (embed_tokens [V, H], lm_head [V, H]) of the target, reading only those two tensors
+    (lm_head None when not `with_head`: a top-k teacher needs no head)."""
     target_path = Path(target_path)
     embed_name, head_name, wmap = head_tensor_names(target_path)
     out = {}
-    for name in {embed_name, head_name}:
+    for name in {embed_name, head_name} if with_head else {embed_name}:
         shard = target_path / wmap[name]
         if not shard.is_file():
             raise StageError(f"{target_path}: the index puts {name} in {wmap[name]}, which is missing")
         with safe_open(str(shard), framework="pt", device=str(device)) as f:
             t = f.get_tensor(name)
         out[name] = t.to(dtype) if dtype is not None else t
-    embed, head = out[embed_name], out[head_name]
-    if embed.shape != head.shape:
+    embed, head = out[embed_name], out.get(head_name)
+    if head is not None and embed.shape != head.shape:
         raise StageError(f"{target_path}: embedding {tuple(embed.shape)} and lm_head "
                          f"{tuple(head.shape)} differ in shape")
     return embed, head

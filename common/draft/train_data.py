@@ -99,18 +99,28 @@ def rank_slice(batch: list[int], lengths: list[int], rank: int, world: int) -> l
     return ranked[rank::world]
 
 
+# Per-row tensors of a sample (common/draft/shards.py ShardReader.sample) by feature format: the
+# draft's input, and the teacher (final hidden state, or the target's top-k logits).
+ROW_KEYS = ("aux", "final", "topk_ids", "topk_logits")
+
+
 def collate(data: ShardData, batch: list[int], max_len: int) -> dict:
-    """Right-padded CPU tensors: aux [B, T, 3H], final [B, T, H], input_ids [B, T], loss_mask [B, T].
-    Padding has loss_mask 0; attention is causal, so it never reaches a real position."""
+    """Right-padded CPU tensors: aux [B, T, 3H], the teacher (final [B, T, H], or topk_ids / topk_logits
+    [B, T, k]), input_ids [B, T], loss_mask [B, T], start [B] (true position of row 0: a prompt-tail
+    window stores a sample from there on). Padding has loss_mask 0; attention is causal, so it never
+    reaches a real position."""
     samples = [data.sample(i, max_len) for i in batch]
     t = max(len(s["input_ids"]) for s in samples)
-    out = {"aux": torch.zeros(len(batch), t, samples[0]["aux"].shape[1], dtype=samples[0]["aux"].dtype),
-           "final": torch.zeros(len(batch), t, samples[0]["final"].shape[1], dtype=samples[0]["final"].dtype),
-           "input_ids": torch.zeros(len(batch), t, dtype=torch.int64),
-           "loss_mask": torch.zeros(len(batch), t, dtype=torch.bool)}
+    out = {key: torch.zeros(len(batch), t, *samples[0][key].shape[1:], dtype=samples[0][key].dtype)
+           for key in ROW_KEYS if key in samples[0]}
+    out.update({"input_ids": torch.zeros(len(batch), t, dtype=torch.int64),
+                "loss_mask": torch.zeros(len(batch), t, dtype=torch.bool),
+                "start": torch.tensor([s["start"] for s in samples], dtype=torch.int64)})
     for r, s in enumerate(samples):
         n = len(s["input_ids"])
-        out["aux"][r, :n], out["final"][r, :n] = s["aux"], s["final"]
+        for key in ROW_KEYS:
+            if key in out:
+                out[key][r, :n] = s[key]
         out["input_ids"][r, :n], out["loss_mask"][r, :n] = s["input_ids"], s["loss_mask"].bool()
     return out
 
