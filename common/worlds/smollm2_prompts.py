@@ -99,7 +99,7 @@ CONCEPTS = [
     "JSON serialization", "the logging module", "multiprocessing", "threads", "global and nonlocal",
 ]
 CONCEPT_ASKS = ("Explain {c} in Python with a short example.", "What are {c} in Python? Keep it brief.",
-                "How do {c} work in Python?")
+                "How do {c} work in Python?", "When should I use {c} in Python?")
 TOOLS = [
     ("get_weather", "Get the current weather for a city.", {"city": "string", "unit": "string"}),
     ("search_files", "Search files in a repository for a text pattern.", {"pattern": "string", "path": "string"}),
@@ -220,10 +220,14 @@ def _function_prompt(family: str, fn: dict, rng: random.Random) -> str | None:
 
 
 def _family_prompts(family: str, count: int, functions: list[dict], seed: int) -> list[dict]:
-    """`count` prompts of `family`, each {"id", "family", "messages"}; ids are unique and stable."""
-    rows = []
+    """`count` distinct prompts of `family`, each {"id", "family", "messages"}; ids are unique and stable.
+    Candidate i depends on (seed, family, i) only, and a candidate whose text an earlier one already has
+    is skipped, so the set grows by appending: the kept prompts never change."""
+    rows, seen = [], set()
     if family in ("small_program", "concept", "tool_request", "sql_query"):
-        for i in range(count):
+        for i in range(100 * count):
+            if len(rows) == count:
+                break
             rng = random.Random(stable_hash(f"{seed}:{family}:{i}"))
             if family == "small_program":
                 task = PROGRAM_TASKS[i % len(PROGRAM_TASKS)].format(n=rng.randint(5, 20), m=rng.choice([100, 1000, 5000]))
@@ -234,7 +238,10 @@ def _family_prompts(family: str, count: int, functions: list[dict], seed: int) -
                 text = _tool_prompt(rng)
             else:
                 text = f"Write an SQL query that {SQL_TASKS[i % len(SQL_TASKS)]}."
-            rows.append({"id": f"{family}/{i:04d}", "family": family, "messages": [{"role": "user", "content": text}]})
+            if text not in seen:
+                seen.add(text)
+                rows.append({"id": f"{family}/{i:04d}", "family": family,
+                             "messages": [{"role": "user", "content": text}]})
         return rows
     # Functions whose body only raises or passes give empty tasks; the rest, in a seeded order.
     usable = [fn for fn in functions if not re.fullmatch(r"\s*(raise \w+(\(.*\))?|pass|return)\s*", fn["body"])]

@@ -1,0 +1,133 @@
+"""Shared by the draft-comparison benchmarks (ablate_recipe, bench_feature_formats, data_scaling): train
+one 04 run per row in its own work dir beside a base run, and replay every row's draft against the
+same held-out prompts (features computed once), so rows differ only in what the row changes.
+
+A row's work dir links the base's upstream folders (01c, 02b, 03 - or its own 02b for a format row)
+and holds its own 04_draft. Evaluation: tau at each k by replay (common/draft/reference_bench.py) with
+a 95% bootstrap interval over prompts, and paired differences between rows on the same prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def argv_of(flags: dict) -> list[str]:
+    out = []
+    for k, v in flags.items():
+        out += [f"--{k}", *(v if isinstance(v, list) else [str(v)])]
+    return out
+
+
+def link(base: Path, work: Path, names: tuple[str, ...]) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    for d in names:
+        if not (work / d).exists():
+            os.symlink((base / d).resolve(), work / d)
+
+
+def train(work: Path, config: Path, flags: dict) -> dict:
+    """04 in `work` with the preset and `flags` (resumes if killed); returns a summary of the run."""
+    t0 = time.time()
+    importlib.import_module("04_train").main(["--config", str(config), "--work-dir", str(work), *argv_of(flags)])
+    d = work / "04_draft"
+    m04 = json.loads((d / "manifest.json").read_text())
+    log = [json.loads(x) for x in (d / "train_log.jsonl").read_text().splitlines()]
+    train_rows = [r for r in log if r["split"] == "train"]
+    ev = m04.get("final_eval") or {}
+    return {"steps": m04["num_steps"], "num_train_samples": m04["num_train_samples"],
+            "seconds": round(time.time() - t0, 1),
+            "tokens_per_s": sum(r["tokens_per_s"] for r in train_rows) / max(1, len(train_rows)),
+            "eval_acc": ev.get("acc"), "eval_tau": ev.get("tau"), "export": str(d / "export_sglang")}
+
+
+class HeldOut:
+    """The base run's held-out prompts, the target's greedy answers and features: built once."""
+
+    def __init__(self, base: Path, config: Path, threads: int = 1):
+        import torch
+        import yaml
+        from transformers import AutoModelForCausalLM
+
+        from common.data.target_format import load_target_format
+        from common.data.tokenizer import load_tokenizer
+        from common.draft.reference_bench import ReplaySet, weights_key
+        from common.io import iter_jsonl, read_json
+
+        torch.set_num_threads(threads)
+        cfg = yaml.safe_load(config.read_text())
+        m02 = read_json(base / "02b_hidden_states" / "manifest.json")
+        self.target_dir = Path(m02["target"]["path"])
+        self.target = AutoModelForCausalLM.from_pretrained(str(self.target_dir), dtype=torch.float32).eval()
+        tok = load_tokenizer(self.target_dir)
+        fmt = load_target_format(self.target_dir, tok)
+        eos = set(fmt.stop_ids)
+        max_new = int(cfg["benchmark-max-new-tokens"])
+        self.prompts = list(iter_jsonl(base / "01c_merged" / "benchmark_prompts.jsonl"))
+        known = None
+        if cfg.get("response-cache"):
+            stage05 = importlib.import_module("05_benchmark")
+            known = stage05.known_answers(argparse.Namespace(response_cache=REPO / cfg["response-cache"],
+                                                             benchmark_max_new_tokens=max_new),
+                                          self.target_dir, tok, fmt)
+        cache = REPO / "build" / "replay_cache" / f"{weights_key(self.target_dir, max_new, eos)}_greedy.jsonl"
+        t0 = time.time()
+        self.replay_set = ReplaySet(self.target, self.prompts, [int(x) for x in m02["capture_points"]], max_new,
+                                    eos, cache, known, desc="[rows] held-out features")
+        print(f"[rows] {len(self.prompts)} held-out prompts ready in {time.time() - t0:.0f} s "
+              f"(answers: {self.replay_set.sources})", flush=True)
+
+    def evaluate(self, export_dir: str | Path, ks: list[int]) -> dict:
+        """{str(k): tau, tau_ci95, per-position acceptance, per-prompt totals} of an exported draft."""
+        from common.draft.model import load_sglang_export
+        from common.draft.reference_bench import summarize
+
+        draft = load_sglang_export(Path(export_dir), self.target.get_input_embeddings().weight.detach()).eval()
+        keys = ("tau", "tau_ci95", "per_position_acceptance", "per_prompt_emitted", "per_prompt_rounds")
+        return {str(k): {key: s[key] for key in keys}
+                for k, s in ((k, summarize(r, k, seed=0)) for k, r in self.replay_set.replay(draft, ks).items())}
+
+
+def load_results(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def save_result(path: Path, name: str, entry: dict) -> dict:
+    """Add one row to a results file under an exclusive lock (several processes may run rows of one
+    table side by side, one per core); returns all rows."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = load_results(path)
+        results[name] = entry
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1))
+        os.replace(tmp, path)
+    return results
+
+
+def paired(a: dict, b: dict) -> dict:
+    """Relative tau difference a/b - 1 on the same prompts, with its 95% interval (replay entries of one k)."""
+    from common.draft.replay import bootstrap_paired_difference
+
+    return bootstrap_paired_difference(a["per_prompt_emitted"], a["per_prompt_rounds"],
+                                       b["per_prompt_emitted"], b["per_prompt_rounds"])
+
+
+def fmt_tau(e: dict) -> str:
+    return f"{e['tau']:.3f} [{e['tau_ci95'][0]:.3f}, {e['tau_ci95'][1]:.3f}]"
+
+
+def fmt_rel(d: dict) -> str:
+    return f"{100 * d['relative']:+.1f}% [{100 * d['relative_ci'][0]:+.1f}, {100 * d['relative_ci'][1]:+.1f}]"
