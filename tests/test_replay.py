@@ -6,32 +6,9 @@ import torch
 
 from common.draft import replay as rp
 from common.draft import spec_decode as sd
-from common.data.tokenizer import load_tokenizer
 
-POINTS = [2, 4, 6]
-TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.path.join('a', 'b'))",
-         "class Point:\n    def __init__(self, x):", "for i in range(10):\n    total += i"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def target(micro_target):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(micro_target), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def prompts(micro_target):
-    tok = load_tokenizer(micro_target)
-    return [tok.encode(t) for t in TEXTS]
+# The micro target, its prompts and the one-thread setting are 05's test fixtures (same module scope).
+from tests.test_05_benchmark import POINTS, one_thread, prompts, random_draft, target  # noqa: E402,F401
 
 
 class PlantedDraft:
@@ -113,8 +90,6 @@ def test_replay_equals_loop_when_an_accepted_draft_ends_the_turn(target, prompts
 
 def test_replay_equals_loop_with_real_drafts(target, prompts, tmp_path):
     """Exported Eagle3 drafts (random init, several seeds): the real forward surfaces, end to end."""
-    from tests.test_05_benchmark import random_draft
-
     eos = sd.eos_ids_of(target.config)
     for seed in (0, 1):
         draft = random_draft(target, tmp_path / f"export{seed}", seed=seed)

@@ -20,7 +20,7 @@ import random
 
 import torch
 
-from common.draft.spec_decode import SpecResult
+from common.draft.spec_decode import SpecResult, commit_round
 
 
 @torch.no_grad()
@@ -64,17 +64,8 @@ def replay(pred: torch.Tensor, seq: list[int], num_prompt: int, num_draft_tokens
             a += 1
             if seq[t + 1 + a] in eos_ids:         # an accepted end-of-turn: the loop judges no more
                 break
-        new = seq[n_ctx + 1:n_ctx + 2 + a]        # the a accepted drafts + the target's own token
-        judged = k_eff
-        eos_at = next((i for i, tok in enumerate(new) if tok in eos_ids), None)
-        if eos_at is not None and eos_at < a:     # an accepted draft ended the turn
-            new = new[:eos_at + 1]
-            a = judged = eos_at + 1
-        res.drafted.append(judged)
-        res.accepted.append(a)
-        res.emitted.append(len(new))
-        res.tokens.extend(new)
-        if res.tokens[-1] in eos_ids or len(res.tokens) >= max_new_tokens:
+        # the a accepted drafts + the target's own token, counted exactly as the loop counts them
+        if commit_round(res, seq[n_ctx + 1:n_ctx + 2 + a], a, k_eff, eos_ids, max_new_tokens):
             break
         n_ctx += a + 1
     assert res.tokens == cont[:len(res.tokens)], "replay left the greedy continuation"

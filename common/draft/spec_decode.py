@@ -107,6 +107,27 @@ def greedy_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: s
     return out, time.perf_counter() - t0
 
 
+def commit_round(res: SpecResult, new: list[int], accepted: int, judged: int, eos_ids: set[int],
+                 max_new_tokens: int) -> bool:
+    """Record one verify round in `res`: `new` = the accepted drafts + the target's own token. Returns
+    True when the output is complete (end of turn, or the token budget). Shared by the loop and by
+    replay (common/draft/replay.py), so both count rounds the same way.
+
+    Stop at the first end-of-turn token: tokens after it are no part of the output. When it is an
+    accepted draft (index < accepted), the drafts after it were never a real question: count them
+    neither judged nor accepted, and no correction/bonus is committed this round.
+    """
+    eos_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
+    if eos_at is not None and eos_at < accepted:
+        new = new[:eos_at + 1]
+        accepted = judged = eos_at + 1
+    res.drafted.append(judged)
+    res.accepted.append(accepted)
+    res.emitted.append(len(new))
+    res.tokens.extend(new)
+    return res.tokens[-1] in eos_ids or len(res.tokens) >= max_new_tokens
+
+
 @torch.no_grad()
 def speculative_decode(target, draft, prompt_ids: list[int], num_draft_tokens: int,
                        max_new_tokens: int, eos_ids: set[int], capture_points: list[int]) -> SpecResult:
@@ -175,20 +196,7 @@ def speculative_decode(target, draft, prompt_ids: list[int], num_draft_tokens: i
         a = 0
         while a < k_eff and drafts[a] == greedy[a]:
             a += 1
-        new = drafts[:a] + [greedy[a]]
-        judged = k_eff
-        # Stop at the first end-of-turn token: tokens after it are no part of the output. When it is
-        # an accepted draft (index < a), the drafts after it were never a real question: count them
-        # neither judged nor accepted, and no correction/bonus is committed this round.
-        eos_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
-        if eos_at is not None and eos_at < a:
-            new = new[:eos_at + 1]
-            a = judged = eos_at + 1
-        res.drafted.append(judged)
-        res.accepted.append(a)
-        res.emitted.append(len(new))
-        res.tokens.extend(new)
-        if res.tokens[-1] in eos_ids or len(res.tokens) >= max_new_tokens:
+        if commit_round(res, drafts[:a] + [greedy[a]], a, k_eff, eos_ids, max_new_tokens):
             break
 
         # Roll back both caches to what the committed prefix supports.
