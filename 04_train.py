@@ -355,7 +355,7 @@ def export(args, model, cfg: dict, inputs: dict, dp: dict, final_eval: dict | No
 
 def main(argv=None):
     args = parse_args(build_parser(), argv)
-    from common.draft.distributed import setup, teardown
+    from common.draft.distributed import barrier, setup, teardown
 
     if args.keep_checkpoints < 2:
         raise StageError("--keep-checkpoints must be >= 2 (never overwrite the only good checkpoint)")
@@ -364,6 +364,7 @@ def main(argv=None):
     ranks = setup(args.device)
     try:
         train(args, ranks)
+        barrier(ranks)   # no rank tears the group down while another still talks in it (gloo aborts)
     finally:
         teardown(ranks)
 
