@@ -28,7 +28,7 @@ from pathlib import Path
 
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl, write_jsonl
-from common.stage import (REPO_ROOT, StageError, start_stage, target_identity, tokenizer_identity,
+from common.stage import (REPO_ROOT, StageError, start_stage, target_identity, tokenizer_identity, torch_threads,
                           write_manifest)
 
 STAGE = "00_build_smollm2_world"
@@ -105,14 +105,8 @@ def main(argv=None):
     out = Path(args.smollm2_dir)
     if not start_stage(out, args.overwrite, "00"):
         return
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.smollm2_threads)
-    try:
+    with torch_threads(args.smollm2_threads):
         build(args, out)
-    finally:
-        torch.set_num_threads(threads)  # tests call main() in-process
 
 
 def build(args, out: Path) -> None:

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 from common.config import base_parser, parse_args
-from common.stage import StageError, start_stage, target_identity, tokenizer_identity, write_manifest
+from common.stage import StageError, start_stage, target_identity, tokenizer_identity, torch_threads, write_manifest
 
 STAGE = "00_build_tiny_world"
 
@@ -84,14 +84,8 @@ def main(argv=None):
         raise StageError("--tiny-num-hidden-layers must be >= 8 (capture points 2, N//2, N-3 distinct)")
     if not start_stage(tiny_dir, args.overwrite, "00"):
         return
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.tiny_threads)
-    try:
+    with torch_threads(args.tiny_threads):
         build(args, tiny_dir)
-    finally:
-        torch.set_num_threads(threads)  # tests call main() in-process
 
 
 def build(args, tiny_dir: Path) -> None:

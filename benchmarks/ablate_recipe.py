@@ -46,7 +46,8 @@ def main(argv=None):
     p.add_argument("--config", type=Path, default=dr.REPO / "configs" / "smollm2.yaml", help="the preset")
     p.add_argument("--rows", nargs="+", default=list(ROWS), help=f"rows to run, of: {', '.join(ROWS)}")
     p.add_argument("--chosen", nargs="*", default=None, metavar="FLAG=VALUE",
-                   help="add a row `chosen`: the preset with these 04 flags (lists comma-separated)")
+                   help="add a row: the preset with these 04 flags (lists comma-separated), named --chosen-name")
+    p.add_argument("--chosen-name", default="chosen", help="name of the --chosen row (several candidates: run again)")
     p.add_argument("--reference-row", default="established", help="row the paired differences are taken to")
     p.add_argument("--max-train-samples", type=int, default=400, help="training samples of every row (count)")
     p.add_argument("--epochs", type=int, default=1, help="epochs of every row")
@@ -56,8 +57,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     rows = {name: ROWS[name] for name in args.rows}
     if args.chosen is not None:
-        rows["chosen"] = {k: (v.split(",") if "," in v else v) for k, v in (f.split("=", 1) for f in args.chosen)}
-    held = dr.HeldOut(args.base, args.config, args.threads)
+        rows[args.chosen_name] = {k: (v.split(",") if "," in v else v) for k, v in (f.split("=", 1) for f in args.chosen)}
+    held = None   # built on the first row that needs it: a table of finished rows needs no target
     out_json = args.out / "results.json"
     results = dr.load_results(out_json)
     common = {"num-epochs": args.epochs, "max-train-samples": args.max_train_samples, "seed": args.seed}
@@ -65,7 +66,8 @@ def main(argv=None):
         if name in results and results[name]["flags"] == flags:
             print(f"[ablate] {name}: done before, kept")
             continue
-        work = args.out / "rows" / name.replace(" ", "_").replace("/", "_")
+        held = held or dr.HeldOut(args.base, args.config, args.threads)
+        work = args.out / "rows" / name.replace(" ", "_").replace("/", "_").replace(",", "")
         dr.link(args.base, work, ("01c_merged", "02b_hidden_states", "03_vocab"))
         run = dr.train(work, args.config, {**common, **flags})
         results = dr.save_result(out_json, name, {"flags": flags, **run,
@@ -75,9 +77,10 @@ def main(argv=None):
 
     results = {name: r for name, r in dr.load_results(out_json).items()}   # rows of other processes too
     ref = results.get(args.reference_row)
-    lines = [f"# Recipe ablation on {held.target_dir.name}", "",
+    num_prompts = len(next(iter(results.values()))["replay"]["5"]["per_prompt_emitted"]) if results else 0
+    lines = [f"# Recipe ablation on {dr.target_name(args.base)}", "",
              f"Same {args.max_train_samples} training samples x {args.epochs} epoch(s) per row, seed {args.seed}; "
-             f"tau by replay on {len(held.prompts)} held-out prompts [95% bootstrap CI over prompts]; "
+             f"tau by replay on {num_prompts} held-out prompts [95% bootstrap CI over prompts]; "
              f"last column: tau at k=5 relative to `{args.reference_row}`, paired over the same prompts.", "",
              "| row | flags | steps | tok/s | eval acc0 | eval tau (sim) | "
              + " | ".join(f"tau k={k}" for k in args.num_draft_tokens) + " | k=5 vs ref |",
@@ -89,6 +92,11 @@ def main(argv=None):
         lines.append(f"| {name} | `{' '.join(dr.argv_of(r['flags'])) or '(preset)'}` | {r['steps']} | "
                      f"{r['tokens_per_s']:.0f} | {acc0} | {sim} | "
                      + " | ".join(dr.fmt_tau(r["replay"][str(k)]) for k in args.num_draft_tokens) + f" | {diff} |")
+    scored = [r for r in results.values() if r["eval_tau"]]
+    if len(scored) >= 3:
+        lines += ["", "04's simulated tau against replay tau, rank correlation over the rows (Spearman): "
+                  + ", ".join(f"k={k} {dr.spearman([r['eval_tau'] for r in scored], [r['replay'][str(k)]['tau'] for r in scored]):.2f}"
+                              for k in args.num_draft_tokens)]
     (args.out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

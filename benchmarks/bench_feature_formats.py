@@ -55,6 +55,8 @@ def reencode(base: Path, rows: dict, out: Path) -> dict:
     seconds = {n: 0.0 for n in todo}
     shards = list_shards(base / "02b_hidden_states")
     for path in shards:
+        if all((out / n / "02b_hidden_states" / path.name).is_file() for n in todo):
+            continue   # written by an earlier, interrupted run (shards are written atomically)
         r = ShardReader(path)
         samples = []
         for i in range(len(r)):

@@ -97,6 +97,12 @@ class HeldOut:
                 for k, s in ((k, summarize(r, k, seed=0)) for k, r in self.replay_set.replay(draft, ks).items())}
 
 
+def target_name(base: Path) -> str:
+    """The target of a base work dir: its model folder, from the 02b manifest (e.g. smollm2/target)."""
+    path = Path(json.loads((base / "02b_hidden_states" / "manifest.json").read_text())["target"]["path"])
+    return f"{path.parent.name}/{path.name}"
+
+
 def load_results(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -123,6 +129,27 @@ def paired(a: dict, b: dict) -> dict:
 
     return bootstrap_paired_difference(a["per_prompt_emitted"], a["per_prompt_rounds"],
                                        b["per_prompt_emitted"], b["per_prompt_rounds"])
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation of two equally long lists (ties get their mean rank)."""
+    def ranks(x):
+        order = sorted(range(len(x)), key=x.__getitem__)
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(x):
+            j = i
+            while j + 1 < len(x) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for m in range(i, j + 1):
+                r[order[m]] = (i + j) / 2
+            i = j + 1
+        return r
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
 
 
 def fmt_tau(e: dict) -> str:

@@ -1,6 +1,7 @@
 """The stage contract: fixed folders under one work dir, manifest.json as completion marker."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -43,6 +44,19 @@ class StageError(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's CPU thread count is n inside the block and restored after it (tests call main() in-process)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def stage_dir(work_dir: str | Path, stage: str, dataset: str | None = None) -> Path:

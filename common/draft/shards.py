@@ -18,7 +18,7 @@ A prompt-tail `window` W keeps, per sample, only the rows from W tokens before i
 token on (the prompt's tail and the whole response); `starts` keeps their true positions. No padding.
 
 Bytes per token (H = target hidden size): bf16 aux 6H, fp8 aux 3H + 12; final 2H, top-k 6k; ids and
-mask 9. Kimi-K2.5 (H 7168): bf16 + final 57,353 B; fp8 + top-32 21,725 B (2.6x less).
+mask 9. Kimi-K2.5 (H 7168): bf16 + final 57,353 B; fp8 + top-32 21,717 B (2.64x less).
 """
 from __future__ import annotations
 
