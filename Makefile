@@ -1,5 +1,5 @@
 # make demo: the whole chain on the tiny Kimi-shaped world (CPU). make test: the test suite.
-# make bench-real: the whole chain on SmolLM2-135M-Instruct, the real small target (CPU, ~1 h).
+# make bench-real: the whole chain on SmolLM2-135M-Instruct, the real small target (CPU, ~45 min).
 PYTHON_SYS ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

@@ -77,10 +77,9 @@ def main(argv=None):
 
     results = {name: r for name, r in dr.load_results(out_json).items()}   # rows of other processes too
     ref = results.get(args.reference_row)
-    num_prompts = len(next(iter(results.values()))["replay"]["5"]["per_prompt_emitted"]) if results else 0
     lines = [f"# Recipe ablation on {dr.target_name(args.base)}", "",
              f"Same {args.max_train_samples} training samples x {args.epochs} epoch(s) per row, seed {args.seed}; "
-             f"tau by replay on {num_prompts} held-out prompts [95% bootstrap CI over prompts]; "
+             f"tau by replay on {dr.num_prompts(results)} held-out prompts [95% bootstrap CI over prompts]; "
              f"last column: tau at k=5 relative to `{args.reference_row}`, paired over the same prompts.", "",
              "| row | flags | steps | tok/s | eval acc0 | eval tau (sim) | "
              + " | ".join(f"tau k={k}" for k in args.num_draft_tokens) + " | k=5 vs ref |",

@@ -8,6 +8,7 @@ clip, AdamW), each variant in a process of its own, so its peak memory is its ow
   attention  today with the causal block + diagonal TTT attention of common/draft/model.py
   fp32       04's run_batch: new attention, teacher/lm_head/soft-CE on supervised rows, fused soft-CE
   bf16       04's run_batch under --precision bf16: autocast over fp32 master weights, bf16 teacher head
+  topk       bf16 with the compact teacher (02b --teacher-format topk, k 32): no target lm_head at all
 Part 2 (stage, CPU): 04_train.py itself on synthetic 02b/03 folders of the same shape, ms per step from
 its train log: reading in the loop vs the prefetch thread, and 1 process vs one per core (torchrun, gloo)
 on the same global batches. Prints tables (medians over the measured steps); asserts nothing.
@@ -33,7 +34,7 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-VARIANTS = ("today", "attention", "fp32", "bf16")
+VARIANTS = ("today", "attention", "fp32", "bf16", "topk")
 
 
 def build_parser():
@@ -127,7 +128,7 @@ def make_step(args, seq_len: int, variant: str):
     t2d[used] = True
     model.set_vocab_mapping(used - torch.arange(args.draft_vocab), t2d)
     model.to(device).train()
-    bf16 = variant == "bf16" or (variant == "today" and device.type == "cuda")  # today: autocast on CUDA
+    bf16 = variant in ("bf16", "topk") or (variant == "today" and device.type == "cuda")  # today: autocast on CUDA
     if bf16:
         model.embed_tokens.to(torch.bfloat16)
     lm_head = torch.randn(args.vocab, args.hidden, device=device) / args.hidden ** 0.5 * 4
@@ -139,6 +140,12 @@ def make_step(args, seq_len: int, variant: str):
              "final": torch.randn(b, seq_len, h, device=device).to(torch.bfloat16),
              "input_ids": torch.randint(0, args.vocab, (b, seq_len), device=device),
              "loss_mask": mask, "num_samples": b}
+    if variant == "topk":   # the target's 32 largest logits instead of its final state: 04 loads no lm_head
+        del batch["final"]
+        lm_head = None
+        batch["topk_ids"] = torch.randint(0, args.vocab, (b, seq_len, 32), device=device)
+        batch["topk_ids"][..., 0] = used.to(device)[torch.randint(0, args.draft_vocab, (b, seq_len), device=device)]
+        batch["topk_logits"] = torch.randn(b, seq_len, 32, device=device).sort(-1, descending=True).values.half()
     autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext)
     if variant in ("today", "attention"):
         def step():
@@ -339,7 +346,7 @@ def main(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, on_cpu if cpu else on_gpu)
     if args.variants is None:
-        args.variants = list(VARIANTS) if args.device == "cpu" else ["today", "bf16"]
+        args.variants = list(VARIANTS) if args.device == "cpu" else ["today", "bf16", "topk"]
     if args.variant:
         print(json.dumps(run_variant(args, args.seq_len[0], args.variant)))
         return

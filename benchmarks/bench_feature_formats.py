@@ -100,7 +100,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     rows = {name: ROWS[name] for name in args.rows}
     reencode(args.base, rows, args.out / "formats")
-    held = dr.HeldOut(args.base, args.config, args.threads)
+    held = None   # built on the first row that needs it: a table of finished rows needs no target
     out_json = args.out / "results.json"
     results = dr.load_results(out_json)
     flags = {"num-epochs": args.epochs, "max-train-samples": args.max_train_samples, "seed": args.seed,
@@ -108,6 +108,7 @@ def main(argv=None):
     for name in rows:
         if name in results and results[name]["flags"] == flags:
             continue
+        held = held or dr.HeldOut(args.base, args.config, args.threads)
         work = args.out / "formats" / name
         dr.link(args.base, work, ("01c_merged", "03_vocab"))
         run = dr.train(work, args.config, flags)
@@ -120,18 +121,18 @@ def main(argv=None):
 
     results = dr.load_results(out_json)   # rows of other processes too
     ref = results["bf16"]
-    lines = [f"# Feature formats on {held.target_dir.name}", "",
+    lines = [f"# Feature formats on {dr.target_name(args.base)}", "",
              f"Same {args.max_train_samples} training samples x {args.epochs} epoch(s), seed {args.seed}, flags "
              f"`{' '.join(dr.argv_of(flags))}`; bytes per sample token from the shard files (stored rows only, "
-             f"headers included); tau by replay on {len(held.prompts)} held-out prompts [95% CI]; "
+             f"headers included); tau by replay on {dr.num_prompts(results)} held-out prompts [95% CI]; "
              "vs bf16: relative tau difference at k=5, paired over the same prompts [95% CI].", "",
-             "| format | B/token | x smaller | 04 s | eval acc0 | eval tau (sim) | "
+             "| format | B/token | x smaller | 04 tok/s | eval acc0 | eval tau (sim) | "
              + " | ".join(f"tau k={k}" for k in args.num_draft_tokens) + " | k=5 vs bf16 |",
              "|---" * (7 + len(args.num_draft_tokens)) + "|"]
     for name, r in results.items():
         diff = dr.fmt_rel(dr.paired(r["replay"]["5"], ref["replay"]["5"])) if name != "bf16" else "-"
         lines.append(f"| {name} | {r['bytes_per_sample_token']:.0f} | "
-                     f"{ref['bytes_per_sample_token'] / r['bytes_per_sample_token']:.2f} | {r['seconds']:.0f} | "
+                     f"{ref['bytes_per_sample_token'] / r['bytes_per_sample_token']:.2f} | {r['tokens_per_s']:.0f} | "
                      f"{r['eval_acc'][0]:.3f} | {r['eval_tau']:.2f} | "
                      + " | ".join(dr.fmt_tau(r["replay"][str(k)]) for k in args.num_draft_tokens) + f" | {diff} |")
     (args.out / "table.md").write_text("\n".join(lines) + "\n")

@@ -59,7 +59,7 @@ def main(argv=None):
     from common.io import read_json
 
     m02 = read_json(args.base / "02b_hidden_states" / "manifest.json")
-    held = dr.HeldOut(args.base, args.config, args.threads)
+    held = None   # built on the first point that needs it: a table of finished points needs no target
     out_json = args.out / "results.json"
     results = dr.load_results(out_json)
     flags = {"seed": args.seed, **dict(f.split("=", 1) for f in args.train_flags)}
@@ -79,6 +79,7 @@ def main(argv=None):
         row_flags = {**flags, "max-train-samples": max(1, round(share * total))}
         if name in results and results[name]["flags"] == row_flags:
             continue
+        held = held or dr.HeldOut(args.base, args.config, args.threads)
         run = dr.train(work, args.config, row_flags)
         results = dr.save_result(out_json, name, {"flags": row_flags, **run,
                                                   "replay": held.evaluate(run["export"], args.num_draft_tokens)})
@@ -86,9 +87,9 @@ def main(argv=None):
               + ", ".join(f"k={k} tau {e['tau']:.3f}" for k, e in results[name]["replay"].items()), flush=True)
     results = dr.load_results(out_json)   # points of other processes too
     pts = sorted(results.items(), key=lambda kv: kv[1]["num_train_samples"])
-    lines = [f"# Data scaling on {held.target_dir.name}", "",
+    lines = [f"# Data scaling on {dr.target_name(args.base)}", "",
              f"Preset {args.config.name}, flags `{' '.join(dr.argv_of(flags))}`; nested subsets of {total} training "
-             f"samples; tau by replay on {len(held.prompts)} held-out prompts [95% CI]; last column: tau at k=5 "
+             f"samples; tau by replay on {dr.num_prompts(results)} held-out prompts [95% CI]; last column: tau at k=5 "
              "relative to the previous point, paired over the same prompts.", "",
              "| share | samples | steps | 04 s | eval acc0 | " + " | ".join(f"tau k={k}" for k in args.num_draft_tokens)
              + " | k=5 vs previous |", "|---" * (6 + len(args.num_draft_tokens)) + "|"]
@@ -101,7 +102,7 @@ def main(argv=None):
         prev = r
     (args.out / "table.md").write_text("\n".join(lines) + "\n")
     plot(results, args.num_draft_tokens, args.out / "data_scaling.png",
-         f"{held.target_dir.parent.name}: tau vs training samples ({m02['num_samples']} captured)")
+         f"{dr.target_name(args.base)}: tau vs training samples ({m02['num_samples']} captured)")
     print("\n".join(lines))
 
 

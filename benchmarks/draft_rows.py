@@ -103,6 +103,11 @@ def target_name(base: Path) -> str:
     return f"{path.parent.name}/{path.name}"
 
 
+def num_prompts(results: dict) -> int:
+    """How many held-out prompts the rows of a results file were replayed on."""
+    return len(next(iter(results.values()))["replay"]["5"]["per_prompt_emitted"]) if results else 0
+
+
 def load_results(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
