@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 from common.config import base_parser, parse_args
-from common.io import iter_jsonl, write_jsonl
+from common.io import atomic_path, write_jsonl
 from common.stage import (REPO_ROOT, StageError, start_stage, target_identity, tokenizer_identity, torch_threads,
                           write_manifest)
 
@@ -63,15 +63,12 @@ def write_prompts_asset(path: Path) -> None:
     prompts = make_prompts()
     header = {"python": f"{sys.version_info.major}.{sys.version_info.minor}",
               "num_train": len(prompts["train"]), "num_held_out": len(prompts["held_out"])}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
     # mtime=0: the same prompts give the same bytes (a reviewable, reproducible asset).
-    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
         f.write((json.dumps({"header": header}) + "\n").encode())
         for split in ("train", "held_out"):
             for row in prompts[split]:
                 f.write((json.dumps({"split": split, **row}, ensure_ascii=False) + "\n").encode())
-    tmp.replace(path)
     print(f"[00] wrote {path}: {header}")
 
 

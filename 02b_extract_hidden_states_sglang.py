@@ -334,6 +334,7 @@ def main(argv=None):
         assert written[k] == expected, f"shard {k}: {written[k]} rows, expected {expected}"
         shards[shard_name(k)] = {"num_samples": len(members), "num_tokens": expected}
     num_tokens = sum(s["num_tokens"] for s in shards.values())   # stored rows
+    num_sample_tokens = sum(m["seq_len"] for m in meta)           # tokens of the samples, window or not
     num_bytes = sum((out / name).stat().st_size for name in shards)  # on disk, headers included
     write_manifest(
         out, STAGE, args,
@@ -342,8 +343,8 @@ def main(argv=None):
         target_architecture=architecture, sglang_layer_ids=layer_ids,
         hidden_size=hidden, num_hidden_layers=n_layers, vocab_size=vocab, dtype=args.hidden_states_dtype,
         feature_format=fmt.as_dict(), bytes_per_token=bytes_per_token,
-        num_samples=len(meta), num_tokens=num_tokens, num_sample_tokens=sum(m["seq_len"] for m in meta),
-        bytes_per_sample_token=round(sum((out / n).stat().st_size for n in shards) / sum(m["seq_len"] for m in meta), 1),
+        num_samples=len(meta), num_tokens=num_tokens, num_sample_tokens=num_sample_tokens,
+        bytes_per_sample_token=round(num_bytes / num_sample_tokens, 1),
         num_supervised_tokens=sum(m["num_supervised"] for m in meta), num_bytes=num_bytes,
         samples_per_shard=S, shards=shards, tokenizer=upstream["tokenizer"], target=upstream["target"],
         inputs={"01c_merged/manifest.json": manifest_sha256(src)},

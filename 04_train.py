@@ -27,7 +27,7 @@ from pathlib import Path
 
 from common.config import base_parser, parse_args
 from common.draft.checkpoints import complete_checkpoints, load_checkpoint, save_checkpoint
-from common.io import JsonlAppender, iter_jsonl, write_json, write_jsonl
+from common.io import JsonlAppender, iter_jsonl, write_jsonl
 from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
                           resolve_target, stage_dir, start_stage, write_manifest)
 
@@ -295,7 +295,6 @@ def train_loop(args, model, lm_head, opt, sched, params, dp: dict, step: int, cu
             meter.add(stats)
             interval_tokens += sum(min(lengths[i], args.max_seq_len) for i in idx)  # real tokens, all ranks
             bar.update(1)
-            cursor = {"epoch": epoch, "batch": bi, "position": sum(len(b) for b in epochs[epoch][:bi])}
             if step % args.log_every == 0 or step == stop_at:
                 meter.sums = all_sum(meter.sums, ranks)
                 s, dt = meter.summary(), time.time() - t_interval
@@ -318,6 +317,7 @@ def train_loop(args, model, lm_head, opt, sched, params, dp: dict, step: int, cu
             if step % args.save_every == 0 or step == stop_at:
                 opt_state = optimizer_state(opt, ranks)    # collective when the optimizer is sharded
                 if ranks.main:
+                    cursor = {"epoch": epoch, "batch": bi, "position": sum(len(b) for b in epochs[epoch][:bi])}
                     save_checkpoint(ckpt_root, step, unwrap(model), opt_state, sched, cursor, plan,
                                     args.keep_checkpoints)
         bar.close()

@@ -249,8 +249,7 @@ def main(argv=None):
     tok = load_tokenizer(target_dir)
     fmt = load_target_format(target_dir, tok)
     eos = set(fmt.stop_ids)  # the target's end of turn and its generation config's eos ids
-    cache_file = (args.replay_cache_dir / f"{rb.weights_key(target_dir, args.benchmark_max_new_tokens, eos)}"
-                  "_greedy.jsonl")
+    cache_file = rb.replay_cache_file(args.replay_cache_dir, target_dir, args.benchmark_max_new_tokens, eos)
     metrics, mismatches = rb.run_reference(args, target, {"trained": trained, "untrained": untrained},
                                            rows, points, eos, cache_file, known_answers(args, target_dir, tok, fmt))
     write_json(out / "metrics.json", metrics)

@@ -16,7 +16,6 @@ Run:    python benchmarks/ablate_recipe.py --base runs/smollm2 --out runs/ablati
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -40,10 +39,7 @@ ROWS = {
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", type=Path, required=True, help="work dir with 01c, 02b, 03 complete")
-    p.add_argument("--out", type=Path, required=True, help="output folder (rows/, results.json, table.md)")
-    p.add_argument("--config", type=Path, default=dr.REPO / "configs" / "smollm2.yaml", help="the preset")
+    p = dr.parser(__doc__, "work dir with 01c, 02b, 03 complete")
     p.add_argument("--rows", nargs="+", default=list(ROWS), help=f"rows to run, of: {', '.join(ROWS)}")
     p.add_argument("--chosen", nargs="*", default=None, metavar="FLAG=VALUE",
                    help="add a row: the preset with these 04 flags (lists comma-separated), named --chosen-name")
@@ -51,9 +47,6 @@ def main(argv=None):
     p.add_argument("--reference-row", default="established", help="row the paired differences are taken to")
     p.add_argument("--max-train-samples", type=int, default=400, help="training samples of every row (count)")
     p.add_argument("--epochs", type=int, default=1, help="epochs of every row")
-    p.add_argument("--seed", type=int, default=0, help="04's seed (init, data order) for every row")
-    p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[3, 5, 7], help="k values to replay")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = p.parse_args(argv)
     rows = {name: ROWS[name] for name in args.rows}
     if args.chosen is not None:

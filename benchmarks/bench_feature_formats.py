@@ -16,7 +16,6 @@ Run:    python benchmarks/bench_feature_formats.py --base runs/smollm2 --out run
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -81,17 +80,11 @@ def reencode(base: Path, rows: dict, out: Path) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", type=Path, required=True, help="work dir with 01c, 02b (bf16), 03 complete")
-    p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--config", type=Path, default=dr.REPO / "configs" / "smollm2.yaml", help="the preset")
+    p = dr.parser(__doc__, "work dir with 01c, 02b (bf16), 03 complete")
     p.add_argument("--rows", nargs="+", default=list(ROWS), help=f"formats to run, of: {', '.join(ROWS)}")
     p.add_argument("--max-train-samples", type=int, default=400, help="training samples of every row (count)")
     p.add_argument("--epochs", type=int, default=1, help="epochs of every row")
-    p.add_argument("--seed", type=int, default=0, help="04's seed for every row")
     p.add_argument("--train-flags", nargs="*", default=[], metavar="FLAG=VALUE", help="extra 04 flags, every row")
-    p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[3, 5, 7], help="k values to replay")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = p.parse_args(argv)
     import torch
 

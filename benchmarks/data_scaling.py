@@ -10,7 +10,6 @@ Run:    python benchmarks/data_scaling.py --base runs/smollm2 --out runs/scaling
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -45,16 +44,10 @@ def plot(results: dict, ks: list[int], path: Path, title: str) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", type=Path, required=True, help="work dir with 01c, 02b, 03 complete")
-    p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--config", type=Path, default=dr.REPO / "configs" / "smollm2.yaml", help="the preset")
+    p = dr.parser(__doc__, "work dir with 01c, 02b, 03 complete")
     p.add_argument("--shares", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="shares of the training samples")
     p.add_argument("--epochs", type=int, default=None, help="epochs of every point (default: the preset's)")
-    p.add_argument("--seed", type=int, default=0, help="04's seed for every point")
     p.add_argument("--train-flags", nargs="*", default=[], metavar="FLAG=VALUE", help="extra 04 flags, every point")
-    p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[3, 5, 7], help="k values to replay")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = p.parse_args(argv)
     from common.io import read_json
 

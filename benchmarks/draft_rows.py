@@ -21,6 +21,19 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+def parser(doc: str, base_help: str) -> argparse.ArgumentParser:
+    """The flags every comparison benchmark takes (base work dir, output, preset, seed, k values,
+    threads); each script adds its own."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", type=Path, required=True, help=base_help)
+    p.add_argument("--out", type=Path, required=True, help="output folder (results.json, table.md, its 04 runs)")
+    p.add_argument("--config", type=Path, default=REPO / "configs" / "smollm2.yaml", help="the preset")
+    p.add_argument("--seed", type=int, default=0, help="04's seed (init, data order) for every row")
+    p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[3, 5, 7], help="k values to replay")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    return p
+
+
 def argv_of(flags: dict) -> list[str]:
     out = []
     for k, v in flags.items():
@@ -60,7 +73,7 @@ class HeldOut:
 
         from common.data.target_format import load_target_format
         from common.data.tokenizer import load_tokenizer
-        from common.draft.reference_bench import ReplaySet, weights_key
+        from common.draft.reference_bench import ReplaySet, replay_cache_file
         from common.io import iter_jsonl, read_json
 
         torch.set_num_threads(threads)
@@ -79,7 +92,7 @@ class HeldOut:
             known = stage05.known_answers(argparse.Namespace(response_cache=REPO / cfg["response-cache"],
                                                              benchmark_max_new_tokens=max_new),
                                           self.target_dir, tok, fmt)
-        cache = REPO / "build" / "replay_cache" / f"{weights_key(self.target_dir, max_new, eos)}_greedy.jsonl"
+        cache = replay_cache_file(REPO / "build" / "replay_cache", self.target_dir, max_new, eos)
         t0 = time.time()
         self.replay_set = ReplaySet(self.target, self.prompts, [int(x) for x in m02["capture_points"]], max_new,
                                     eos, cache, known, desc="[rows] held-out features")
@@ -117,14 +130,15 @@ def save_result(path: Path, name: str, entry: dict) -> dict:
     table side by side, one per core); returns all rows."""
     import fcntl
 
+    from common.io import atomic_path
+
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         results = load_results(path)
         results[name] = entry
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=1))
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(results, indent=1))
     return results
 
 

@@ -29,12 +29,11 @@ import gzip
 import hashlib
 import io
 import json
-import os
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
-from common.io import iter_jsonl
+from common.io import atomic_path, iter_jsonl
 from common.stage import StageError, sha256_file, target_identity, tokenizer_identity
 
 CACHE_FORMAT = "eagle3-response-cache/1"
@@ -113,11 +112,8 @@ def write_response_cache(generated, out_path: str | Path, identity: dict, tokeni
     # mtime=0 and no file name: the same entries give the same bytes (the file is shipped in a repo).
     with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0, filename="") as f:
         f.write(("\n".join(lines) + "\n").encode("utf-8"))
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_bytes(raw.getvalue())
-    os.replace(tmp, out_path)
+    with atomic_path(out_path) as tmp:
+        tmp.write_bytes(raw.getvalue())
     return {"num_entries": len(entries), "skipped": dict(sorted(skipped.items())), "bytes": len(raw.getvalue())}
 
 

@@ -57,21 +57,21 @@ def teardown(ranks: Ranks) -> None:
         dist.destroy_process_group()
 
 
-def all_sum(x, ranks: Ranks):
-    """x summed over ranks (a new tensor; x itself when there is one rank)."""
+def _all_reduce(x, op, ranks: Ranks):
+    """x reduced over ranks with `op` (a new tensor; x itself when there is one rank)."""
     if ranks.world == 1:
         return x
     x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    dist.all_reduce(x, op=op)
     return x
+
+
+def all_sum(x, ranks: Ranks):
+    return _all_reduce(x, dist.ReduceOp.SUM, ranks)
 
 
 def all_max(x, ranks: Ranks):
-    if ranks.world == 1:
-        return x
-    x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x
+    return _all_reduce(x, dist.ReduceOp.MAX, ranks)
 
 
 def broadcast_flag(value: bool, ranks: Ranks) -> bool:

@@ -34,23 +34,37 @@ def teacher_targets(final, lm_head, d2t, t2d, loss_mask, chunk_rows: int = 1024)
     Computed in row chunks: the [rows, V] logits are the big tensor (Kimi V = 163840).
     """
     b, t, h = final.shape
-    dv = d2t.shape[0]
-    draft_to_target = torch.arange(dv, device=d2t.device) + d2t             # [Dv] target id of each row
-    target_to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.int64, device=d2t.device)
-    target_to_draft[draft_to_target] = torch.arange(dv, device=d2t.device)  # [V], -1 outside
-    where = loss_mask.reshape(-1).nonzero().squeeze(1)                      # [M] flat positions
+    draft_to_target, target_to_draft = vocab_maps(d2t, t2d)
+    where, row = supervised_rows(loss_mask)
     flat = final.reshape(b * t, h)
-    p_out = torch.empty(len(where), dv, dtype=torch.float32, device=final.device)
+    p_out = torch.empty(len(where), d2t.shape[0], dtype=torch.float32, device=final.device)
     arg = torch.full((b * t,), -1, dtype=torch.int64, device=final.device)
     for a in range(0, len(where), chunk_rows):
         idx = where[a:a + chunk_rows]
         logits = flat[idx].to(lm_head.dtype) @ lm_head.T                    # [c, V]
         arg[idx] = target_to_draft[logits.max(-1).indices]                # (argmax: 7x slower on bf16 CPU)
         p_out[a:a + len(idx)] = torch.softmax(logits[:, draft_to_target].float(), dim=-1)
-    row = torch.full((b * t,), -1, dtype=torch.int64, device=final.device)
-    row[where] = torch.arange(len(where), device=final.device)
     arg = arg.view(b, t)
-    return {"target_p": p_out, "row": row.view(b, t), "target_arg": arg, "in_vocab": arg >= 0}
+    return {"target_p": p_out, "row": row, "target_arg": arg, "in_vocab": arg >= 0}
+
+
+def vocab_maps(d2t, t2d):
+    """(draft_to_target [Dv]: the target id of each draft id, target_to_draft [V]: the draft id of each
+    target id, -1 outside the draft vocab), on d2t's device."""
+    dv = d2t.shape[0]
+    draft_to_target = torch.arange(dv, device=d2t.device) + d2t
+    target_to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.int64, device=d2t.device)
+    target_to_draft[draft_to_target] = torch.arange(dv, device=d2t.device)
+    return draft_to_target, target_to_draft
+
+
+def supervised_rows(loss_mask):
+    """(where [M]: the flat (b, t) positions with loss_mask, in order; row [B, T]: each position's index
+    into them, -1 where loss_mask is 0): the layout of a teacher's target_p rows."""
+    where = loss_mask.reshape(-1).nonzero().squeeze(1)
+    row = torch.full((loss_mask.numel(),), -1, dtype=torch.int64, device=loss_mask.device)
+    row[where] = torch.arange(len(where), device=loss_mask.device)
+    return where, row.view(loss_mask.shape)
 
 
 def step_counts(teacher: dict, ttt_steps: int):

