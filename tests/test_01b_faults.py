@@ -363,3 +363,14 @@ def test_health_gate_unit():
     assert degenerate({"completion": "42<|im_end|>", "finish_reason": "stop"}, Tok(), gate) is None
     assert "repeat" in degenerate({"completion": "!" * 64, "finish_reason": "length"}, Tok(), gate)
     assert "no end-of-turn" in degenerate({"completion": "abcdefgh", "finish_reason": "length"}, Tok(), gate)
+
+
+def test_startup_backoff_stays_near_the_health_interval():
+    """Start-up retries wait at most twice --health-interval: a server that is back is seen soon."""
+    from common.data.server_checks import startup_delay
+    from common.data.server_pool import ServerPool
+
+    pool = ServerPool(["http://127.0.0.1:1/v1"], retry_base_delay=2.0, retry_max_delay=120.0, health_interval=10.0)
+    waits = [startup_delay(pool, a, None) for a in range(1, 12)]
+    assert max(waits) <= 20.0 and waits[0] <= 3.0
+    assert max(pool.backoff(a) for a in range(1, 12)) > 20.0  # mid-run backoff (requests in flight) is not capped

@@ -128,13 +128,16 @@ def test_resume_with_other_settings_is_refused(prepared, micro_target, tmp_path)
         gen.main(args(work, server))
         tok_sha = read_json(work / "01_prepared" / "manifest.json")["tokenizer"]["sha256"]
         settings = {"backend": "openai", "model": "micro-target", "max_new_tokens": 40, "temperature": 0.0,
-                    "seed": None, "tokenizer_sha256": tok_sha, "stop": ["<|im_end|>"]}
+                    "seed": None, "tokenizer_sha256": tok_sha, "stop": ["<|im_end|>"], "max_context": 200,
+                    "long_context": None}
         assert all(r["settings"] == settings for r in rows(work))  # in every record...
         assert read_json(folder(work) / "manifest.json")["settings"] == [settings]  # ...and the manifest
         reopen(work, 8)
         n = len(server.requests)
         for extra, message in [(["--max-new-tokens", "30"], r"max_new_tokens 40 \(now 30\)"),
-                               (["--temperature", "0.7"], r"temperature 0.0 \(now 0.7\)")]:
+                               (["--temperature", "0.7"], r"temperature 0.0 \(now 0.7\)"),
+                               # the cap is min(max_new_tokens, context - prompt): a resume must not move it
+                               (["--max-context", "300"], r"max_context 200 \(now 300\)")]:
             with pytest.raises(StageError, match=message):
                 gen.main(args(work, server, *extra))
         assert len(server.requests) == n  # refused before any request

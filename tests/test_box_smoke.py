@@ -36,10 +36,11 @@ def load_stage(path: Path):
     return mod
 
 
-def dry_run(tmp_path) -> list[list[str]]:
+def dry_run(tmp_path, *flags) -> list[list[str]]:
     env = {**os.environ, "TARGET": str(tmp_path / "models" / "target"), "WORK": str(tmp_path / "smoke"),
            "PY": sys.executable, "SGLANG_PY": "/opt/sglang/bin/python", "PORT": "31000"}
-    done = subprocess.run(["bash", str(REPO / "scripts" / "box_smoke.sh"), "--dry-run"], env=env,
+    env.pop("ENGINE", None)
+    done = subprocess.run(["bash", str(REPO / "scripts" / "box_smoke.sh"), "--dry-run", *flags], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / "smoke").exists()  # a dry run creates nothing
@@ -75,7 +76,7 @@ def test_dry_run_commands_parse_with_each_stage(tmp_path):
     prep = by_script["01_prepare_datasets.py"][0]
     specs = json.loads(prep[prep.index("--datasets") + 1])
     assert [d["path"] for d in specs] == [str(tmp_path / "models" / "data" / f) for f in
-                                          ("train_prompts.jsonl", "heldout_prompts.jsonl")]
+                                          ("train_code.jsonl", "heldout.jsonl")]
     assert specs[1]["benchmark-only"] is True
     server_cmd = next(c for c in cmds if "sglang.launch_server" in c)
     gen = by_script["01b_generate_synthetic.py"][0]
@@ -83,6 +84,29 @@ def test_dry_run_commands_parse_with_each_stage(tmp_path):
     assert gen[gen.index("--server-url") + 1] == "http://127.0.0.1:31000/v1"
     assert server_cmd[server_cmd.index("--served-model-name") + 1] == gen[gen.index("--served-model-name") + 1]
     assert server_cmd[server_cmd.index("--model-path") + 1] == str(tmp_path / "models" / "target")
+
+
+def test_dry_run_with_vllm_runs_on_the_cpu(tmp_path):
+    """--engine vllm: no SGLang anywhere, every stage on the CPU, 05 server with vLLM at k = 3, 5, 7 and
+    the agreement check; the stage commands parse with each stage's own parser."""
+    cmds = dry_run(tmp_path, "--engine", "vllm")
+    joined = [" ".join(c) for c in cmds]
+    assert not any("sglang.launch_server" in j or "--capture-backend sglang" in j or "--sglang-" in j for j in joined)
+    stages = [c for c in cmds if any(a.endswith(".py") and a[:2].isdigit() for a in c)]
+    assert len(stages) == 9  # 00 01 01b 01c 02b-hf 03 04 05-reference 05-server
+    for cmd in stages:
+        i = next(k for k, a in enumerate(cmd) if a.endswith(".py") and a[:2].isdigit())
+        parser = load_stage(REPO / cmd[i]).build_parser()
+        parser.error = lambda msg, c=cmd: pytest.fail(f"{shlex.join(c)}: {msg}")
+        args = parser.parse_args(cmd[i + 1:])
+        if getattr(args, "device", None) is not None:
+            assert args.device == "cpu", cmd
+    server = next(c for c in stages if "--mode" in c and c[c.index("--mode") + 1] == "server")
+    assert server[server.index("--engine") + 1] == "vllm"
+    assert server[server.index("--spec-settings") + 1:server.index("--spec-settings") + 4] == ["3,1,4", "5,1,6", "7,1,8"]
+    assert int(server[server.index("--agreement-prompts") + 1]) > 0
+    target = next(c for c in cmds if "vllm.entrypoints.openai.api_server" in c)
+    assert target[target.index("--port") + 1] == "31000" and "--speculative-config" not in target
 
 
 def write_02b(folder: Path, samples: list[dict], points=(2, 4, 5)) -> None:

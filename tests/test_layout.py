@@ -18,6 +18,7 @@ ALLOWED = {
     "data": {"contract", "data"},
     "draft": {"contract", "draft"},
     "sglang": {"contract", "data", "draft", "sglang"},
+    "serving": {"contract", "data", "draft", "sglang", "serving"},
     "worlds": {"contract", "data", "draft", "worlds"},
 }
 STAGE_NAME = re.compile(r"^\d\d[a-z]?_\w+$")

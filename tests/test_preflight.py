@@ -7,7 +7,7 @@ import json
 import pytest
 
 from common.draft.model import Eagle3DraftModel, draft_config, export_sglang
-from common.sglang.bench import warmup
+from common.serving.bench import warmup
 from common.sglang.server import check_draft_files, get_server_info, preflight
 from common.stage import StageError
 from tests.sglang_server_stub import StubServer, StubState

@@ -17,7 +17,7 @@ import pytest
 from common.sglang import server as srv
 from common.draft.model import Eagle3DraftModel, draft_config, export_sglang
 from common.io import write_jsonl
-from common.sglang.bench import parse_meta, run_prompts, summarize
+from common.serving.bench import parse_meta, run_prompts, summarize
 from common.stage import StageError, target_identity, tokenizer_identity, write_manifest
 from tests.sglang_server_stub import StubServer, StubState
 
@@ -167,18 +167,18 @@ def test_baseline_url_is_checked_before_anything_runs(tmp_path, micro_target):
     fake_base = StubState(algorithm="EAGLE", draft_path="/elsewhere/draft", model_path=str(micro_target))
     spec = StubState(**good_spec)
     with StubServer(fake_base) as b, StubServer(spec) as e:
-        with pytest.raises(StageError, match="baseline server runs speculative_algorithm='EAGLE'"):
+        with pytest.raises(StageError, match=f"baseline server {b} runs speculative_algorithm='EAGLE'"):
             run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
     assert fake_base.requests == [] and spec.requests == []
     # a baseline serving another model
     other = StubState(model_path=str(tmp_path / "another-model"))
     with StubServer(other) as b, StubServer(StubState(**good_spec)) as e:
-        with pytest.raises(StageError, match="serves .*another-model"):
+        with pytest.raises(StageError, match=f"baseline server {b} serves .*another-model"):
             run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
     # a good baseline is not measured before a bad EAGLE3 server is found
     base = StubState(model_path=str(micro_target))
     with StubServer(base) as b, StubServer(StubState(**{**good_spec, "algorithm": "EAGLE"})) as e:
-        with pytest.raises(StageError, match="not 'EAGLE3'"):
+        with pytest.raises(StageError, match=f"EAGLE3 server {e} reports .*not 'EAGLE3'"):
             run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
     assert base.requests == []
 
@@ -202,7 +202,7 @@ def test_draft_identified_by_content(tmp_path, micro_target):
 
 
 def test_streamed_error_raises_the_server_message():
-    from common.sglang.bench import generate_stream
+    from common.serving.bench import generate_stream
     msg = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
     with StubServer(StubState(algorithm="EAGLE3", draft_path="/d", error_message=msg)) as url:
         with pytest.raises(StageError, match=r"with an error: The input \(9000 tokens\)"):
@@ -210,7 +210,7 @@ def test_streamed_error_raises_the_server_message():
 
 
 def test_transient_failures_retried_then_one_clear_line(monkeypatch):
-    from common.sglang.bench import generate_stream
+    from common.serving.bench import generate_stream
     monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.01)
     state = StubState(algorithm="EAGLE3", draft_path="/d", fail_first=2)
     with StubServer(state) as url:
@@ -230,7 +230,7 @@ def test_transient_failures_retried_then_one_clear_line(monkeypatch):
 def test_05_server_mode_refuses_eagle(tmp_path, micro_target):
     export = make_work(tmp_path, micro_target)
     with StubServer(StubState(algorithm="EAGLE", draft_path=str(export), model_path=str(micro_target))) as e:
-        with pytest.raises(StageError, match="not 'EAGLE3'"):
+        with pytest.raises(StageError, match=f"EAGLE3 server {e} reports .*not 'EAGLE3'"):
             load_05().main(["--work-dir", str(tmp_path), "--mode", "server", "--eagle3-url", e])
     assert not (tmp_path / "05_benchmark" / "server" / "manifest.json").exists()
 
@@ -316,3 +316,80 @@ def test_kimi_preset_matches_the_plans_server_and_draft_heads():
     draft = draft_config({**kimi, **target_dims(kimi)}, 32000, cfg["draft-num-attention-heads"],
                          cfg["draft-num-key-value-heads"])
     assert (draft["num_attention_heads"], draft["num_key_value_heads"], draft["head_dim"]) == (56, 8, 128)
+
+
+class CutOnce:
+    """A raw HTTP server whose first answer to POST /generate is cut inside an SSE line; later ones are
+    whole. `hang=True`: it takes the connection and never answers."""
+
+    def __init__(self, hang: bool = False):
+        import http.server
+        import threading
+
+        self.posts = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.posts += 1
+                if hang:
+                    import time
+                    time.sleep(5)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                done = {"meta_info": {"completion_tokens": 4, "spec_verify_ct": 2}, "output_ids": [5, 6, 7, 8]}
+                if outer.posts == 1:
+                    self.wfile.write(b'data: {"meta_info": {"completion_tok')  # cut mid-line
+                else:
+                    self.wfile.write(f"data: {json.dumps(done)}\n\ndata: [DONE]\n\n".encode())
+                self.wfile.flush()
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def test_network_failures_end_in_one_line_naming_the_server(monkeypatch):
+    """An unresolvable host and a server that never answers stop at once with one line naming the server;
+    a stream cut inside an event is retried, and the request is timed on its good attempt alone."""
+    from common.serving.bench import generate_stream
+    monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.2)
+    with pytest.raises(StageError, match=r"SGLang server http://sglang-box.invalid:30000: POST /generate: .*"
+                                         r"is the address right"):
+        generate_stream("http://sglang-box.invalid:30000", [1, 2], 8, 30)
+    hang = CutOnce(hang=True)
+    try:
+        with pytest.raises(StageError, match=rf"SGLang server {hang.url}: POST /generate: no answer before the timeout"):
+            generate_stream(hang.url, [1, 2], 8, 0.5)
+    finally:
+        hang.close()
+    cut = CutOnce()
+    try:
+        r = generate_stream(cut.url, [1, 2], 8, 30)
+    finally:
+        cut.close()
+    assert cut.posts == 2 and r["retries"] == 1 and r["completion_tokens"] == 4 and r["accept_length"] == 2.0
+    assert r["latency_s"] < 0.2  # the backoff wait (0.2 s) is no part of the request's latency
+
+
+def test_a_ratio_taken_under_retries_is_refused():
+    from common.serving.bench import add_ratios, summarize
+    good = {"completion_tokens": 10, "spec_verify_ct": None, "accept_length": None, "ttft_s": 0.1, "latency_s": 1.0}
+    base = summarize([dict(good) for _ in range(4)], 4.0, 1)
+    spec = summarize([dict(good), dict(good, retries=2), dict(good), dict(good)], 2.0, 1)
+    assert (spec["num_retries"], spec["retried_requests"], base["num_retries"]) == (2, 1, 0)
+    metrics = {"runs": {"baseline/graph": {"cuda_graph": True, "by_concurrency": {"1": base}},
+                        "3-1-4/graph": {"cuda_graph": True, "by_concurrency": {"1": spec}}}}
+    add_ratios(metrics, max_retried=0)
+    assert spec["speed_ratio"] is None and "under faults" in spec["ratio_refused"]
+    add_ratios(metrics, max_retried=1)
+    assert spec["speed_ratio"] == pytest.approx(2.0)

@@ -155,3 +155,32 @@ class ResponseCache:
             text = self.tok.decode(e["completion_ids"], skip_special_tokens=False)
         return {"completion": text, "completion_ids": list(e["completion_ids"]), "finish_reason": e["finish_reason"],
                 "num_completion_tokens": len(e["completion_ids"])}
+
+
+def compare_with_cache(generated, path: str | Path) -> dict:
+    """How another generator's greedy answers (01b rows with completion_ids, e.g. from a vLLM server)
+    compare with a cache file's, prompt by prompt at the same cap, whatever the two identities say:
+    {"num_compared", "num_exact", "exact_share", "not_in_cache", "divergences": [{"id", "at",
+    "generated", "cached"}]} where `at` is the first answer token that differs (the shorter answer's
+    length when one is a prefix of the other)."""
+    with gzip.open(Path(path), "rt", encoding="utf-8") as f:
+        f.readline()  # header
+        cached = {(e["prompt_sha256"], e["max_new_tokens"]): e["completion_ids"] for e in map(json.loads, f)}
+    compared, exact, missing, divergences = 0, 0, 0, []
+    for row in _rows(generated):
+        if row.get("completion_ids") is None or row.get("max_new_tokens") is None:
+            continue
+        ref = cached.get((prompt_sha256(row["prompt"]), int(row["max_new_tokens"])))
+        if ref is None:
+            missing += 1
+            continue
+        ids = [int(i) for i in row["completion_ids"]]
+        compared += 1
+        if ids == ref:
+            exact += 1
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
+        divergences.append({"id": row["id"], "at": at, "generated": ids[at:at + 8], "cached": ref[at:at + 8],
+                            "generated_tokens": len(ids), "cached_tokens": len(ref)})
+    return {"num_compared": compared, "num_exact": exact, "exact_share": exact / compared if compared else None,
+            "not_in_cache": missing, "divergences": divergences}

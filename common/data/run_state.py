@@ -10,7 +10,8 @@ generation settings, and totals over all runs.
                              so a stale lock file never blocks anyone.
   drop_duplicate_ids(path)   repair a generated.jsonl that holds an id twice (first record wins).
   generation_settings(...)   what decides a record's text: backend, the model the server reported,
-                             --max-new-tokens, --temperature, --seed (sampling only), the tokenizer and
+                             --max-new-tokens, --max-context, --long-context (they cap every request),
+                             --temperature, --seed (sampling only), the tokenizer and
                              chat template (their hash) and the stop strings. Stored in every record
                              and the manifest; `settings_conflicts` finds records made otherwise, and
                              01b refuses such a resume unless --allow-mixed-settings.
@@ -104,10 +105,14 @@ def drop_duplicate_ids(path: str | Path) -> int:
 
 
 def generation_settings(backend: str, model: str | None, max_new_tokens: int, temperature: float, seed: int,
-                        tokenizer_sha256: str, stop: Iterable[str] = ()) -> dict:
-    """The settings that decide a generated record's text (see the module doc)."""
+                        tokenizer_sha256: str, stop: Iterable[str] = (), max_context: int | None = None,
+                        long_context: int | None = None) -> dict:
+    """The settings that decide a generated record's text (see the module doc). max_context and
+    long_context belong here: a request's cap is min(max_new_tokens, context - prompt tokens), so a
+    resume with another context silently changes every later answer's length."""
     return {"backend": backend, "model": model, "max_new_tokens": max_new_tokens, "temperature": temperature,
-            "seed": seed if temperature > 0 else None, "tokenizer_sha256": tokenizer_sha256, "stop": list(stop)}
+            "seed": seed if temperature > 0 else None, "tokenizer_sha256": tokenizer_sha256, "stop": list(stop),
+            "max_context": max_context, "long_context": long_context}
 
 
 def settings_conflicts(found: list[dict | None], current: dict, skip: Iterable[str] = ()) -> list[str]:

@@ -83,6 +83,13 @@ def degenerate(result: dict, tok, gate: HealthGate) -> str | None:
     return "; ".join(problems) + f": {result['completion'][:80]!r}" if problems else None
 
 
+def startup_delay(pool: ServerPool, attempt: int, retry_after: float | None) -> float:
+    """The wait before start-up retry `attempt`: the pool's backoff, capped at twice the health
+    interval. Nothing is in flight yet, so a long wait only delays noticing that the server is back
+    (uncapped, a 12 s outage cost ~30 s: the last wait had grown to 19.5 s)."""
+    return min(pool.backoff(attempt, retry_after), 2 * pool.health_interval)
+
+
 async def _retrying(pool: ServerPool, deadline: float, what: str, call):
     """`await call()`, retried with backoff on transient errors until `deadline`; a permanent error,
     or a transient one that outlives the deadline, raises StartupCheckFailed."""
@@ -94,7 +101,7 @@ async def _retrying(pool: ServerPool, deadline: float, what: str, call):
             if not e.retryable:
                 raise
             attempt += 1
-            delay = pool.backoff(attempt, e.retry_after)
+            delay = startup_delay(pool, attempt, e.retry_after)
             if time.monotonic() + delay > deadline:
                 raise StartupCheckFailed(f"{what} still fails after {pool.server_down_timeout:.0f} s "
                                          f"(--server-down-timeout): {e}") from None

@@ -143,19 +143,30 @@ def capture_hf(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                capture_points: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Run an HF causal LM once; return (aux [B,T,3H], final [B,T,H]) in the model's dtype.
 
-    aux = cat(h_i for i in capture_points) along features; final = the lm_head input.
+    aux = cat(h_i for i in capture_points) along features, h_i = the input of decoder layer i (taken by
+    a forward pre-hook on that layer: HF's hidden_states[i]); final = the decoder's post-norm
+    last_hidden_state = the lm_head input. Only the decoder runs (no [B,T,V] logits), and only the
+    captured tensors stay alive. Hooks, not `output_hidden_states=[...]`: a list there selects layers in
+    transformers 5.24, and 5.19 returns another tuple for it (one state short, the last one unreplaced).
     Padding must be on the right (positions of real tokens stay 0..T-1 and no real token attends a
     pad), so a padded row's real positions equal a one-sample forward; callers drop the pad rows.
     """
-    n = target_dims(model.config)["num_hidden_layers"]
-    # HF records hidden_states[0] = input of layer 0 and hidden_states[i] = output of layer i-1
-    # = input of layer i, so index i is h_i for 1 <= i <= N-1; index N is replaced by the post-norm
-    # last_hidden_state (= the lm_head input). Selecting the indices keeps only those tensors alive.
-    # logits_to_keep=1: the logits are not needed here, and [B,T,V] would be the largest tensor.
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                output_hidden_states=[*capture_points, n], logits_to_keep=1)
-    hs = out.hidden_states
-    assert len(hs) == n + 1, f"expected {n + 1} hidden states, got {len(hs)}"
-    aux = torch.cat([hs[i] for i in capture_points], dim=-1)  # [B, T, 3H]
-    final = hs[n]  # [B, T, H]
+    decoder = model.base_model
+    layers = decoder.layers
+    assert all(1 <= i < len(layers) for i in capture_points), (capture_points, len(layers))
+    captured = {}
+
+    def keep(i):
+        def pre_hook(module, args, kwargs):
+            captured[i] = args[0] if args else kwargs["hidden_states"]
+        return pre_hook
+
+    handles = [layers[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in capture_points]
+    try:
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    aux = torch.cat([captured[i] for i in capture_points], dim=-1)  # [B, T, 3H]
+    final = out.last_hidden_state  # [B, T, H]
     return aux, final

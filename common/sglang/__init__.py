@@ -1,2 +1,3 @@
-"""SGLang and SpecForge: 02b's capture backend, server launch and preflight, 05's server benchmark.
-May import the stage contract, common.data and common.draft; nothing below imports this package."""
+"""SGLang and SpecForge: 02b's capture backend, SGLang server launch and preflight (05's sweep over any
+engine lives in common/serving/). May import the stage contract, common.data and common.draft; only
+common.serving imports this package."""

