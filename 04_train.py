@@ -85,7 +85,8 @@ def build_parser():
     g.add_argument("--device", default=None, help="cpu|cuda (default: cuda if available; torchrun: one GPU per rank)")
     g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                    help="bf16: autocast matmuls and attention over fp32 master weights, bf16 teacher head; "
-                        "auto = bf16 on CUDA, fp32 on CPU")
+                        "auto = bf16 on CUDA, and on a CPU whose bf16 GEMM is measured fast at start-up "
+                        "(common/draft/precision.py), else fp32")
     g.add_argument("--prefetch-batches", type=int, default=2,
                    help="batches read and collated ahead on a background thread (0 = read in the loop)")
     g.add_argument("--shard-optimizer", choices=("auto", "on", "off"), default="auto",
@@ -386,7 +387,12 @@ def train(args, ranks) -> None:
         go = start_stage(out, args.overwrite, "04")
     if not broadcast_flag(go, ranks):
         return
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and ranks.device.type == "cuda")
+    from common.draft.precision import choose_bf16
+
+    bf16, why = choose_bf16(args.precision, ranks.device)
+    bf16 = broadcast_flag(bf16, ranks)  # rank 0's measurement decides for all
+    if ranks.main:
+        print(f"[04] precision {'bf16 autocast' if bf16 else 'fp32'} ({why})")
     autocast = ((lambda: torch.autocast(ranks.device.type, dtype=torch.bfloat16)) if bf16
                 else contextlib.nullcontext)
 

@@ -94,13 +94,18 @@ def build_parser():
                    help="concurrent requests per run (batch 1 is always included)")
     s.add_argument("--cuda-graph", nargs="+", choices=("on", "off"), default=["on", "off"],
                    help="CUDA-graph modes to run every server in")
-    s.add_argument("--baseline-url", default=None, help="attach to this running baseline server instead")
+    s.add_argument("--baseline-url", default=None,
+                   help="attach to this running baseline server instead (alone: the EAGLE-3 settings are "
+                        "launched next to it, in its graph mode)")
     s.add_argument("--eagle3-url", default=None, help="attach to this running EAGLE3 server instead")
     s.add_argument("--baseline-port", type=int, default=30010, help="port of launched baseline servers")
     s.add_argument("--eagle3-port", type=int, default=30020, help="port of launched EAGLE3 servers")
     s.add_argument("--sglang-tp-size", type=int, default=1, help="SGLang tensor-parallel size (GPUs)")
     s.add_argument("--mem-fraction-static", type=float, default=0.85,
                    help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
+    s.add_argument("--sglang-draft-attention-backend", default=None,
+                   help="the draft's attention backend (--speculative-draft-attention-backend); unset, the MHA "
+                        "draft inherits the target's, which fails next to an MLA backend such as trtllm_mla")
     s.add_argument("--server-extra-args", default="", help="extra launch_server arguments (one string)")
     s.add_argument("--sglang-python", default=sys.executable, help="python that has sglang installed")
     v = p.add_argument_group("vLLM servers (--engine vllm; docs/serving.md)")

@@ -296,7 +296,8 @@ def compare_answers(s: Settings) -> dict | None:
     cmp = compare_with_cache(rows, REPO / SHIPPED_ANSWERS)
     firsts = sorted(d["at"] for d in cmp["divergences"])
     print(f"[smoke] 01b through {s.engine} vs the shipped transformers answers: {cmp['num_exact']}/"
-          f"{cmp['num_compared']} identical token for token; the others first differ at answer tokens {firsts}")
+          f"{cmp['num_compared']} identical token for token"
+          + (f"; the others first differ at answer tokens {firsts}" if firsts else ""))
     return cmp
 
 

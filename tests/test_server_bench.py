@@ -47,11 +47,13 @@ def test_extra_args_parsed_like_sglang_argparse():
                 ["--speculative-algorithm=EAGLE"], ["--enable-two"], ["--config", "x.yaml"],
                 ["--speculative-draft-model", "/other"], ["--speculative-draft-model-path=/other"],
                 ["--disable-cuda-graph"], ["--cuda-graph-backend-decode=full"], ["--tensor-parallel-size", "4"],
-                ["--tp", "4"], ["--model", "/other"], ["--mem", "0.5"]):
+                ["--tp", "4"], ["--model", "/other"], ["--mem", "0.5"],
+                # the draft's quantization and attention backend are 05's (issue 17: a quantized draft
+                # that 04 did not make is refused; the backend has its own flag)
+                ["--speculative-draft-model-quantization", "fp8"], ["--speculative-draft-attention-backend=fa3"]):
         with pytest.raises(StageError, match="may not contain"):
             srv.server_command("/m", 1, 1, 0.8, True, extra_args=bad)
-    ok = ["--attention-backend", "triton", "--context-length", "4096", "--speculative-draft-model-quantization",
-          "fp8", "--enable-metrics"]
+    ok = ["--attention-backend", "triton", "--context-length", "4096", "--enable-metrics"]
     assert srv.server_command("/m", 1, 1, 0.8, True, extra_args=ok, python="py")[-len(ok):] == ok
     assert srv.guarded_option("--speculative-algo=EAGLE") == "speculative_algorithm"
     assert srv.guarded_option("--served-model-name") is None
@@ -393,3 +395,44 @@ def test_a_ratio_taken_under_retries_is_refused():
     assert spec["speed_ratio"] is None and "under faults" in spec["ratio_refused"]
     add_ratios(metrics, max_retried=1)
     assert spec["speed_ratio"] == pytest.approx(2.0)
+
+
+def test_quantized_target_keeps_its_quantization_off_the_draft(tmp_path):
+    """Kimi-K2.5's INT4 checkpoint (compressed-tensors in text_config): the draft is loaded unquant, the
+    draft's own attention backend is set when asked, and a server that quantizes the draft is refused."""
+    kimi = tmp_path / "kimi"
+    kimi.mkdir()
+    (kimi / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": {
+        "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}}}))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert srv.target_quantization(kimi) == "compressed-tensors" and srv.target_quantization(plain) is None
+    spec = srv.server_command(kimi, 1, 8, 0.8, True, "/d", (3, 1, 4), "py", draft_attention_backend="triton",
+                              quantized_target=True)
+    assert spec[spec.index("--speculative-draft-model-quantization") + 1] == "unquant"
+    assert spec[spec.index("--speculative-draft-attention-backend") + 1] == "triton"
+    base = srv.server_command(kimi, 1, 8, 0.8, True, python="py", quantized_target=True)
+    assert "--speculative-draft-model-quantization" not in base  # a baseline has no draft
+    with pytest.raises(StageError, match="SGLang reads it as speculative_draft_model_quantization"):
+        srv.check_extra_args(["--speculative-draft-model-quantization", "compressed-tensors"])
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    info = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(draft), "model_path": str(kimi),
+            "speculative_draft_model_quantization": "compressed-tensors"}
+    with pytest.raises(StageError, match="loads the draft quantized .*compressed-tensors"):
+        srv.check_server_info(info, draft, kimi, "http://box:30020")
+    srv.check_server_info({**info, "speculative_draft_model_quantization": None}, draft, kimi, "http://box:30020")
+
+
+def test_report_says_what_the_windowed_server_tau_includes(tmp_path):
+    """SGLang's reset zeroes the lifetime counters, not the per-interval ones: the report says the server's
+    windowed number may hold up to 39 decode iterations from before the run."""
+    from common.serving.bench import write_report
+    run = {"output_tokens_per_s": 10.0, "ttft_mean_s": 0.1, "accept_length_mean": 2.0, "accept_length_pooled": 2.0,
+           "server_accept_length": 2.1, "speed_ratio": 1.2}
+    m = {"engine": "sglang", "target": "t", "draft": "d", "num_prompts": 1, "max_new_tokens": 8,
+         "runs": {"3-1-4/graph": {"by_concurrency": {"1": run}}}, "preflight": {}}
+    write_report(tmp_path, m)
+    text = (tmp_path / "report.md").read_text()
+    assert "up to 39 decode iterations from before the run" in text and "Per-request tau is exact" in text

@@ -143,11 +143,13 @@ def test_01b_against_a_real_vllm_server(world):
 
 
 def test_05_vllm_equals_replay_at_k_3_5_7(world):
-    """05 launches a vLLM baseline and EAGLE-3 servers (speculators export) at k = 3, 5, 7; each one's
-    acceptance, round by round and per position, equals replay's on the same prompts."""
+    """05 attaches to the vLLM baseline and launches EAGLE-3 servers (speculators export) at k = 3, 5, 7
+    next to it; each one's acceptance, round by round and per position, equals replay's on the same
+    prompts."""
     work = world["work"]
     stage["05_benchmark"].main([
         "--work-dir", str(work), "--mode", "server", "--engine", "vllm", "--vllm-python", str(ENGINE_PY),
+        "--baseline-url", world["baseline"].url,
         "--vllm-kv-cache-space", "1", "--draft-format", "speculators", "--cuda-graph", "off",
         "--spec-settings", "3,1,4", "5,1,6", "7,1,8", "--bench-concurrency", "2", "--num-prompts", "6",
         "--agreement-prompts", "4", "--benchmark-max-new-tokens", str(BUDGET), "--warmup-requests", "1",

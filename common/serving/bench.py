@@ -1,6 +1,7 @@
-"""05 `--mode server`: the same prompts against a baseline and EAGLE3 SGLang servers; tok/s, TTFT, tau.
+"""05 `--mode server`: the same prompts against a baseline and EAGLE-3 servers of one engine
+(common/serving/engines.py: SGLang or vLLM); tok/s, TTFT, tau, the agreement check's hook.
 
-Requests go to SGLang's native POST /generate with token ids (`input_ids`, greedy, `stream: true`):
+SGLang's side: requests go to its native POST /generate with token ids (`input_ids`, greedy, `stream: true`):
 the time to the first streamed chunk is the TTFT; the final chunk's `meta_info` carries
 `completion_tokens` and, on a speculative server, `spec_verify_ct` (verify rounds), so per-request
 tau = completion_tokens / spec_verify_ct (bonus token included; SGLang's definition, tokenizer_manager).
@@ -8,8 +9,10 @@ Chunks are SSE lines `data: {json}` ending with `data: [DONE]`; a failed request
 `data: {"error": {"message", ...}}` before `[DONE]` (sglang 0.5.14 srt/entrypoints/http_server.py).
 The server-wide tau (`avg_spec_accept_length`) is a ratio of lifetime counters, so two readings cannot
 be subtracted; each run is windowed instead: the counters are reset (POST /set_internal_state) right
-before it and read right after it. They are folded in every 40 decode iterations, so the last < 40
-iterations of a run are not in the server's number.
+before it and read right after it. The reset does not clear the per-interval counters that SGLang
+folds into the lifetime ones every 40 decode iterations, so the number may include up to 39 decode
+iterations from before the run and miss up to 39 of its last ones; per-request tau is exact. vLLM's
+side (requests, counters): common/serving/vllm.py.
 """
 from __future__ import annotations
 
@@ -133,10 +136,12 @@ def fmt(x, digits: int = 2) -> str:
 
 
 SERVER_TAU_NOTE = {
-    "sglang": "server tau = `internal_states[0].avg_spec_accept_length` over this run alone (counters reset by "
-              "POST /set_internal_state before it; SGLang folds them in every 40 decode iterations, so the last "
-              "< 40 are missing; '-' = not available). CUDA-graph mode as the server reports it "
-              "(`cuda_graph_config.decode.backend`).",
+    "sglang": "server tau = `internal_states[0].avg_spec_accept_length` after POST /set_internal_state reset its "
+              "lifetime counters right before this run. The reset does not clear SGLang's per-interval counters, "
+              "which it folds into the lifetime ones every 40 decode iterations (--decode-log-interval): the "
+              "number may include up to 39 decode iterations from before the run and miss up to 39 of its "
+              "last ones (sglang 0.5.14 and 0.5.23 scheduler metrics). Per-request tau is exact. '-' = not "
+              "available. CUDA-graph mode as the server reports it (`cuda_graph_config.decode.backend`).",
     "vllm": "server tau = 1 + accepted / drafts from vLLM's /metrics counters differenced around this run "
             "(the prefill token not counted, so it is below tau (pooled) by about one token per request). "
             "Graph mode: `enforce_eager` as the server reports it.",
@@ -211,7 +216,8 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     """The sweep: per CUDA-graph mode, a baseline server and one EAGLE-3 server per spec setting.
 
     Attached servers (--baseline-url / --eagle3-url) are used as they are (their own setting and
-    graph mode, read from the info document), after BOTH pass their checks (the baseline: no
+    graph mode, read from the info document), after BOTH pass their checks; with an attached baseline
+    alone, the EAGLE-3 settings are launched in the baseline's graph mode (the baseline: no
     speculation, our target; EAGLE-3: the preflight's document checks). Launched ones are started from
     the engine's command, logged, polled until ready, checked the same way (and for the graph mode
     asked for), and shut down before the next one (one model in memory at a time). Every EAGLE-3
@@ -225,7 +231,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     settings = [engine.parse_setting(s) for s in args.spec_settings]
     concs = sorted({1, *[int(c) for c in args.bench_concurrency]})
     warm = prompts[:max(1, args.warmup_requests)]
-    metrics = {"engine": engine.name, "target": str(engine.target_dir), "draft": str(getattr(engine, "draft_dir", engine.export_dir)),
+    metrics = {"engine": engine.name, "target": str(engine.target_dir), "draft": str(engine.draft_dir),
                "num_prompts": len(prompts), "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": concs,
                "runs": {}, "commands": {}, "preflight": {}, "agreement": {}}
 
@@ -279,7 +285,12 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
         attached.append((args.eagle3_url, graph, setting))
     for url, graph, setting in attached:
         measure(url, setting_name(setting, graph), graph, setting, None)
-    if not attached:
+    if args.eagle3_url:
+        pass  # the attached server(s) alone
+    elif args.baseline_url:  # a kept baseline: the EAGLE-3 sweep is launched in its graph mode
+        for setting in settings:
+            launched(args.eagle3_port, attached[0][1], setting, setting_name(setting, attached[0][1]))
+    else:
         for graph in graphs:
             launched(args.baseline_port, graph, None, setting_name(None, graph))
             for setting in settings:
@@ -297,7 +308,8 @@ def make_engine(args, export_dir: Path, m02b: dict, m04: dict, target_dir: Path,
         return engines.SGLangEngine(target_dir, export_dir, m02b, m04, tp_size=args.sglang_tp_size,
                                     mem_fraction=args.mem_fraction_static, python=args.sglang_python,
                                     extra_args=list(args.server_extra_args),
-                                    min_accept_length=args.min_accept_length)
+                                    min_accept_length=args.min_accept_length,
+                                    draft_attention_backend=args.sglang_draft_attention_backend)
     draft_dir = (export_dir if args.draft_format == "sglang"
                  else stage_dir(work_dir, "04_train") / "export_speculators")
     if not (draft_dir / "config.json").is_file():

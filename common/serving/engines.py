@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.serving import vllm
+from common.serving.bench import generate_stream
 from common.sglang import server as srv
 from common.stage import StageError
 
@@ -70,12 +71,14 @@ class SGLangEngine(Engine):
     python: str = "python"
     extra_args: list[str] = field(default_factory=list)
     min_accept_length: float = 1.3
+    draft_attention_backend: str | None = None
     name = "sglang"
     label = "SGLang"
 
     def command(self, port, graph, setting):
         cmd = srv.server_command(self.target_dir, port, self.tp_size, self.mem_fraction, graph,
-                                 self.export_dir if setting else None, setting, self.python, self.extra_args)
+                                 self.export_dir if setting else None, setting, self.python, self.extra_args,
+                                 self.draft_attention_backend, srv.target_quantization(self.target_dir) is not None)
         return cmd, {}
 
     def check_baseline(self, url):
@@ -92,8 +95,11 @@ class SGLangEngine(Engine):
         return srv.preflight(url, self.export_dir, self.m02b, self.m04, min_accept_length=self.min_accept_length,
                              target_dir=self.target_dir, warmup_fn=warmup_fn)
 
+    @property
+    def draft_dir(self) -> Path:  # SGLang always loads 04's SGLang export
+        return self.export_dir
+
     def request(self, url, ids, max_new_tokens, timeout):
-        from common.serving.bench import generate_stream
         return generate_stream(url, ids, max_new_tokens, timeout)
 
     def window_start(self, url):

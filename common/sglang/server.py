@@ -60,6 +60,8 @@ GUARDED_OPTIONS = {
     "--disable-decode-cuda-graph": "cuda_graph", "--disable-prefill-cuda-graph": "cuda_graph",
     "--enable-breakable-cuda-graph": "cuda_graph", "--disable-piecewise-cuda-graph": "cuda_graph",
     "--enforce-piecewise-cuda-graph": "cuda_graph",
+    "--speculative-draft-model-quantization": "speculative_draft_model_quantization",
+    "--speculative-draft-attention-backend": "speculative_draft_attention_backend",
 }
 CHANCE_CAUSES = (
     "the server runs --speculative-algorithm EAGLE instead of EAGLE3 (no aux capture: the draft sees "
@@ -120,19 +122,39 @@ def check_extra_args(extra_args: list[str]) -> None:
                "speculative_algorithm": "the algorithm is fixed to EAGLE3 (EAGLE would skip aux capture)",
                "config": "a config file could set any of the options 05 guards"}.get(
             field, "05 sets it itself (use 05's own flag: --target-path, --spec-settings, --cuda-graph, "
-                   "--sglang-tp-size, --mem-fraction-static, --baseline-port/--eagle3-port)")
+                   "--sglang-tp-size, --mem-fraction-static, --sglang-draft-attention-backend, "
+                   "--baseline-port/--eagle3-port; the draft's quantization follows the target's)")
         raise StageError(f"--server-extra-args may not contain {token!r} (SGLang reads it as {field}): {why}")
+
+
+def target_quantization(target_dir: str | Path) -> str | None:
+    """The target checkpoint's quant_method (config.json, or its text_config as in Kimi-K2.5's
+    compressed-tensors INT4 checkpoint), None for an unquantized one."""
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    for part in (cfg, cfg.get("text_config") or {}):
+        quant = part.get("quantization_config")
+        if isinstance(quant, dict) and quant.get("quant_method"):
+            return str(quant["quant_method"])
+    return None
 
 
 def server_command(target: str | Path, port: int, tp_size: int, mem_fraction: float,
                    cuda_graph: bool, draft_dir: str | Path | None = None,
                    setting: tuple[int, int, int] | None = None, python: str = sys.executable,
-                   extra_args: list[str] | None = None) -> list[str]:
+                   extra_args: list[str] | None = None, draft_attention_backend: str | None = None,
+                   quantized_target: bool = False) -> list[str]:
     """argv of `python -m sglang.launch_server` for a baseline (no draft) or an EAGLE3 server.
 
     Prefix caching stays on (the benchmark sends distinct prompts); `--speculative-algorithm` is
     always EAGLE3 here, never EAGLE. CUDA graphs off = both phases' backends `disabled` (the
-    non-deprecated form of `--disable-cuda-graph`).
+    non-deprecated form of `--disable-cuda-graph`). Next to a quantized target (`quantized_target`:
+target_quantization says) the draft is loaded
+    `--speculative-draft-model-quantization unquant`: SGLang gives the draft the target's `--quantization`
+    when that flag is typed (and an unquantized draft then fails to load: "Cannot find the config file"),
+    sglang 0.5.14 server_args.py `_handle_missing_default_values`. `draft_attention_backend`: the draft's
+    own backend (`--speculative-draft-attention-backend`); unset, an MHA draft inherits the target's, and
+    next to an MLA target (`trtllm_mla`, `flashmla`) it fails ("trtllm_mla backend can only be used
+    with MLA models", sgl-project/sglang issue 23490).
     """
     check_extra_args(list(extra_args or []))
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(target), "--trust-remote-code",
@@ -145,6 +167,10 @@ def server_command(target: str | Path, port: int, tp_size: int, mem_fraction: fl
         cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
                 "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
                 "--speculative-num-draft-tokens", str(ndt)]
+        if quantized_target:
+            cmd += ["--speculative-draft-model-quantization", "unquant"]
+        if draft_attention_backend:
+            cmd += ["--speculative-draft-attention-backend", draft_attention_backend]
     return cmd + list(extra_args or [])
 
 
@@ -428,6 +454,11 @@ def check_server_info(info: dict, export_dir: Path, target_dir: Path | None = No
                          "(neither the same folder nor a byte-identical copy of its config.json and "
                          "model.safetensors, as read from this machine): restart it with "
                          "--speculative-draft-model-path pointing at that folder")
+    quant = info.get("speculative_draft_model_quantization")
+    if quant not in (None, "unquant"):
+        raise StageError(f"{where} loads the draft quantized ({quant!r}: the target's --quantization, which "
+                         "SGLang hands to the draft unless told otherwise), but 04 exported it unquantized. "
+                         "Restart it with --speculative-draft-model-quantization unquant")
     check_model_path(info, target_dir, where)
 
 
@@ -521,10 +552,15 @@ def preflight(base_url: str, export_dir: Path, m02b: dict, m04: dict, warmup_fn,
     tau_server = server_accept_length(get_server_info(base_url))
     if tau_server is not None:
         check_acceptance(tau_server, min_accept_length, f"{base_url} avg_spec_accept_length")
+    backends = {"target": info.get("attention_backend"), "draft": info.get("speculative_draft_attention_backend")}
     print(f"[05] preflight ok: EAGLE3, draft {export_dir}, warm-up tau {tau_requests:.2f} "
-          f"(server {tau_server})")
+          f"(server {tau_server}); attention backends: target {backends['target']}, draft "
+          f"{backends['draft'] or 'inherited from the target'}; draft quantization "
+          f"{info.get('speculative_draft_model_quantization')}")
     return {"speculative_algorithm": info["speculative_algorithm"], "draft": str(export_dir),
             "draft_sha256": folder_fingerprint(export_dir, DRAFT_FILES),
             "server_draft_path": info.get("speculative_draft_model_path"),
             "warmup_tau": tau_requests, "server_avg_spec_accept_length": tau_server,
+            "attention_backends": backends,
+            "draft_quantization": info.get("speculative_draft_model_quantization"),
             "version": info.get("version")}
