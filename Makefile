@@ -62,7 +62,7 @@ $(SMOLLM2): $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) 00_build_smollm2_world.py --config configs/smollm2.yaml
 
 test: $(STAMP) $(SMOLLM2) $(ENGINE_STAMP) $(COMPAT_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=12 tests
 	@echo "== core tests under transformers $$($(COMPAT_VENV)/bin/python -c 'import transformers; print(transformers.__version__)') ($(COMPAT_VENV))"
 	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS)
 	@echo "== core tests under transformers $$($(ENGINE_VENV)/bin/python -c 'import transformers; print(transformers.__version__)') ($(ENGINE_VENV))"

@@ -81,7 +81,8 @@ def fresh_work(upstream, tmp_path):
 
 
 FLAGS = ["--ttt-steps", "3", "--batch-tokens", "96", "--max-seq-len", "48", "--eval-fraction", "0.15",
-         "--learning-rate", "3e-3", "--log-every", "5", "--device", "cpu", "--warmup-ratio", "0.1"]
+         "--learning-rate", "3e-3", "--log-every", "5", "--device", "cpu", "--warmup-ratio", "0.1",
+         "--precision", "fp32"]  # exact comparisons; auto may pick bf16 on a CPU with fast bf16
 
 
 def test_train_end_to_end_improves_and_exports(upstream, tmp_path, micro_target):

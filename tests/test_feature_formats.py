@@ -158,7 +158,7 @@ def test_compact_chain_02b_03_04(micro_target, tmp_path):
         stage02.main(["--work-dir", str(work), "--samples-per-shard", "3", "--device", "cpu", *extra])
         stage03.main(["--work-dir", str(work), "--draft-vocab-size", "64"])
         stage04.main(["--work-dir", str(work), "--num-epochs", "2", "--batch-tokens", "64", "--learning-rate",
-                      "3e-3", "--eval-fraction", "0", "--ttt-steps", "3", "--device", "cpu",
+                      "3e-3", "--eval-fraction", "0", "--ttt-steps", "3", "--device", "cpu", "--precision", "fp32",
                       "--draft-num-attention-heads", "4", "--log-every", "1", "--save-every", "100"])
         runs[name] = {d: json.loads((work / d / "manifest.json").read_text())
                       for d in ("02b_hidden_states", "03_vocab", "04_draft")}
