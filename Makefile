@@ -53,7 +53,7 @@ $(COMPAT_STAMP): requirements-compat.txt
 	touch $(COMPAT_STAMP)
 
 bench-serve: $(STAMP) $(ENGINE_STAMP)
-	OMP_NUM_THREADS=1 $(PY) 05_benchmark.py --config configs/smollm2.yaml --work-dir $(REAL_WORK) --mode server --num-prompts 20 --overwrite
+	OMP_NUM_THREADS=1 $(PY) 05_benchmark.py --config configs/smollm2.yaml --work-dir $(REAL_WORK) --mode server --num-prompts 10 --benchmark-max-new-tokens 128 --overwrite
 
 $(ENGINE_STAMP): requirements-engine.txt scripts/build_engine_venv.sh scripts/engine_requirements.py
 	PYTHON_SYS=$(PYTHON_SYS) bash scripts/build_engine_venv.sh $(ENGINE_VENV)

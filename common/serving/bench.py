@@ -142,8 +142,10 @@ SERVER_TAU_NOTE = {
               "number may include up to 39 decode iterations from before the run and miss up to 39 of its "
               "last ones (sglang 0.5.14 and 0.5.23 scheduler metrics). Per-request tau is exact. '-' = not "
               "available. CUDA-graph mode as the server reports it (`cuda_graph_config.decode.backend`).",
-    "vllm": "server tau = 1 + accepted / drafts from vLLM's /metrics counters differenced around this run "
-            "(the prefill token not counted, so it is below tau (pooled) by about one token per request). "
+    "vllm": "server tau = 1 + accepted / drafts from vLLM's /metrics counters differenced around this run. "
+            "It differs from tau (pooled) in two ways that partly cancel: it leaves out each request's prefill "
+            "token, and it counts drafts accepted past the token budget or an end-of-turn, which the answer "
+            "cuts off. "
             "Graph mode: `enforce_eager` as the server reports it.",
 }
 ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
