@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.draft.reference_bench import first_difference
 from common.stage import StageError
 
 
@@ -58,14 +59,6 @@ def replay_rounds(pred: list[list[int]], seq: list[int], num_prompt: int, answer
         accepted.append(a)
         n_ctx += a + 1
     return accepted
-
-
-def first_difference(engine_acc: list[int], ours: list[int]) -> int | None:
-    """Index of the first round that disagrees (or where one list ends early), or None."""
-    for i, (e, o) in enumerate(zip(engine_acc, ours)):
-        if e != o:
-            return i
-    return None if len(engine_acc) == len(ours) else min(len(engine_acc), len(ours))
 
 
 @dataclass
