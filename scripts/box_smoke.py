@@ -292,7 +292,7 @@ def compare_answers(s: Settings) -> dict | None:
 
     if s.target != DEFAULT_TARGET or not (REPO / SHIPPED_ANSWERS).is_file():
         return None
-    rows = [p for p in sorted((s.work / "01b_generated").glob("*/generated.jsonl"))]
+    rows = sorted((s.work / "01b_generated").glob("*/generated.jsonl"))
     cmp = compare_with_cache(rows, REPO / SHIPPED_ANSWERS)
     firsts = sorted(d["at"] for d in cmp["divergences"])
     print(f"[smoke] 01b through {s.engine} vs the shipped transformers answers: {cmp['num_exact']}/"
