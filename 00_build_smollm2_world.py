@@ -107,7 +107,7 @@ def main(argv=None):
 
 
 def build(args, out: Path) -> None:
-    from common.data.chat_format import render_prompt
+    from common.text.chat_format import render_prompt
     from common.worlds import smollm2 as sm
 
     t0 = time.time()
@@ -145,10 +145,10 @@ def build(args, out: Path) -> None:
 
 
 def pack_responses(work_dirs: list[Path], target_dir: Path) -> None:
-    from common.data.generation import hf_generator
-    from common.data.response_cache import cache_identity, write_response_cache
-    from common.data.target_format import load_target_format
-    from common.data.tokenizer import load_tokenizer
+    from common.generation.hf_backend import hf_generator
+    from common.generation.response_cache import cache_identity, write_response_cache
+    from common.text.target_format import load_target_format
+    from common.text.tokenizer import load_tokenizer
     from common.stage import stage_dir
 
     paths = [p for w in work_dirs for p in sorted(stage_dir(w, "01b_generate_synthetic").glob("*/generated.jsonl"))]

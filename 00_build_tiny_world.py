@@ -94,7 +94,7 @@ def build(args, tiny_dir: Path) -> None:
 
     from common.worlds import tiny_tasks as tw
     from common.worlds import tiny_train as tt
-    from common.data.chat_format import render_prompt
+    from common.text.chat_format import render_prompt
     from common.io import write_jsonl
     from common.worlds.tiny_target import deepseek_v3_config
     from common.worlds.tiny_tokenizer import build_tokenizer

@@ -2,15 +2,15 @@
 
 Each dataset named in `--datasets` is loaded through the `datasets` library (a hub id with config and
 split, or local JSONL / JSON / parquet files), mapped to unified chat records by its adapter
-(common/data/adapters.py), cut to a prompt (the next assistant turn is the target's to write in 01b), its
+(common/datasets/adapters.py), cut to a prompt (the next assistant turn is the target's to write in 01b), its
 tool-call ids rewritten to Kimi's `functions.NAME:IDX` (Kimi-format targets only), and literal
 special-token strings scrubbed. What the target's text format is (Kimi's or another template; its
 end of turn; whether it renders thinking, tools and tool calls) is derived once from its tokenizer,
-template and generation config (common/data/target_format.py) and recorded in the manifests: a
+template and generation config (common/text/target_format.py) and recorded in the manifests: a
 template without a thinking switch makes every record thinking off; records whose tools or tool calls
 the template would drop are skipped by default (--tools-not-rendered); `complete` answers are rendered
 through the target's own template and skipped, counted, where it cannot render them.
-v4 adapters (common/data/adapters_v4.py) add per-dataset `cut` (last | random | every assistant turn),
+v4 adapters (common/datasets/mix.py) add per-dataset `cut` (last | random | every assistant turn),
 `thinking-ratio` and `filters`, and `max-records` stops a dataset after that many records.
 Each prompt is rendered with the target's template and marked by its token length: `normal` when
 prompt + --max-new-tokens fits --max-context, `long` when it fits --long-context (01b runs those with
@@ -30,8 +30,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common.data.adapters import ADAPTERS, BadRow
-from common.data.adapters_v4 import V4_SPEC_KEYS, FilteredRow, check_v4_spec, expand_row, length_partition
+from common.datasets.adapters import ADAPTERS, BadRow
+from common.datasets.mix import V4_SPEC_KEYS, FilteredRow, check_v4_spec, expand_row, length_partition
 from common.config import base_parser, parse_args
 from common.io import write_jsonl
 from common.stage import (StageError, is_complete, read_manifest, stage_dir, start_stage,
@@ -160,8 +160,8 @@ def rendered_lengths(tok, record: dict, fmt) -> tuple[int, int]:
     cannot render a complete record's answer."""
     from jinja2 import TemplateError
 
-    from common.data.chat_format import render_prompt
-    from common.data.target_format import FormatError, render_final_turn
+    from common.text.chat_format import render_prompt
+    from common.text.target_format import FormatError, render_final_turn
 
     msgs = record["messages"][:-1] if record["complete"] else record["messages"]
     try:  # templates refuse some conversations with raise_exception (e.g. roles that do not alternate)
@@ -196,7 +196,7 @@ def length_summary(lengths: list[int]) -> dict:
 def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dict, tgt_id: dict,
                 fmt=None) -> dict:
     """Adapt one dataset into out/records.jsonl; returns its counts. `fmt`: the target's TargetFormat."""
-    from common.data.target_format import FormatError
+    from common.text.target_format import FormatError
 
     t0 = time.time()
     skipped, filtered, repaired, seen = Counter(), Counter(), Counter(), set()
@@ -297,9 +297,9 @@ def main(argv=None):
     out = stage_dir(args.work_dir, STAGE)
     if not start_stage(out, args.overwrite, "01"):
         return
-    from common.data.chat_format import special_token_pattern
-    from common.data.target_format import load_target_format
-    from common.data.tokenizer import load_tokenizer
+    from common.text.chat_format import special_token_pattern
+    from common.text.target_format import load_target_format
+    from common.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.target_path)
     fmt = load_target_format(args.target_path, tok)

@@ -1,23 +1,23 @@
 """Generate synthetic responses: the target writes the answer to every prompt-only record.
 
 Each record's prompt is rendered with the target's own chat template (generation prompt included)
-and completed by the target through a backend: `openai` (common/data/server_pool.py: one or more
+and completed by the target through a backend: `openai` (common/generation/server_pool.py: one or more
 SGLang/vLLM servers, `--concurrency` requests in flight for the normal partition and
-`--long-concurrency` for the long one, together or one after the other) or `hf` (common/data/generation.py:
+`--long-concurrency` for the long one, together or one after the other) or `hf` (common/generation/progress.py:
 in-process transformers, the tiny world). Generation stops on the target's own end of turn
-(common/data/target_format.py: `<|im_end|>` for Kimi and ChatML, `<|eot_id|>` for Llama 3, plus its
+(common/text/target_format.py: `<|im_end|>` for Kimi and ChatML, `<|eot_id|>` for Llama 3, plus its
 generation_config eos ids). The completion is kept as raw text, special tokens included, so prompt +
 completion is exactly what the target emits, and as the ids it emitted (`completion_ids`: the hf backend
 and vLLM servers; SGLang's /v1/completions returns text only). Records that already end with the target's
 own assistant turn (`complete`) are passed through (origin "dataset"), those of a benchmark-only dataset
-too, unanswered (origin "prompt"). `--response-cache` (common/data/response_cache.py) serves known greedy
+too, unanswered (origin "prompt"). `--response-cache` (common/generation/response_cache.py) serves known greedy
 answers of the same target, generator and cap without generating them (origin "cache").
-Before any request the servers are checked (common/data/server_checks.py): healthy, serving the model,
+Before any request the servers are checked (common/generation/server_checks.py): healthy, serving the model,
 with enough context, tokenizing probe prompts exactly as the target's tokenizer does, and answering a few
 greedy probe prompts without token loops and with an end of turn (the target health gate); transient
 errors there are waited out up to --server-down-timeout. One 01b per dataset (a lock in its folder);
 a resume with another model, --max-new-tokens, --temperature or tokenizer is refused unless
---allow-mixed-settings; the manifest keeps totals over all runs (common/data/run_state.py).
+--allow-mixed-settings; the manifest keeps totals over all runs (common/generation/run_state.py).
 Faults cost seconds, not the run: timeouts, dropped connections, 429 and 5xx are retried with backoff
 and jitter, a server that stops
 answering is waited for (health polling), input errors go to failures.jsonl with their reason
@@ -25,8 +25,8 @@ answering is waited for (health polling), input errors go to failures.jsonl with
 Durable: each result is appended as one whole, flushed line as it arrives; a re-run after a kill at
 any moment skips the ids already written (a torn last line is cut), so every id lands exactly once.
 SIGINT/SIGTERM stop new requests, let those in flight finish for --shutdown-grace s, and exit;
-a second signal stops at once (the run loops: common/data/generation_loops.py; jobs and manifest
-counts: common/data/generation_jobs.py). Transient failures are retried by the next run;
+a second signal stops at once (the run loops: common/generation/loops.py; jobs and manifest
+counts: common/generation/jobs.py). Transient failures are retried by the next run;
 `--retry-failed` re-runs only the ids in failures.jsonl (context overflows included).
 Reads:  <work-dir>/01_prepared/<dataset>/records.jsonl (+ manifest.json)
 Writes: <work-dir>/01b_generated/<dataset>/{generated.jsonl, failures.jsonl, manifest.json},
@@ -44,12 +44,12 @@ from collections import Counter
 from pathlib import Path
 
 from common.config import base_parser, parse_args
-from common.data.generation import Progress
-from common.data.generation_jobs import PARTITIONS, dataset_counts, make_jobs, this_run_counts
-from common.data.generation_loops import run_hf, run_openai
-from common.data.run_state import (RunLog, check_unlocked, dataset_lock, distinct_settings, generation_settings,
+from common.generation.progress import Progress
+from common.generation.jobs import PARTITIONS, dataset_counts, make_jobs, this_run_counts
+from common.generation.loops import run_hf, run_openai
+from common.generation.run_state import (RunLog, check_unlocked, dataset_lock, distinct_settings, generation_settings,
                                    refuse_mixed_settings, resume_generated)
-from common.data.target_format import load_target_format
+from common.text.target_format import load_target_format
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
 from common.stage import (StageError, is_complete, manifest_sha256, read_manifest, require_complete,
                           resolve_target, stage_dir, start_stage, write_manifest)
@@ -87,7 +87,7 @@ def build_parser():
     g.add_argument("--datasets-only", nargs="+", default=None, metavar="NAME",
                    help="generate only these datasets of 01 (the stage manifest waits for the rest)")
     g.add_argument("--response-cache", type=Path, default=None,
-                   help="gzip JSONL of known greedy answers (common/data/response_cache.py): a prompt whose "
+                   help="gzip JSONL of known greedy answers (common/generation/response_cache.py): a prompt whose "
                         "answer it holds for this target, generator and max-new-tokens is not generated")
     g.add_argument("--retry-failed", action="store_true",
                    help="re-run only the ids in failures.jsonl (any reason), also of complete datasets")
@@ -153,8 +153,9 @@ def open_response_cache(args, target: Path, tok, fmt):
     """The --response-cache entries that fit this run (same target, generator, stops; greedy), or None."""
     if args.response_cache is None:
         return None
-    from common.data.generation import hf_generator, log
-    from common.data.response_cache import ResponseCache, cache_identity
+    from common.generation.hf_backend import hf_generator
+    from common.generation.progress import log
+    from common.generation.response_cache import ResponseCache, cache_identity
 
     if args.temperature != 0:
         raise StageError(f"--response-cache holds greedy answers; --temperature is {args.temperature}, not 0")
@@ -172,7 +173,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
                      backends: dict, fmt=None, cache=None) -> dict | None:
     """Generate what is missing of one dataset; its counts when complete, None when not yet.
 
-    `fmt`: the target's TargetFormat (common/data/target_format.py); `cache`: a ResponseCache whose hits
+    `fmt`: the target's TargetFormat (common/text/target_format.py); `cache`: a ResponseCache whose hits
     are written at once (origin "cache") instead of being generated."""
     records = list(iter_jsonl(upstream_dir / "records.jsonl"))
     benchmark_only = bool(read_manifest(upstream_dir).get("dataset", {}).get("benchmark-only", False))
@@ -243,7 +244,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
         cpu0, stopped_by = time.process_time(), None
         try:
             if todo and args.generation_backend == "openai":
-                from common.data.server_pool import ServerPool
+                from common.generation.server_pool import ServerPool
 
                 specials = {i: t.content for i, t in tok.added_tokens_decoder.items() if t.special}
                 pool = ServerPool(args.server_url, args.served_model_name, args.api_key, args.temperature,
@@ -251,7 +252,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
                                   args.request_retries, args.retry_base_delay, args.retry_max_delay,
                                   args.health_interval, args.health_timeout, args.server_down_timeout,
                                   stop=list(fmt.stop_strings))
-                from common.data.server_checks import health_gate
+                from common.generation.server_checks import health_gate
 
                 if "health_gate" not in backends:  # one gate for all datasets: each server is probed once
                     backends["health_gate"] = health_gate(tok, args.health_probes, args.health_max_new_tokens,
@@ -268,7 +269,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
                     gate=backends["health_gate"], on_ready=on_ready))
                 counts["requests_per_server"] = {s.url: s.num_requests for s in pool.servers}
             elif todo:
-                from common.data.generation import HFBackend
+                from common.generation.hf_backend import HFBackend
 
                 if "hf" not in backends:  # one model load for all datasets of this run
                     backends["hf"] = HFBackend(target, tok, fmt.stop_ids, hf_device(args), args.temperature,
@@ -342,7 +343,7 @@ def main(argv=None):
                         (folder / "manifest.json").unlink()
     if not start_stage(out, args.overwrite, "01b"):
         return
-    from common.data.tokenizer import load_tokenizer
+    from common.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(target)
     fmt = load_target_format(target, tok)

@@ -193,7 +193,7 @@ def main(argv=None):
     out = stage_dir(args.work_dir, STAGE)
     if not start_stage(out, args.overwrite, "01c"):
         return
-    from common.data.tokenizer import load_tokenizer
+    from common.text.tokenizer import load_tokenizer
 
     t0 = time.time()
     tok = load_tokenizer(target)

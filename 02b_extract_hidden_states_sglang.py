@@ -3,7 +3,7 @@
 Runs the target over 01c's tokenized samples and stores, per sample: the residual stream h_i at the
 capture points (default [2, N//2, N-3], concatenated low|mid|high, [T, 3H]), the teacher - the final
 post-norm hidden state (the lm_head input, [T, H]) - input_ids and loss_mask. Compact feature formats
-(common/draft/shards.py; recorded in the manifest and read by 03/04 without flags): --aux-format fp8
+(common/target/shards.py; recorded in the manifest and read by 03/04 without flags): --aux-format fp8
 (float8 e4m3, one scale per token and capture point), --teacher-format topk (the target's
 --teacher-topk largest logits over its full vocab instead of the final state; 04 then needs no
 lm_head), --prompt-window W (only the last W prompt tokens before the response, at their true
@@ -11,10 +11,10 @@ positions), in any combination. Samples go to shards deterministically:
 shard k holds samples [k*S, (k+1)*S) of tokenized_data.jsonl, packed along tokens (no padding rows).
 A shard that exists is kept (resume); `*.tmp` files are partial and redone. Before the model loads,
 the disk the remaining shards need is printed, and the run refuses when the disk cannot hold it.
-Backends: `hf` (common/draft/capture.py: transformers, CPU or one GPU) and `sglang` (common/sglang/capture.py:
+Backends: `hf` (common/target/capture.py: transformers, CPU or one GPU) and `sglang` (common/sglang/capture.py:
 SGLang's model runner on the GPU box, tensor parallel via torchrun; see docs/sglang.md). Either way the
 capture points must be ones SGLang will capture from the draft's config ids when it serves the draft
-(common/draft/capture.sglang_layer_ids, keyed by the target's architecture); others are refused.
+(common/target/capture.sglang_layer_ids, keyed by the target's architecture); others are refused.
 Under torchrun only rank 0 prepares, cleans and writes the stage folder; the other ranks wait for it.
 
 Reads:  <work-dir>/01c_merged/tokenized_data.jsonl (+ manifest.json: tokenizer, target)
@@ -78,7 +78,7 @@ def build_parser():
                         "(tokens; their true positions are kept); default: the whole prompt")
     g.add_argument("--allow-unknown-architecture", action="store_true",
                    help="accept a target whose architecture is not in SGLang's layer-id table "
-                        "(common/draft/capture.py), assuming SGLang captures h_(id+1) for draft-config id")
+                        "(common/target/capture.py), assuming SGLang captures h_(id+1) for draft-config id")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the target runs (default: cuda if available)")
     g.add_argument("--disk-margin", type=float, default=0.05,
@@ -129,7 +129,7 @@ def scan_samples(path: Path, vocab_size: int) -> list[dict]:
 
 def existing_shard_tokens(path: Path, expected_ids: list[str], fmt) -> int:
     """Rows in a complete shard, after checking it holds exactly the samples planned for it, in `fmt`."""
-    from common.draft.shards import ShardReader
+    from common.target.shards import ShardReader
 
     shard = ShardReader(path)
     if shard.format != fmt:
@@ -217,7 +217,7 @@ def main(argv=None):
     if args.samples_per_shard < 1 or args.capture_batch_tokens < 1:
         raise StageError("--samples-per-shard and --capture-batch-tokens must be >= 1")
 
-    from common.draft.capture import (default_capture_points, load_target_config, sglang_layer_ids,
+    from common.target.capture import (default_capture_points, load_target_config, sglang_layer_ids,
                                       target_architecture, target_dims, validate_capture_points)
     target_cfg = load_target_config(target_dir)
     dims = target_dims(target_cfg)
@@ -234,7 +234,7 @@ def main(argv=None):
         rank = cs.check_world(args.sglang_tp_size)
         cs.init_process_group(args.sglang_tp_size)
         barrier = cs.barrier
-    from common.draft.shards import FeatureFormat
+    from common.target.shards import FeatureFormat
     try:
         fmt = FeatureFormat(aux=args.aux_format, teacher=args.teacher_format, window=args.prompt_window,
                             topk=args.teacher_topk if args.teacher_format == "topk" else None)
@@ -257,7 +257,7 @@ def main(argv=None):
     num_shards = math.ceil(len(meta) / S)
     plan = {k: meta[k * S:(k + 1) * S] for k in range(num_shards)}  # shard k -> its samples
 
-    from common.draft.shards import list_shards, shard_name
+    from common.target.shards import list_shards, shard_name
     planned = {shard_name(k): k for k in plan}
     strays = [p.name for p in list_shards(out) if p.name not in planned]
     if strays:
@@ -285,15 +285,15 @@ def main(argv=None):
     keep_dtype = compute_dtype if (fmt.teacher == "topk" or fmt.aux == "fp8") else store_dtype
     lm_head = None
     if fmt.teacher == "topk" and rank == 0 and todo:
-        from common.draft.target_head import load_target_head
+        from common.target.head import load_target_head
         lm_head = load_target_head(target_dir, dtype=compute_dtype, device=device)[1]
     written = dict(done)
     calls = {"num_forward_calls": 0, "num_tokens": 0, "seconds": 0.0}  # this run's shards: calls, tokens, time
     if todo:
         from tqdm import tqdm
 
-        from common.draft.capture import capture_hf
-        from common.draft.shards import write_shard
+        from common.target.capture import capture_hf
+        from common.target.shards import write_shard
         if args.capture_backend == "sglang":  # GPU box: SGLang runner on every rank, rank 0 writes
             model = cs.build_backend(target_dir, layer_ids, engine_args)
             capture = lambda m, rows, cb: cs.capture_samples_sglang(  # noqa: E731

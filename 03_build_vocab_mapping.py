@@ -44,7 +44,7 @@ def count_supervised(shard_paths: list[Path], vocab_size: int):
     """
     import torch
 
-    from common.draft.shards import ShardReader
+    from common.target.shards import ShardReader
 
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for path in shard_paths:
@@ -92,7 +92,7 @@ def main(argv=None):
         return
     t0 = time.time()
 
-    from common.draft.shards import list_shards
+    from common.target.shards import list_shards
     shards = list_shards(src)
     missing = sorted(set(upstream["shards"]) - {p.name for p in shards})
     if missing:
@@ -113,8 +113,8 @@ def main(argv=None):
     distinct = int((counts > 0).sum())
 
     # The end-of-turn token must be draftable, or the draft can never propose the end of an answer.
-    from common.data.target_format import load_target_format
-    from common.data.tokenizer import load_tokenizer
+    from common.text.target_format import load_target_format
+    from common.text.tokenizer import load_tokenizer
     tok = load_tokenizer(upstream["tokenizer"]["path"])
     fmt = load_target_format(upstream["target"]["path"], tok)
     end_id = fmt.stop_ids[0]

@@ -3,10 +3,10 @@
 The draft (common/draft/model.py) learns, at every position t and TTT step k, the target's distribution at
 t+1+k restricted to the draft vocab, from fc(target features at t) (step 0) or its own previous output,
 plus the ground-truth token t+1+k. The teacher is the target's lm_head over the stored final hidden
-state; only the target's embedding and lm_head are read (common/draft/target_head.py). Samples are streamed
-shard by shard in a seeded order and packed into batches by a token budget (common/draft/train_data.py);
+state; only the target's embedding and lm_head are read (common/target/head.py). Samples are streamed
+shard by shard in a seeded order and packed into batches by a token budget (common/training/data.py);
 a background thread reads and collates the next batches while one trains. Under torchrun each rank reads
-a disjoint slice of every batch (DDP, optionally ZeRO-1; common/draft/distributed.py) and rank 0 alone
+a disjoint slice of every batch (DDP, optionally ZeRO-1; common/training/distributed.py) and rank 0 alone
 writes. Checkpoints hold weights, optimizer, scheduler, RNG and the data cursor; a re-run resumes from
 the newest complete one, on any number of processes.
 Reads:  <work-dir>/02b_hidden_states/shard_*.safetensors (+ manifest.json),
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from common.config import base_parser, parse_args
-from common.draft.checkpoints import complete_checkpoints, load_checkpoint, save_checkpoint
+from common.training.checkpoints import complete_checkpoints, load_checkpoint, save_checkpoint
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
 from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
                           resolve_target, stage_dir, start_stage, write_manifest)
@@ -86,7 +86,7 @@ def build_parser():
     g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                    help="bf16: autocast matmuls and attention over fp32 master weights, bf16 teacher head; "
                         "auto = bf16 on CUDA, and on a CPU whose bf16 GEMM is measured fast at start-up "
-                        "(common/draft/precision.py), else fp32")
+                        "(common/training/precision.py), else fp32")
     g.add_argument("--prefetch-batches", type=int, default=2,
                    help="batches read and collated ahead on a background thread (0 = read in the loop)")
     g.add_argument("--shard-optimizer", choices=("auto", "on", "off"), default="auto",
@@ -111,9 +111,10 @@ def run_batch(model, lm_head, batch: dict, args, ranks, autocast):
     DDP's average over ranks is the gradient of the whole global batch's loss."""
     import torch
 
-    from common.draft.distributed import all_max, all_sum, unwrap
-    from common.draft.loss import step_counts, teacher_targets, ttt_loss
-    from common.draft.teacher import teacher_from_topk
+    from common.training.distributed import all_max, all_sum, unwrap
+    from common.training.loss import ttt_loss
+    from common.training.teacher import step_counts, teacher_targets
+    from common.training.teacher import teacher_from_topk
     core, mask, k = unwrap(model), batch["loss_mask"], args.ttt_steps
     if "final" in batch:   # 02b feature format teacher "final": the target's lm_head over its last state
         teach = teacher_targets(batch["final"], lm_head, core.d2t, core.t2d, mask)
@@ -134,9 +135,9 @@ def evaluate(model, lm_head, data, batches, args, ranks, autocast) -> dict | Non
     """Held-out TTT metrics; each rank evaluates its slices and the counts are summed over ranks."""
     import torch
 
-    from common.draft.distributed import Ranks, all_sum, unwrap
-    from common.draft.loss import TTTMeter
-    from common.draft.train_data import load_batch, rank_slice, to_device
+    from common.training.distributed import Ranks, all_sum, unwrap
+    from common.training.loss import TTTMeter
+    from common.training.data import load_batch, rank_slice, to_device
     if not batches:
         return None
     core, meter, lengths = unwrap(model), TTTMeter(args.ttt_steps), [e[2] for e in data.entries]
@@ -175,8 +176,8 @@ def build_draft(args, inputs: dict, device, bf16: bool, verbose: bool):
     from safetensors.torch import load_file
 
     from common.draft.model import Eagle3DraftModel, draft_config
-    from common.draft.shards import FeatureFormat
-    from common.draft.target_head import load_target_head, read_target_text_config
+    from common.target.shards import FeatureFormat
+    from common.target.head import load_target_head, read_target_text_config
 
     target_path, m02 = inputs["target_path"], inputs["m02"]
     tcfg = read_target_text_config(target_path)
@@ -211,8 +212,8 @@ def build_draft(args, inputs: dict, device, bf16: bool, verbose: bool):
 
 def plan_data(args, hs_dir: Path, verbose: bool) -> dict:
     """The held-out split (by sample-id hash) and every epoch's batches, fixed by the seed."""
-    from common.draft.shards import list_shards
-    from common.draft.train_data import ShardData, epoch_order, is_eval, make_batches
+    from common.target.shards import list_shards
+    from common.training.data import ShardData, epoch_order, is_eval, make_batches
 
     data = ShardData(list_shards(hs_dir))
     lengths = [e[2] for e in data.entries]
@@ -266,9 +267,9 @@ def train_loop(args, model, lm_head, opt, sched, params, dp: dict, step: int, cu
     import torch
     from tqdm import tqdm
 
-    from common.draft.distributed import all_sum, optimizer_state, unwrap
-    from common.draft.loss import TTTMeter
-    from common.draft.train_data import Prefetcher, load_batch, schedule, to_device
+    from common.training.distributed import all_sum, optimizer_state, unwrap
+    from common.training.loss import TTTMeter
+    from common.training.data import Prefetcher, load_batch, schedule, to_device
 
     data, lengths, epochs, total = dp["data"], dp["lengths"], dp["epochs"], dp["total"]
     ckpt_root, log_path = out / "checkpoints", out / "train_log.jsonl"
@@ -335,8 +336,8 @@ def export(args, model, cfg: dict, inputs: dict, dp: dict, final_eval: dict | No
     """The SGLang and speculators folders and the training curves, then the manifest (last: it marks
     the stage complete)."""
     from common.draft.export_speculators import export_speculators
-    from common.draft.model import export_sglang
-    from common.draft.plot import plot_training_curves
+    from common.draft.export_sglang import export_sglang
+    from common.training.plot import plot_training_curves
 
     m02, target_path = inputs["m02"], inputs["target_path"]
     points = [int(p) for p in m02["capture_points"]]
@@ -356,7 +357,7 @@ def export(args, model, cfg: dict, inputs: dict, dp: dict, final_eval: dict | No
 
 def main(argv=None):
     args = parse_args(build_parser(), argv)
-    from common.draft.distributed import barrier, setup, teardown
+    from common.training.distributed import barrier, setup, teardown
 
     if args.keep_checkpoints < 2:
         raise StageError("--keep-checkpoints must be >= 2 (never overwrite the only good checkpoint)")
@@ -375,7 +376,7 @@ def train(args, ranks) -> None:
 
     import torch
 
-    from common.draft.distributed import (broadcast_flag, make_optimizer, shard_optimizer_wanted, unwrap,
+    from common.training.distributed import (broadcast_flag, make_optimizer, shard_optimizer_wanted, unwrap,
                                           wrap_model)
 
     out = stage_dir(args.work_dir, STAGE)
@@ -387,7 +388,7 @@ def train(args, ranks) -> None:
         go = start_stage(out, args.overwrite, "04")
     if not broadcast_flag(go, ranks):
         return
-    from common.draft.precision import choose_bf16
+    from common.training.precision import choose_bf16
 
     bf16, why = choose_bf16(args.precision, ranks.device)
     bf16 = broadcast_flag(bf16, ranks)  # rank 0's measurement decides for all

@@ -1,9 +1,9 @@
 """Benchmark the exported EAGLE-3 draft: acceptance length (tau), speed, and losslessness.
 
-Mode `reference` (common/draft/reference_bench.py): greedy EAGLE-3 with the HF target and the draft
+Mode `reference` (common/benchmark/reference.py): greedy EAGLE-3 with the HF target and the draft
 loaded from the SGLang export exactly as an engine does (the draft gets the target's embedding; d2t
 maps draft ids to target ids; aux states come from the capture points in the export config). tau on
-ALL held-out prompts comes from replay (common/draft/replay.py): the target's greedy answer (cached
+ALL held-out prompts comes from replay (common/benchmark/replay.py): the target's greedy answer (cached
 under --replay-cache-dir), one target forward for its features, one draft forward for every round at
 every k - exact, and cheap enough for 100+ prompts on a CPU. It reports tau with a 95% bootstrap
 interval over prompts, per-position acceptance, the histogram of accepted lengths, tau by prompt
@@ -12,7 +12,7 @@ decoding (KV caches, rollback) runs on the first --loop-prompts prompts: every o
 target-only greedy decoding (else mismatches.json and the run raises), it is timed against target-only
 decoding (speed ratio), and its statistics are checked against the replay's. Float32 throughout: a
 reference measures acceptance, not engine speed; a target too large for this machine is refused.
-Mode `server` (common/serving/, docs/sglang.md, docs/serving.md): launches (or attaches to) a baseline
+Mode `server` (common/benchmark/, docs/sglang.md, docs/serving.md): launches (or attaches to) a baseline
 and EAGLE-3 servers of --engine (SGLang, or vLLM) per --spec-settings and --cuda-graph mode, preflights
 each EAGLE-3 server (EAGLE3 / eagle3, 04's draft by content, our target, draft config vs manifests, the
 aux layers the engine reports, warm-up tau above chance), with vLLM checks its per-round acceptance
@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from common.config import base_parser, parse_args
-from common.serving.engines import ENGINES
+from common.benchmark.engines import ENGINES
 from common.io import iter_jsonl, read_json, write_json
 from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
                           resolve_target, stage_dir, start_stage, write_manifest)
@@ -156,7 +156,7 @@ def load_inputs(args):
 
 def read_capture_points(export_cfg: dict, m04: dict, num_hidden_layers: int) -> list[int]:
     """Capture points (h_i indices) from the export config, cross-checked against SGLang's ids."""
-    from common.draft.capture import validate_capture_points
+    from common.target.capture import validate_capture_points
 
     points = export_cfg.get("eagle_aux_hidden_state_layer_ids")
     if points is None:
@@ -179,7 +179,9 @@ def load_models(target_dir: Path, export_dir: Path, device: str, seed: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.draft.model import Eagle3DraftModel, load_sglang_export
+    from common.draft.export_sglang import load_sglang_export
+
+    from common.draft.model import Eagle3DraftModel
 
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32,
                                                   trust_remote_code=True)
@@ -205,7 +207,7 @@ def check_fits(target_dir: Path, device: str) -> None:
 
     import torch
 
-    from common.draft.target_head import estimate_num_parameters, read_target_text_config
+    from common.target.head import estimate_num_parameters, read_target_text_config
 
     need = 4 * estimate_num_parameters(read_target_text_config(target_dir))
     if device == "cuda":
@@ -222,8 +224,8 @@ def known_answers(args, target_dir: Path, tok, fmt):
     """row -> the target's greedy answer ids from --response-cache, or None (a miss); None without one."""
     if args.response_cache is None:
         return None
-    from common.data.generation import hf_generator
-    from common.data.response_cache import ResponseCache, cache_identity
+    from common.generation.hf_backend import hf_generator
+    from common.generation.response_cache import ResponseCache, cache_identity
 
     # 05 decodes in float32 like 01b's hf backend on CPU: the same greedy answers.
     identity = cache_identity(target_dir, fmt, hf_generator("cpu"))
@@ -250,7 +252,7 @@ def main(argv=None):
     if not start_stage(out, args.overwrite, "05"):
         return
     if args.mode == "server":
-        from common.serving.bench import server_main
+        from common.benchmark.server_bench import server_main
         metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir)
         write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
                        inputs={"04_draft": manifest_sha256(stage_dir(args.work_dir, "04_train"))},
@@ -263,11 +265,11 @@ def main(argv=None):
         return
     import torch
 
-    from common.data.target_format import load_target_format
-    from common.data.tokenizer import load_tokenizer
-    from common.draft import reference_bench as rb
-    from common.draft.capture import load_target_config, target_dims
-    from common.draft.spec_decode import LosslessError
+    from common.text.target_format import load_target_format
+    from common.text.tokenizer import load_tokenizer
+    from common.benchmark import reference as rb
+    from common.target.capture import load_target_config, target_dims
+    from common.benchmark.spec_decode import LosslessError
 
     dims = target_dims(load_target_config(target_dir))
     export_cfg = read_json(export_dir / "config.json")

@@ -114,7 +114,7 @@ def make_step(args, seq_len: int, variant: str):
 
     import torch
 
-    from common.draft.distributed import Ranks
+    from common.training.distributed import Ranks
     from common.draft.model import Eagle3DraftModel
     train = importlib.import_module("04_train")
     device = torch.device(args.device)
@@ -238,7 +238,7 @@ def synthetic_work_dir(args, seq_len: int, num_samples: int, root: Path) -> Path
     import torch
     from safetensors.torch import save_file
 
-    from common.draft.shards import shard_name, write_shard
+    from common.target.shards import shard_name, write_shard
     from common.stage import target_identity, tokenizer_identity, write_manifest
     target, work = root / "target", root / "work"
     target.mkdir(parents=True)
@@ -306,8 +306,8 @@ def run_stage(args, work: Path, seq_len: int, samples_per_step: int, prefetch: i
 def load_ms(work: Path, seq_len: int) -> float:
     """Median ms to read and collate one sample from the synthetic shards: the work the prefetch thread
     takes off the training loop (here from the page cache; from a disk it is larger)."""
-    from common.draft.shards import list_shards
-    from common.draft.train_data import ShardData, load_batch
+    from common.target.shards import list_shards
+    from common.training.data import ShardData, load_batch
     data = ShardData(list_shards(work / "02b_hidden_states"))
     lengths = [e[2] for e in data.entries]
     times = []

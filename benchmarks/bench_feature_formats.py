@@ -1,6 +1,6 @@
 """What each compact feature format saves and costs, side by side on the real small target.
 
-One row per 02b feature format (common/draft/shards.py): bytes per sample token read from the files,
+One row per 02b feature format (common/target/shards.py): bytes per sample token read from the files,
 04 tokens/s, 04's held-out per-step accuracy, and tau at each k by replay on the held-out prompts,
 paired against the bf16 row over the same prompts (relative difference with its 95% interval). Every
 row trains on the same samples (--max-train-samples), seed, epochs and flags; only the format differs.
@@ -38,8 +38,8 @@ def reencode(base: Path, rows: dict, out: Path) -> dict:
     """Write every format row's 02b folder from the base's bf16 shards; returns {row: seconds}."""
     import torch
 
-    from common.draft.shards import FeatureFormat, ShardReader, list_shards, topk_logits, write_shard
-    from common.draft.target_head import load_target_head
+    from common.target.shards import FeatureFormat, ShardReader, list_shards, topk_logits, write_shard
+    from common.target.head import load_target_head
     from common.io import read_json, write_json
 
     m02 = read_json(base / "02b_hidden_states" / "manifest.json")

@@ -3,7 +3,7 @@ one 04 run per row in its own work dir beside a base run, and replay every row's
 same held-out prompts (features computed once), so rows differ only in what the row changes.
 
 A row's work dir links the base's upstream folders (01c, 02b, 03 - or its own 02b for a format row)
-and holds its own 04_draft. Evaluation: tau at each k by replay (common/draft/reference_bench.py) with
+and holds its own 04_draft. Evaluation: tau at each k by replay (common/benchmark/reference.py) with
 a 95% bootstrap interval over prompts, and paired differences between rows on the same prompts.
 """
 from __future__ import annotations
@@ -71,9 +71,9 @@ class HeldOut:
         import yaml
         from transformers import AutoModelForCausalLM
 
-        from common.data.target_format import load_target_format
-        from common.data.tokenizer import load_tokenizer
-        from common.draft.reference_bench import ReplaySet, replay_cache_file
+        from common.text.target_format import load_target_format
+        from common.text.tokenizer import load_tokenizer
+        from common.benchmark.reference import ReplaySet, replay_cache_file
         from common.io import iter_jsonl, read_json
 
         torch.set_num_threads(threads)
@@ -101,8 +101,8 @@ class HeldOut:
 
     def evaluate(self, export_dir: str | Path, ks: list[int]) -> dict:
         """{str(k): tau, tau_ci95, per-position acceptance, per-prompt totals} of an exported draft."""
-        from common.draft.model import load_sglang_export
-        from common.draft.reference_bench import summarize
+        from common.draft.export_sglang import load_sglang_export
+        from common.benchmark.reference import summarize
 
         draft = load_sglang_export(Path(export_dir), self.target.get_input_embeddings().weight.detach()).eval()
         keys = ("tau", "tau_ci95", "per_position_acceptance", "per_prompt_emitted", "per_prompt_rounds")
@@ -144,7 +144,7 @@ def save_result(path: Path, name: str, entry: dict) -> dict:
 
 def paired(a: dict, b: dict) -> dict:
     """Relative tau difference a/b - 1 on the same prompts, with its 95% interval (replay entries of one k)."""
-    from common.draft.replay import bootstrap_paired_difference
+    from common.benchmark.replay import bootstrap_paired_difference
 
     return bootstrap_paired_difference(a["per_prompt_emitted"], a["per_prompt_rounds"],
                                        b["per_prompt_emitted"], b["per_prompt_rounds"])

@@ -1,12 +1,16 @@
-"""Shared library of the EAGLE-3 pipeline: what two or more stages use.
+"""Shared library of the EAGLE-3 pipeline, one package per owner.
 
 The stage contract sits flat at the top (`stage`, `config`, `io`: folders, manifests, flags, atomic
-files) and imports nothing else of `common`. Everything else lives in one package per concern:
-  data    datasets -> chat records -> rendered, tokenized text; the 01b generation clients
-  draft   the EAGLE-3 draft: capture convention, shards, model, loss, target head, spec decoding, exports
-  sglang  SGLang- and SpecForge-side code: capture backend, SGLang server launch/preflight
-  serving 05's server mode over any engine (SGLang, vLLM): the sweep and the agreement check
-  worlds  the embedded CPU worlds (the tiny Kimi-shaped target)
-Imports go downward only: data and draft use the contract; sglang and worlds may use data and draft;
-serving may use sglang too; nothing imports a stage script. tests/test_layout.py enforces it.
+files) and imports nothing else of `common`. Then:
+  shared cores   text      chat format, tokenizers, the target's text format        (every stage)
+                 target    capture convention, target head, feature shards          (02b, 03, 04, 05)
+                 draft     the draft model, its TTT attention, its exports          (04, 05)
+  owned by one   datasets  01's dataset adapters and the v4 mix
+  stage          generation 01b's jobs, loops, run state, server pool, HF backend
+                 training  04's teachers, loss, batches, DDP, checkpoints
+                 benchmark 05: reference loop, replay, server sweep, engines, agreement
+  engine / world sglang    SGLang launch, preflight and 02b's capture backend      (02b, 05)
+                 worlds    the embedded CPU worlds (tiny Kimi-shaped target, SmolLM2)  (00)
+Imports go downward only and never in a loop; nothing imports a stage script. tests/test_layout.py
+enforces both.
 """

@@ -1,19 +1,21 @@
-"""Flags first: `--config X.yaml` supplies flag defaults, the command line wins, unknown keys fail."""
+"""Flags first: `--config X.yaml` supplies flag defaults, the command line wins, unknown keys fail.
+
+`--config` may be given more than once (the real run: configs/kimi-k2.5.yaml for the target, lengths,
+serving and training, configs/datasets_v4.yaml for the mix). The files are merged key by key; a key
+two files set to different values is refused unless the command line sets it, so no value is ever
+silently dropped. A key may be any stage's flag (one preset serves the whole chain); which flags exist
+is read from the stage scripts' source with `ast`, never by running them.
+"""
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import ast
 from functools import lru_cache
 from pathlib import Path
 
 import yaml
 
-from common.stage import REPO_ROOT, StageError
-
-# Stage files whose flags a shared config may set (one flat YAML serves the whole chain).
-STAGE_FILES = ("00_build_tiny_world.py", "00_build_smollm2_world.py", "01_prepare_datasets.py",
-               "01b_generate_synthetic.py", "01c_merge_datasets.py", "02b_extract_hidden_states_sglang.py",
-               "03_build_vocab_mapping.py", "04_train.py", "05_benchmark.py")
+from common.stage import REPO_ROOT, STAGE_SCRIPTS, StageError
 
 
 def base_parser(doc: str | None, work_dir: bool = True) -> argparse.ArgumentParser:
@@ -24,8 +26,9 @@ def base_parser(doc: str | None, work_dir: bool = True) -> argparse.ArgumentPars
     if work_dir:
         g.add_argument("--work-dir", type=Path, default=None,
                        help="root of the stage folders (01_prepared/, 01b_generated/, ...)")
-    g.add_argument("--config", type=Path, default=None,
-                   help="flat YAML of flag defaults (keys are flag names); the command line wins")
+    g.add_argument("--config", type=Path, action="append", default=None,
+                   help="flat YAML of flag defaults (keys are flag names); repeatable: files merge key by "
+                        "key, two files disagreeing on a key is an error unless the command line sets it")
     g.add_argument("--overwrite", action="store_true",
                    help="redo a stage whose manifest.json says it is complete")
     return p
@@ -41,45 +44,81 @@ def _flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
     return names
 
 
+def declared_flags(script: Path) -> set[str]:
+    """The `--name` flags a script declares: string arguments of its add_argument calls, read from its
+    source (and `--no-name` for a BooleanOptionalAction). tests/test_common.py checks this equals each
+    stage's real parser."""
+    names = set()
+    for node in ast.walk(ast.parse(script.read_text(), str(script))):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
+            continue
+        flags = [a.value[2:] for a in node.args
+                 if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--")]
+        action = next((k.value for k in node.keywords if k.arg == "action"), None)
+        negated = getattr(action, "attr", getattr(action, "id", None)) == "BooleanOptionalAction"
+        names.update(flags + ([f"no-{f}" for f in flags] if negated else []))
+    return names
+
+
 @lru_cache(maxsize=1)
 def all_stage_flags() -> frozenset[str]:
-    """Every flag name of every stage (imports each stage file; stages keep heavy imports lazy)."""
-    names: set[str] = set()
-    for fname in STAGE_FILES:
-        path = REPO_ROOT / fname
-        if not path.exists():
-            continue
-        spec = importlib.util.spec_from_file_location(f"_stage_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        names |= set(_flag_names(module.build_parser()))
+    """Every flag name of every stage script (STAGE_SCRIPTS), plus the shared ones of base_parser."""
+    names = set(_flag_names(base_parser(None)))
+    for name in STAGE_SCRIPTS:
+        names |= declared_flags(REPO_ROOT / f"{name}.py")
     return frozenset(names)
 
 
-def load_config(path: str | Path) -> dict:
+def load_config(path: str | Path, known: frozenset[str] | set[str] | None = None) -> dict:
+    """One config file; every key must be in `known` (default: every stage's flags)."""
+    known = all_stage_flags() if known is None else known
     path = Path(path)
     if not path.is_file():
         raise StageError(f"config file {path} does not exist")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise StageError(f"{path}: a config is a flat mapping of flag names to values")
+    unknown = sorted(k for k in data if k not in known)
+    if unknown:
+        raise StageError(f"{path}: unknown key(s) {', '.join(unknown)}; keys are flag names of the stages "
+                         "(see `python <stage>.py --help`)")
+    bad_form = sorted(k for k in data if "_" in k)
+    if bad_form:
+        raise StageError(f"{path}: keys are kebab-case flag names: {', '.join(bad_form)}")
     return data
 
 
+def merge_configs(paths: list[Path], from_command_line: set[str], known: set[str] | None = None) -> dict:
+    """The files' keys merged in order. A key set to different values by two files is refused, unless
+    `from_command_line` holds it (the command line decides, so neither file's value is used)."""
+    merged: dict = {}
+    origin: dict[str, Path] = {}
+    for path in paths:
+        for key, value in load_config(path, known).items():
+            if key in merged and merged[key] != value and key not in from_command_line:
+                raise StageError(f"--config files disagree on {key}: {origin[key]} says {merged[key]!r}, "
+                                 f"{path} says {value!r}; fix one file or pass --{key} on the command line")
+            merged[key], origin[key] = value, path
+    return merged
+
+
+def _given_on_command_line(parser: argparse.ArgumentParser, argv) -> set[str]:
+    """Flag names (kebab-case) the command line sets. argparse leaves a namespace attribute that already
+    exists untouched unless the flag is given, so parse into a namespace pre-filled with a marker."""
+    marker = object()
+    dests = {a.dest for a in parser._actions if a.dest != "help" and not isinstance(a, argparse._AppendAction)}
+    seen = parser.parse_known_args(argv, argparse.Namespace(**{d: marker for d in dests}))[0]
+    return {name for name, dest in _flag_names(parser).items()
+            if dest in dests and getattr(seen, dest, marker) is not marker}
+
+
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """Parse argv, with defaults from --config. Keys that are no stage's flag are an error."""
+    """Parse argv, with defaults from the --config files. Keys that are no stage's flag are an error;
+    keys of other stages are ignored (a shared preset)."""
     pre, _ = parser.parse_known_args(argv)
-    config_path = getattr(pre, "config", None)
-    if config_path is not None:
-        values = load_config(config_path)
+    if getattr(pre, "config", None):
         own = _flag_names(parser)
-        unknown = sorted(k for k in values if k not in own and k not in all_stage_flags())
-        if unknown:
-            raise StageError(f"{config_path}: unknown key(s) {', '.join(unknown)}; keys are flag "
-                             "names of the stages (see `python <stage>.py --help`)")
-        bad_form = sorted(k for k in values if "_" in k)
-        if bad_form:
-            raise StageError(f"{config_path}: keys are kebab-case flag names: {', '.join(bad_form)}")
+        values = merge_configs(pre.config, _given_on_command_line(parser, argv), all_stage_flags() | set(own))
         defaults = {}
         for key, value in values.items():
             if key in own:

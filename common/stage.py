@@ -13,7 +13,9 @@ from pathlib import Path
 
 from common.io import read_json, write_json
 
-# The one mapping from stage name to folder. Per-dataset stages hold one sub-folder per dataset.
+# The stage registry. A stage is the script <name>.py at the repo root; STAGE_DIRS gives its folder under
+# --work-dir (per-dataset stages hold one sub-folder per dataset). The world builders write build/ and a
+# target folder, not a stage folder, but share the flag namespace of the presets.
 STAGE_DIRS = {
     "01_prepare_datasets": "01_prepared",
     "01b_generate_synthetic": "01b_generated",
@@ -23,6 +25,8 @@ STAGE_DIRS = {
     "04_train": "04_draft",
     "05_benchmark": "05_benchmark",
 }
+WORLD_BUILDERS = ("00_build_tiny_world", "00_build_smollm2_world")
+STAGE_SCRIPTS = WORLD_BUILDERS + tuple(STAGE_DIRS)
 MANIFEST = "manifest.json"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACKED_PACKAGES = ("torch", "transformers", "tokenizers", "datasets", "safetensors", "openai", "sglang",

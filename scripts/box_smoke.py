@@ -107,7 +107,7 @@ def data_specs(s: Settings) -> str:
 
 
 def vllm_settings(s: Settings):
-    from common.serving.vllm import VllmSettings
+    from common.benchmark.vllm import VllmSettings
 
     return VllmSettings(python=s.vllm_py, max_model_len=4096)
 
@@ -115,7 +115,7 @@ def vllm_settings(s: Settings):
 def target_server_command(s: Settings) -> tuple[list[str], dict]:
     """The server 01b generates against (the target alone, served under SERVED_NAME) and its env."""
     if s.engine == "vllm":
-        from common.serving import vllm
+        from common.benchmark import vllm
 
         return (vllm.server_command(s.target, s.port, vllm_settings(s), served_name=SERVED_NAME),
                 vllm.server_env(vllm_settings(s)))
@@ -214,7 +214,7 @@ def compare_shards(sglang_dir: Path, hf_dir: Path, rel_tol: float) -> dict:
     capture point's slice of aux and the final state within `rel_tol` (relative Frobenius error over
     all tokens; bf16 kernels differ, a wrong layer differs by a whole layer's update). Prints the max
     absolute difference and the relative error of each; stops at the first that disagrees."""
-    from common.draft.shards import ShardReader, list_shards
+    from common.target.shards import ShardReader, list_shards
     from common.stage import read_manifest
 
     layer = "SGLang capture (02b sglang) vs transformers capture (02b hf)"
@@ -256,14 +256,14 @@ def compare_shards(sglang_dir: Path, hf_dir: Path, rel_tol: float) -> dict:
             where = ("the final post-norm state" if part == "final"
                      else f"capture point {part} (input of layer {part[1:]})")
             raise SmokeMismatch(layer, f"{where}: relative error {report[part]['rel_error']:.4f} > {rel_tol} "
-                                "(a layer-id rule or capture-hook difference; see common/draft/capture.py)")
+                                "(a layer-id rule or capture-hook difference; see common/target/capture.py)")
     return report
 
 
 def compare_tau(reference_metrics: dict, server_metrics: dict, rel_tol: float) -> dict:
     """SGLang's accept length at (3,1,4), batch 1, against reference tau at k = 3 on the same prompts.
 
-    Reference tau excludes the prefill token (common/draft/spec_decode.acceptance_stats); SGLang's
+    Reference tau excludes the prefill token (common/benchmark/spec_decode.acceptance_stats); SGLang's
     completion_tokens / spec_verify_ct includes it, one token per request: removed before comparing.
     """
     layer = "SGLang's EAGLE3 decoding (05 server) vs reference speculative decoding (05 reference)"
@@ -288,7 +288,7 @@ def compare_answers(s: Settings) -> dict | None:
     """01b's answers from the engine against the shipped greedy answers (transformers, float32) of the
     default target: the share that match exactly and where the others first diverge. None for another
     target (nothing shipped to compare with)."""
-    from common.data.response_cache import compare_with_cache
+    from common.generation.response_cache import compare_with_cache
 
     if s.target != DEFAULT_TARGET or not (REPO / SHIPPED_ANSWERS).is_file():
         return None

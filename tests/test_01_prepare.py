@@ -157,7 +157,7 @@ def test_manifest_counts_reasons_apart_and_repairs(micro_target, tmp_path):
     assert recs["sg/a"]["messages"] == [{"role": "user", "content": "Q1"}]
     assert recs["sg/e"]["messages"][0]["content"] == "xy"
     tok = AutoTokenizer.from_pretrained(str(micro_target))
-    from common.data.chat_format import render_prompt
+    from common.text.chat_format import render_prompt
 
     ids = tok(render_prompt(tok, recs["sg/e"]["messages"]), add_special_tokens=False)["input_ids"]
     assert ids.count(tok.convert_tokens_to_ids("<|im_end|>")) == 1  # only the turn's own end

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from common.data.chat_format import IM_END
-from common.data.server_checks import HEALTH_PROBES
+from common.text.chat_format import IM_END
+from common.generation.server_checks import HEALTH_PROBES
 from common.io import iter_jsonl, read_json
 from common.stage import StageError
 from openai_server import OpenAICompletionsServer, canned_completion
@@ -350,7 +350,7 @@ def test_health_gate_refuses_a_degenerate_target(prepared, micro_target, tmp_pat
 
 
 def test_health_gate_unit():
-    from common.data.server_checks import HealthGate, degenerate, repeated_ngram_share
+    from common.generation.server_checks import HealthGate, degenerate, repeated_ngram_share
 
     assert repeated_ngram_share([1, 2, 3]) == 0 and repeated_ngram_share(list(range(50))) == 0
     assert repeated_ngram_share([7] * 100) == pytest.approx(96 / 97)
@@ -367,8 +367,8 @@ def test_health_gate_unit():
 
 def test_startup_backoff_stays_near_the_health_interval():
     """Start-up retries wait at most twice --health-interval: a server that is back is seen soon."""
-    from common.data.server_checks import startup_delay
-    from common.data.server_pool import ServerPool
+    from common.generation.server_checks import startup_delay
+    from common.generation.server_pool import ServerPool
 
     pool = ServerPool(["http://127.0.0.1:1/v1"], retry_base_delay=2.0, retry_max_delay=120.0, health_interval=10.0)
     waits = [startup_delay(pool, a, None) for a in range(1, 12)]

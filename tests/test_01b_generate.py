@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.data.chat_format import IM_END, render_prompt
+from common.text.chat_format import IM_END, render_prompt
 from common.io import iter_jsonl, read_json
 from common.stage import StageError
 from openai_server import OpenAICompletionsServer

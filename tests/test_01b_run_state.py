@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.data.run_state import dataset_lock
+from common.generation.run_state import dataset_lock
 from common.io import iter_jsonl, read_json
 from common.stage import StageError
 from openai_server import OpenAICompletionsServer
@@ -167,7 +167,7 @@ def test_manifest_keeps_totals_over_all_runs(prepared, micro_target, tmp_path):
 
 
 def test_settings_conflicts_unit():
-    from common.data.run_state import settings_conflicts
+    from common.generation.run_state import settings_conflicts
 
     now = {"backend": "openai", "model": "k2.5", "max_new_tokens": 4096, "temperature": 0.0, "seed": None,
            "tokenizer_sha256": "t", "stop": ["<|im_end|>"]}

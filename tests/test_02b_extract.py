@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.draft.capture import (capture_hf, default_capture_points, target_dims,
+from common.target.capture import (capture_hf, default_capture_points, target_dims,
                             validate_capture_points)
 from common.io import write_jsonl
-from common.draft.shards import ShardReader, list_shards, shard_name
+from common.target.shards import ShardReader, list_shards, shard_name
 from common.stage import StageError, read_manifest, target_identity, tokenizer_identity, write_manifest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -226,7 +226,7 @@ def test_target_path_mismatch_refuses(micro_target, other_micro_target, tmp_path
 def test_sglang_layer_id_rule_per_architecture():
     """sglang 0.5.14 set_eagle3_layers_to_capture: Llama/Qwen add 1 to the draft-config ids; the
     DeepSeek family (Kimi) adds 1 only when the first id is 1, else captures the ids as given."""
-    from common.draft.capture import sglang_captured_points, sglang_layer_ids
+    from common.target.capture import sglang_captured_points, sglang_layer_ids
     assert sglang_layer_ids([2, 30, 58], "KimiK25ForConditionalGeneration") == [1, 29, 57]
     assert sglang_layer_ids([2, 30, 58], "DeepseekV3ForCausalLM") == [1, 29, 57]
     assert sglang_layer_ids([3, 15, 27], "LlamaForCausalLM") == [2, 14, 26]

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.io import write_jsonl
-from common.draft.shards import shard_name, write_shard
+from common.target.shards import shard_name, write_shard
 from common.stage import StageError, read_manifest, target_identity, tokenizer_identity, write_manifest
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from common.draft import train_data
-from common.draft.shards import shard_name, write_shard
+from common.training import data as train_data
+from common.target.shards import shard_name, write_shard
 from common.stage import StageError, is_complete, target_identity, tokenizer_identity, write_manifest
 
 train = importlib.import_module("04_train")
@@ -249,7 +249,7 @@ def test_run_batch_divides_each_step_as_asked(normalization):
     import contextlib
     from types import SimpleNamespace
 
-    from common.draft.distributed import Ranks
+    from common.training.distributed import Ranks
     from common.draft.model import Eagle3DraftModel
     torch.manual_seed(0)
     model = Eagle3DraftModel({"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
@@ -270,7 +270,7 @@ def test_run_batch_divides_each_step_as_asked(normalization):
 def test_plot_training_curves(tmp_path):
     import matplotlib.image
 
-    from common.draft.plot import plot_training_curves
+    from common.training.plot import plot_training_curves
     log = tmp_path / "train_log.jsonl"
     rows = [{"step": s, "split": "train", "loss": [3 - s / 10, 3.5 - s / 10], "acc": [s / 20, s / 40], "tau": 1 + s / 20}
             for s in range(1, 11)]

@@ -1,4 +1,4 @@
-"""05 + common/draft/spec_decode.py: lossless speculative decoding, exact acceptance accounting, the stage."""
+"""05 + common/benchmark/spec_decode.py: lossless speculative decoding, exact acceptance accounting, the stage."""
 from __future__ import annotations
 
 import argparse
@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.draft import spec_decode as sd
-from common.draft.model import Eagle3DraftModel, draft_config, export_sglang, load_sglang_export
+from common.benchmark import spec_decode as sd
+from common.draft.export_sglang import export_sglang, load_sglang_export
+from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import write_jsonl
 from common.stage import read_manifest, target_identity, tokenizer_identity, write_manifest
-from common.data.tokenizer import load_tokenizer
+from common.text.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 POINTS = [2, 4, 6]  # capture points h_i of the 8-layer micro target
@@ -293,7 +294,7 @@ def test_main_raises_and_records_when_output_differs(micro_target, target, promp
 
 def test_reference_mode_refuses_a_target_too_large_for_the_machine(micro_target, target, prompts, tmp_path,
                                                                     monkeypatch):
-    from common.draft import target_head
+    from common.target import head as target_head
 
     make_chain(tmp_path, micro_target, target, prompts)
     monkeypatch.setattr(target_head, "estimate_num_parameters", lambda cfg: 10 ** 12)  # Kimi-K2.5-sized
@@ -303,7 +304,7 @@ def test_reference_mode_refuses_a_target_too_large_for_the_machine(micro_target,
 
 
 def test_parameter_estimate_of_known_targets(micro_target):
-    from common.draft.target_head import estimate_num_parameters, read_target_text_config
+    from common.target.head import estimate_num_parameters, read_target_text_config
 
     kimi = estimate_num_parameters(read_target_text_config(REPO / "assets" / "kimi_k25"))
     assert 0.95e12 < kimi < 1.1e12  # Kimi-K2.5: ~1.04 T parameters

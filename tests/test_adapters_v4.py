@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from common.data.adapters import ADAPTERS
-from common.data.adapters_v4 import (RAW_ADAPTERS, V4_ADAPTERS, BadRow, FilteredRow, check_v4_spec,
+from common.datasets.adapters import ADAPTERS
+from common.datasets.mix import (RAW_ADAPTERS, V4_ADAPTERS, BadRow, FilteredRow, check_v4_spec,
                                 cut_trajectory, expand_row, length_partition, thinking_for)
 from common.io import iter_jsonl, read_json
 
@@ -18,8 +18,8 @@ IM_END, THINK, THINK_END = 163586, 163606, 163607
 
 @pytest.fixture(scope="module")
 def scrub():
-    from common.data.chat_format import special_token_pattern
-    from common.data.kimi_tokenizer import load_kimi_k25_tokenizer
+    from common.text.chat_format import special_token_pattern
+    from common.text.kimi_tokenizer import load_kimi_k25_tokenizer
 
     return special_token_pattern(load_kimi_k25_tokenizer())
 
@@ -186,7 +186,7 @@ def test_thinking_ratio_and_partition(scrub):
 def test_stage_thinking_ratio_flag(tmp_path):
     """01's --thinking-ratio applies to entries without their own ratio; an entry's own wins."""
     from common.io import iter_jsonl as rows
-    from common.data.kimi_tokenizer import write_kimi_k25_model_dir
+    from common.text.kimi_tokenizer import write_kimi_k25_model_dir
     from common.stage import StageError
 
     target = write_kimi_k25_model_dir(tmp_path / "kimi")
@@ -244,9 +244,9 @@ def kimi_chain(tmp_path_factory):
     hf backend can write completions), then 01 -> 01b -> 01c on every v4 fixture."""
     import torch  # noqa: F401  (the model below)
 
-    from common.data.kimi_tokenizer import write_kimi_k25_model_dir
+    from common.text.kimi_tokenizer import write_kimi_k25_model_dir
     from common.worlds.tiny_target import deepseek_v3_config
-    from common.data.tokenizer import load_tokenizer
+    from common.text.tokenizer import load_tokenizer
     from transformers import DeepseekV3ForCausalLM
 
     tmp = tmp_path_factory.mktemp("kimi_chain")
@@ -352,14 +352,14 @@ def test_config_datasets_v4():
 
 
 def test_plan_calculator_runs_on_pipeline_outputs(kimi_chain, tmp_path):
-    """train_plan_v4.md's calculator block, run as written on the end-to-end work dir."""
+    """train_plan_v4.md's calculator (scripts/plan_v4_calc.py), run as the plan runs it, on the end-to-end
+    work dir."""
     import subprocess
     import sys
 
-    text = (Path(__file__).parent.parent / "train_plan_v4.md").read_text()
-    code = text.split("```python\n# plan_v4_calc")[1].split("```")[0]
-    script = tmp_path / "plan_v4_calc.py"
-    script.write_text("# plan_v4_calc" + code)
+    repo = Path(__file__).parent.parent
+    script = repo / "scripts" / "plan_v4_calc.py"
+    assert "python scripts/plan_v4_calc.py --work-dir" in (repo / "train_plan_v4.md").read_text()
     work, _ = kimi_chain
     out = subprocess.run([sys.executable, str(script), "--work-dir", str(work), "--config",
                           str(Path(__file__).parent.parent / "configs" / "datasets_v4.yaml"),

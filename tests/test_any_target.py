@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from common.data.target_format import FormatError, describe_target, render_final_turn
-from common.data.tokenizer import load_tokenizer
+from common.text.target_format import FormatError, describe_target, render_final_turn
+from common.text.tokenizer import load_tokenizer
 from common.io import iter_jsonl, read_json
 from common.stage import StageError
 from openai_server import OpenAICompletionsServer
@@ -34,7 +34,7 @@ def read(work, stage, name, file):
 
 
 def test_describe_target(micro_target, micro_chatml_target, micro_llama3_target, tmp_path):
-    from common.data.kimi_tokenizer import write_kimi_k25_model_dir
+    from common.text.kimi_tokenizer import write_kimi_k25_model_dir
 
     chatml = describe_target(load_tokenizer(micro_chatml_target), micro_chatml_target)
     assert (chatml.kimi, chatml.end_of_turn, chatml.stop_ids) == (False, "<|im_end|>", (2,))

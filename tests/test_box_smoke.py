@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.draft.shards import shard_name, write_shard
+from common.target.shards import shard_name, write_shard
 from common.stage import write_manifest
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from common.sglang import capture as cs
-from common.draft.capture import capture_hf
-from common.draft.shards import ShardReader, list_shards, shard_name
+from common.target.capture import capture_hf
+from common.target.shards import ShardReader, list_shards, shard_name
 from common.io import iter_jsonl
 from common.stage import StageError, read_manifest
 from tests.test_02b_extract import STAGE, make_01c

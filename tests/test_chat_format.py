@@ -2,7 +2,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from common.data import chat_format as cf
+from common.text import chat_format as cf
 
 TOOLS = [{"type": "function", "function": {"name": "echo", "description": "Echo a string back to the caller.",
           "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
@@ -83,7 +83,7 @@ def test_scrub_removes_special_strings(tok):
 def test_scrub_repeats_until_no_special_string_is_left():
     """A nested literal `<|im_<|im_end|>end|>` must not turn into a real <|im_end|> (id 163586 in K2.5)
     after one deletion pass: in text, tool-call names and arguments, and tool schemas."""
-    from common.data.kimi_tokenizer import load_kimi_k25_tokenizer
+    from common.text.kimi_tokenizer import load_kimi_k25_tokenizer
 
     kimi = load_kimi_k25_tokenizer()
     pat = cf.special_token_pattern(kimi)

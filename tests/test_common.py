@@ -53,3 +53,71 @@ def test_start_stage_complete_is_noop_unless_overwrite(tmp_path, capsys):
 def test_require_complete_names_the_producer(tmp_path):
     with pytest.raises(stage.StageError, match="01b_generate_synthetic.py"):
         stage.require_complete(tmp_path / "missing", "01b_generate_synthetic")
+
+
+def test_repeated_config_merges_and_refuses_a_conflict(tmp_path):
+    """Two --config files merge key by key; a key they disagree on is refused unless the command line
+    sets it; a key both set to the same value is fine."""
+    parser = config.base_parser("t")
+    parser.add_argument("--num-things", type=int, default=1)
+    parser.add_argument("--name", default="x")
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("work-dir: /tmp/w\nnum-things: 5\n")
+    b.write_text("work-dir: /tmp/w\nname: b\n")
+    args = config.parse_args(parser, ["--config", str(a), "--config", str(b)])
+    assert (args.num_things, args.name, [p.name for p in args.config]) == (5, "b", ["a.yaml", "b.yaml"])
+    b.write_text("num-things: 6\n")
+    with pytest.raises(stage.StageError, match=r"disagree on num-things: .*a.yaml says 5, .*b.yaml says 6"):
+        config.parse_args(parser, ["--config", str(a), "--config", str(b)])
+    for cli in (["--num-things", "7"], ["--num-things=7"]):
+        args = config.parse_args(parser, ["--config", str(a), "--config", str(b), *cli])
+        assert args.num_things == 7
+
+
+def test_stage_flags_are_read_without_running_the_stages():
+    """declared_flags (ast over the source) finds exactly the flags each stage's real parser has."""
+    import importlib
+
+    for name in stage.STAGE_SCRIPTS:
+        real = set(config._flag_names(importlib.import_module(name).build_parser()))
+        shared = set(config._flag_names(config.base_parser(None, work_dir=name not in stage.WORLD_BUILDERS)))
+        assert config.declared_flags(stage.REPO_ROOT / f"{name}.py") == real - shared, name
+
+
+REAL_RUN = ["--config", "configs/kimi-k2.5.yaml", "--config", "configs/datasets_v4.yaml"]
+
+
+def test_the_real_runs_two_presets_combine_on_every_stage(monkeypatch):
+    """train_plan_v4.md's CFG (both presets) parses on every stage with no conflicting key, and each
+    stage gets the preset's values."""
+    import importlib
+
+    monkeypatch.chdir(stage.REPO_ROOT)
+    for name in stage.STAGE_DIRS:
+        args = config.parse_args(importlib.import_module(name).build_parser(), [*REAL_RUN, "--work-dir", "/w"])
+        assert [p.name for p in args.config] == ["kimi-k2.5.yaml", "datasets_v4.yaml"]
+    m01b = importlib.import_module("01b_generate_synthetic")
+    args = config.parse_args(m01b.build_parser(), [*REAL_RUN, "--work-dir", "/w"])
+    assert (args.concurrency, args.long_context, args.long_concurrency) == (160, 16384, 16)
+    mix, kimi = (config.load_config(stage.REPO_ROOT / "configs" / f) for f in ("datasets_v4.yaml", "kimi-k2.5.yaml"))
+    assert not set(mix) & set(kimi), "the mix file holds the mix alone; everything else is kimi-k2.5.yaml's"
+
+
+def test_the_plans_commands_repeat_no_preset_value():
+    """A flag the presets already set, passed by hand with the preset's own value in train_plan_v4.md's
+    real-run commands (those with $CFG), is noise that can drift; the plan passes only what differs."""
+    import re
+    import shlex
+
+    presets = {}
+    for f in ("kimi-k2.5.yaml", "datasets_v4.yaml"):
+        presets.update(config.load_config(stage.REPO_ROOT / "configs" / f))
+    text = (stage.REPO_ROOT / "train_plan_v4.md").read_text()
+    commands = [line for line in text.splitlines() if "$CFG" in line and re.search(r"\d\w*_\w+\.py", line)]
+    assert len(commands) >= 8, commands
+    for line in commands:
+        words = shlex.split(line.replace("$CFG", "CFG"))
+        for i, w in enumerate(words):
+            key = w[2:] if w.startswith("--") else None
+            if key in presets and i + 1 < len(words) and str(presets[key]) == words[i + 1]:
+                raise AssertionError(f"{line!r} repeats the preset's {key}: {presets[key]}")

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft (common/draft/model.py), its TTT loss (common/draft/loss.py), the target head loader."""
+"""The EAGLE-3 draft (common/draft/model.py), its TTT loss (common/training/loss.py), the target head loader."""
 import json
 from pathlib import Path
 
@@ -7,11 +7,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from common.draft.loss import TTTMeter, simulated_tau, soft_cross_entropy, step_counts, teacher_targets, ttt_loss
-from common.draft.model import (DraftCache, Eagle3DraftModel, draft_config, export_sglang, export_shapes,
-                                load_sglang_export, ttt_attention, ttt_attention_masked)
+from common.training.loss import TTTMeter, simulated_tau, soft_cross_entropy, ttt_loss
+
+from common.training.teacher import step_counts, teacher_targets
+from common.draft.export_sglang import export_sglang, export_shapes, load_sglang_export
+from common.draft.model import DraftCache, Eagle3DraftModel, draft_config
+from common.draft.ttt_attention import ttt_attention, ttt_attention_masked
 from common.stage import StageError
-from common.draft.target_head import load_target_head, read_target_text_config
+from common.target.head import load_target_head, read_target_text_config
 
 H, V, DV = 16, 40, 24
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from common.draft.model import Eagle3DraftModel, draft_config, export_sglang, export_shapes, load_sglang_export
+from common.draft.export_sglang import export_sglang, export_shapes, load_sglang_export
+
+from common.draft.model import Eagle3DraftModel, draft_config
 from common.draft.export_speculators import export_speculators, speculators_to_sglang
 
 POINTS = [2, 4, 5]

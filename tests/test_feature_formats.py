@@ -1,4 +1,4 @@
-"""Compact feature formats of the 02b shards (common/draft/shards.py): fp8 aux states, top-k teacher,
+"""Compact feature formats of the 02b shards (common/target/shards.py): fp8 aux states, top-k teacher,
 prompt-tail window, and every combination, written and read back."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from common.draft.shards import FeatureFormat, ShardReader, decode_fp8, encode_fp8, write_shard
+from common.target.shards import FeatureFormat, ShardReader, decode_fp8, encode_fp8, write_shard
 
 H, V = 16, 50
 
@@ -107,8 +107,8 @@ def test_format_validation():
 def test_topk_teacher_equals_the_full_teacher_when_k_covers_the_vocab():
     """With k = V the stored logits are all of them: the top-k teacher is the lm_head teacher (up to the
     float16 rounding of the logits); with a small k it is that teacher truncated and renormalised."""
-    from common.draft.loss import teacher_targets
-    from common.draft.teacher import teacher_from_topk
+    from common.training.teacher import teacher_targets
+    from common.training.teacher import teacher_from_topk
 
     g = torch.Generator().manual_seed(0)
     b, t, dv = 2, 9, 12

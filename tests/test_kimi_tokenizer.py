@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from common.data import chat_format as cf
-from common.data.kimi_tokenizer import (ASSET_DIR, MAX_ENCODE_CHARS, SPECIAL_TOKEN_NAMES, TIKTOKEN_SHA256,
+from common.text import chat_format as cf
+from common.text.kimi_tokenizer import (ASSET_DIR, MAX_ENCODE_CHARS, SPECIAL_TOKEN_NAMES, TIKTOKEN_SHA256,
                                    KimiK25Tokenizer, encode_pieces, load_kimi_k25_tokenizer,
                                    may_have_long_run, split_run_lengths, write_kimi_k25_model_dir)
-from common.data.kimi_tool_declaration import encode_tools_to_typescript
+from common.text.kimi_tool_declaration import encode_tools_to_typescript
 from common.stage import tokenizer_identity
-from common.data.tokenizer import load_tokenizer, tokenizer_kind
+from common.text.tokenizer import load_tokenizer, tokenizer_kind
 
 FIXTURES = ASSET_DIR / "tool_declaration_fixtures"
 FIXTURE_NAMES = sorted(p.stem for p in (FIXTURES / "schemas").glob("*.json"))

@@ -1,9 +1,11 @@
 """The folder tree is the architecture: imports inside common/ go downward only (common/__init__.py).
 
-Layers: the stage contract (common.stage/config/io) imports nothing else of common; data and draft
-import only the contract (and themselves); sglang and worlds may also import data and draft. Nothing
-under common/ imports or loads a stage script. A module outside the known packages fails too, so a new
-flat module has to pick its room.
+Layers: the stage contract (common.stage/config/io) imports nothing else of common; the shared cores
+(text, target, draft) import only the contract; each stage-owned package (datasets, generation,
+training, benchmark) and the engine/world packages (sglang, worlds) import what ALLOWED lists. Nothing
+under common/ imports, loads or executes a stage script, or any module by a computed name
+(import_module, exec_module, spec_from_file_location, run_path, __import__). Module imports never form
+a loop. A module outside the known packages fails too, so a new flat module has to pick its room.
 """
 from __future__ import annotations
 
@@ -13,19 +15,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACT = {"stage", "config", "io"}
+CORES = {"contract", "text", "target", "draft"}
 ALLOWED = {
     "contract": {"contract"},
-    "data": {"contract", "data"},
+    "text": {"contract", "text"},
+    "target": {"contract", "target"},
     "draft": {"contract", "draft"},
-    "sglang": {"contract", "data", "draft", "sglang"},
-    "serving": {"contract", "data", "draft", "sglang", "serving"},
-    "worlds": {"contract", "data", "draft", "worlds"},
+    "datasets": {"contract", "text", "datasets"},
+    "generation": {"contract", "text", "generation"},
+    "training": {"contract", "target", "draft", "training"},
+    "sglang": {"contract", "text", "target", "draft", "sglang"},
+    "benchmark": {"contract", "text", "target", "draft", "sglang", "benchmark"},
+    "worlds": {"contract", "text", "target", "draft", "generation", "training", "worlds"},
 }
 STAGE_NAME = re.compile(r"^\d\d[a-z]?_\w+$")
+DYNAMIC_LOADERS = ("import_module", "exec_module", "spec_from_file_location", "run_path", "__import__",
+                   "module_from_spec")
 
 
 def layer_of(module: str) -> str | None:
-    """'common.draft.loss' -> 'draft'; 'common.io' -> 'contract'; None for a module of no known layer."""
+    """'common.training.loss' -> 'draft'; 'common.io' -> 'contract'; None for a module of no known layer."""
     parts = module.split(".")
     if parts[0] != "common" or len(parts) < 2:
         return None
@@ -36,7 +45,7 @@ def layer_of(module: str) -> str | None:
 
 def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, dotted module) for every import anywhere in the file, function-level ones included.
-    `from common.draft import loss` yields common.draft.loss; `import_module("04_train")` yields 04_train."""
+    `from common.training import loss` yields common.training.loss."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -44,27 +53,39 @@ def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append((node.lineno, node.module))
             found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
-              in ("import_module", "spec_from_file_location", "run_path")):
-            found += [(node.lineno, a.value.removesuffix(".py")) for a in node.args
-                      if isinstance(a, ast.Constant) and isinstance(a.value, str)]
     return found
+
+
+def dynamic_loads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, loader) for every call that imports or executes a module by a name computed at run time,
+    whatever its argument (a stage file found by glob is still a stage)."""
+    return [(node.lineno, name) for node in ast.walk(tree) if isinstance(node, ast.Call)
+            for name in [getattr(node.func, "attr", getattr(node.func, "id", None))] if name in DYNAMIC_LOADERS]
+
+
+def common_modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in sorted((root / "common").rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        out[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
+    return out
 
 
 def violations(root: Path) -> list[str]:
     bad = []
-    for path in sorted((root / "common").rglob("*.py")):
-        rel = path.relative_to(root).with_suffix("")
-        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+    for module, path in common_modules(root).items():
         if module == "common":
             continue
         mine = layer_of(module)
         if mine is None:
             bad.append(f"{path.relative_to(root)}: not in a known package ({', '.join(sorted(ALLOWED))})")
             continue
-        for line, name in imported_modules(ast.parse(path.read_text(), str(path))):
-            if STAGE_NAME.match(Path(name).name):
-                bad.append(f"{path.relative_to(root)}:{line}: loads the stage script {name}")
+        tree = ast.parse(path.read_text(), str(path))
+        for line, loader in dynamic_loads(tree):
+            bad.append(f"{path.relative_to(root)}:{line}: loads a module at run time ({loader})")
+        for line, name in imported_modules(tree):
+            if STAGE_NAME.match(name.split(".")[0]):
+                bad.append(f"{path.relative_to(root)}:{line}: imports the stage script {name}")
                 continue
             theirs = layer_of(name)
             if theirs is not None and theirs not in ALLOWED[mine]:
@@ -72,8 +93,46 @@ def violations(root: Path) -> list[str]:
     return bad
 
 
+def import_loops(root: Path) -> list[list[str]]:
+    """Cycles in the module import graph of common/ (function-level imports included)."""
+    modules = common_modules(root)
+    graph = {}
+    for module, path in modules.items():
+        names = {n for _, n in imported_modules(ast.parse(path.read_text(), str(path)))}
+        graph[module] = sorted({n for n in names if n in modules and n != module and n != "common"})
+    loops, state = [], {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in graph[m]:
+            if state.get(n) == "open":
+                loops.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+    return loops
+
+
 def test_imports_go_downward_only():
     assert violations(REPO) == []
+
+
+def test_no_import_loops():
+    assert import_loops(REPO) == []
+
+
+def test_package_layers_form_no_loop():
+    """ALLOWED itself must be a downward order: no package may reach itself through another."""
+    def reach(pkg, seen):
+        for dep in ALLOWED[pkg] - {pkg}:
+            assert dep != seen[0], f"package loop: {' -> '.join(seen + [dep])}"
+            reach(dep, seen + [dep])
+    for pkg in ALLOWED:
+        reach(pkg, [pkg])
 
 
 def test_every_package_says_what_lives_there():
@@ -83,20 +142,30 @@ def test_every_package_says_what_lives_there():
 
 
 def test_checker_catches_each_kind_of_violation(tmp_path):
-    """The rule test above must be able to fail: plant one violation of each kind in a copy."""
-    for pkg in ("data", "draft", "sglang"):
+    """The rule tests above must be able to fail: plant one violation of each kind in a copy."""
+    for pkg in ("text", "draft", "sglang", "training"):
         (tmp_path / "common" / pkg).mkdir(parents=True)
         (tmp_path / "common" / pkg / "__init__.py").write_text('"""x"""\n')
     (tmp_path / "common" / "__init__.py").write_text("")
-    (tmp_path / "common" / "io.py").write_text("from common.draft.shards import ShardReader\n")
-    (tmp_path / "common" / "data" / "a.py").write_text("def f():\n    from common.sglang import server\n")
-    (tmp_path / "common" / "draft" / "b.py").write_text("from common.data import chat_format\n")
+    (tmp_path / "common" / "io.py").write_text("from common.target.shards import ShardReader\n")
+    (tmp_path / "common" / "text" / "a.py").write_text("def f():\n    from common.sglang import server\n")
+    (tmp_path / "common" / "draft" / "b.py").write_text("from common.text import chat_format\n")
     (tmp_path / "common" / "sglang" / "c.py").write_text(
         "import importlib\nstage = importlib.import_module('04_train')\n")
+    # The old config.all_stage_flags: every stage file executed from below, by a computed path.
+    (tmp_path / "common" / "config.py").write_text(
+        "import importlib.util\nfor path in STAGES:\n"
+        "    spec = importlib.util.spec_from_file_location(path.stem, path)\n"
+        "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n")
+    (tmp_path / "common" / "training" / "d.py").write_text("import common.training.e\n")
+    (tmp_path / "common" / "training" / "e.py").write_text("def f():\n    from common.training import d\n")
     (tmp_path / "common" / "loose.py").write_text("")
     found = "\n".join(violations(tmp_path))
-    assert "io.py:1: contract imports common.draft.shards" in found
-    assert "a.py:2: data imports common.sglang" in found
-    assert "b.py:1: draft imports common.data" in found
-    assert "c.py:2: loads the stage script 04_train" in found
+    assert "io.py:1: contract imports common.target.shards" in found
+    assert "a.py:2: text imports common.sglang" in found
+    assert "b.py:1: draft imports common.text" in found
+    assert "c.py:2: loads a module at run time (import_module)" in found
+    assert "config.py:3: loads a module at run time (spec_from_file_location)" in found
+    assert "config.py:4: loads a module at run time (exec_module)" in found
     assert "loose.py: not in a known package" in found
+    assert import_loops(tmp_path) == [["common.training.d", "common.training.e", "common.training.d"]]

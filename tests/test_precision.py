@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from common.draft.precision import MIN_SPEEDUP, choose_bf16, gemm_seconds
+from common.training.precision import MIN_SPEEDUP, choose_bf16, gemm_seconds
 
 
 def fake_timer(fp32_s: float, bf16_s: float):

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from common.draft.model import Eagle3DraftModel, draft_config, export_sglang
-from common.serving.bench import warmup
+from common.draft.export_sglang import export_sglang
+
+from common.draft.model import Eagle3DraftModel, draft_config
+from common.benchmark.server_bench import warmup
 from common.sglang.server import check_draft_files, get_server_info, preflight
 from common.stage import StageError
 from tests.sglang_server_stub import StubServer, StubState

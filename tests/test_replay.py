@@ -1,11 +1,11 @@
-"""common/draft/replay.py: the replayed rounds equal the step-by-step loop's, statistic for statistic."""
+"""common/benchmark/replay.py: the replayed rounds equal the step-by-step loop's, statistic for statistic."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from common.draft import replay as rp
-from common.draft import spec_decode as sd
+from common.benchmark import replay as rp
+from common.benchmark import spec_decode as sd
 
 # The micro target, its prompts and the one-thread setting are 05's test fixtures (same module scope).
 from tests.test_05_benchmark import POINTS, one_thread, prompts, random_draft, target  # noqa: E402,F401

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from common.data.response_cache import ResponseCache, cache_identity, write_response_cache
-from common.data.target_format import describe_target
+from common.generation.response_cache import ResponseCache, cache_identity, write_response_cache
+from common.text.target_format import describe_target
 from common.io import iter_jsonl, read_json
 from common.stage import StageError
 
@@ -51,7 +51,7 @@ def copy(src, tmp_path, name="work"):
 
 
 def identity(target):
-    from common.data.tokenizer import load_tokenizer
+    from common.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(target)
     return cache_identity(target, describe_target(tok, target), "hf-float32"), tok

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from common.sglang import server as srv
-from common.draft.model import Eagle3DraftModel, draft_config, export_sglang
+from common.draft.export_sglang import export_sglang
+from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import write_jsonl
-from common.serving.bench import parse_meta, run_prompts, summarize
+from common.benchmark.server_bench import run_prompts, summarize
+from common.benchmark.sglang_stream import parse_meta
 from common.stage import StageError, target_identity, tokenizer_identity, write_manifest
 from tests.sglang_server_stub import StubServer, StubState
 
@@ -204,7 +206,7 @@ def test_draft_identified_by_content(tmp_path, micro_target):
 
 
 def test_streamed_error_raises_the_server_message():
-    from common.serving.bench import generate_stream
+    from common.benchmark.sglang_stream import generate_stream
     msg = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
     with StubServer(StubState(algorithm="EAGLE3", draft_path="/d", error_message=msg)) as url:
         with pytest.raises(StageError, match=r"with an error: The input \(9000 tokens\)"):
@@ -212,7 +214,7 @@ def test_streamed_error_raises_the_server_message():
 
 
 def test_transient_failures_retried_then_one_clear_line(monkeypatch):
-    from common.serving.bench import generate_stream
+    from common.benchmark.sglang_stream import generate_stream
     monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.01)
     state = StubState(algorithm="EAGLE3", draft_path="/d", fail_first=2)
     with StubServer(state) as url:
@@ -304,7 +306,7 @@ def test_kimi_preset_matches_the_plans_server_and_draft_heads():
     import re
 
     from common.config import load_config
-    from common.draft.capture import target_dims
+    from common.target.capture import target_dims
     from common.draft.model import draft_config
     cfg = load_config(REPO / "configs" / "kimi-k2.5.yaml")
     plan = (REPO / "train_plan_v4.md").read_text()
@@ -363,7 +365,7 @@ class CutOnce:
 def test_network_failures_end_in_one_line_naming_the_server(monkeypatch):
     """An unresolvable host and a server that never answers stop at once with one line naming the server;
     a stream cut inside an event is retried, and the request is timed on its good attempt alone."""
-    from common.serving.bench import generate_stream
+    from common.benchmark.sglang_stream import generate_stream
     monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.2)
     with pytest.raises(StageError, match=r"SGLang server http://sglang-box.invalid:30000: POST /generate: .*"
                                          r"is the address right"):
@@ -384,7 +386,7 @@ def test_network_failures_end_in_one_line_naming_the_server(monkeypatch):
 
 
 def test_a_ratio_taken_under_retries_is_refused():
-    from common.serving.bench import add_ratios, summarize
+    from common.benchmark.server_bench import add_ratios, summarize
     good = {"completion_tokens": 10, "spec_verify_ct": None, "accept_length": None, "ttft_s": 0.1, "latency_s": 1.0}
     base = summarize([dict(good) for _ in range(4)], 4.0, 1)
     spec = summarize([dict(good), dict(good, retries=2), dict(good), dict(good)], 2.0, 1)
@@ -428,7 +430,7 @@ def test_quantized_target_keeps_its_quantization_off_the_draft(tmp_path):
 def test_report_says_what_the_windowed_server_tau_includes(tmp_path):
     """SGLang's reset zeroes the lifetime counters, not the per-interval ones: the report says the server's
     windowed number may hold up to 39 decode iterations from before the run."""
-    from common.serving.bench import write_report
+    from common.benchmark.server_bench import write_report
     run = {"output_tokens_per_s": 10.0, "ttft_mean_s": 0.1, "accept_length_mean": 2.0, "accept_length_pooled": 2.0,
            "server_accept_length": 2.1, "speed_ratio": 1.2}
     m = {"engine": "sglang", "target": "t", "draft": "d", "num_prompts": 1, "max_new_tokens": 8,

@@ -53,11 +53,11 @@ def test_world_conversion_was_checked_and_files_are_split():
 @needs_world
 def test_shipped_answers_regenerate_identically():
     """Three shipped greedy answers (the shortest, to stay fast), generated again by 01b's hf backend."""
-    from common.data.chat_format import render_prompt
-    from common.data.generation import HFBackend, hf_generator
-    from common.data.response_cache import ResponseCache, cache_identity, prompt_sha256
-    from common.data.target_format import load_target_format
-    from common.data.tokenizer import load_tokenizer
+    from common.text.chat_format import render_prompt
+    from common.generation.hf_backend import HFBackend, hf_generator
+    from common.generation.response_cache import ResponseCache, cache_identity, prompt_sha256
+    from common.text.target_format import load_target_format
+    from common.text.tokenizer import load_tokenizer
 
     target = WORLD / "target"
     tok = load_tokenizer(target)

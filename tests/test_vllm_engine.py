@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from common.serving import vllm
-from common.serving.agreement import first_difference, replay_rounds, totals
+from common.benchmark import vllm
+from common.benchmark.agreement import first_difference, replay_rounds, totals
 from common.stage import StageError
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "vllm"

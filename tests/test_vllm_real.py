@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from common.io import iter_jsonl
-from common.serving import vllm
+from common.benchmark import vllm
 from common.sglang import server as srv
 from common.stage import StageError
 
@@ -123,7 +123,7 @@ def world(tmp_path_factory):
 
 def test_01b_against_a_real_vllm_server(world):
     """Start-up checks pass for real, the engine's ids are kept, and its answers equal the shipped ones."""
-    from common.data.response_cache import compare_with_cache
+    from common.generation.response_cache import compare_with_cache
 
     work = world["root"] / "w01b"
     w, t = ["--work-dir", str(work)], ["--target-path", str(TARGET)]
@@ -194,8 +194,8 @@ def test_planted_eagle_method_is_caught(world):
 def test_planted_capture_ids_off_by_one_are_caught(world):
     """The SGLang export without vLLM's top-level ids: vLLM reads eagle_config's (points - 1) as its own.
     The engine's log says so, and the agreement check names the draft's inputs."""
-    from common.serving.agreement import AgreementCheck
-    from common.serving.engines import VllmEngine
+    from common.benchmark.agreement import AgreementCheck
+    from common.benchmark.engines import VllmEngine
 
     s, work = world["ids"], world["work"]
     with pytest.raises(StageError, match=r"inputs of layers \[1, 14, 26\].*capture points \[2, 15, 27\]"):

@@ -1,4 +1,5 @@
-"""The EAGLE-3 draft (SGLang `LlamaForCausalLMEagle3` layout): inference step, TTT forward, export/load.
+"""The EAGLE-3 draft (SGLang `LlamaForCausalLMEagle3` layout): inference step and TTT forward.
+The TTT attention kernel is common/draft/ttt_attention.py, the SGLang export common/draft/export_sglang.py.
 
 Layout and names follow SGLang `python/sglang/srt/models/llama_eagle3.py` (read at 03d5a777) so the
 export is a rename-free dump of our state dict:
@@ -16,16 +17,11 @@ export is a rename-free dump of our state dict:
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from common.io import atomic_path, write_json
+from common.draft.ttt_attention import ttt_attention, ttt_attention_masked
 
 CONFIG_KEYS = ("hidden_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads",
                "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta",
@@ -177,131 +173,6 @@ class DraftCache:
                 self.keys[i], self.values[i] = k[:, :, :n], self.values[i][:, :, :n]
 
 
-def ttt_attention_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
-    """Mask [T, (step+1)*T] (True = attend) of TTT step `step` over keys [step-0 | step-1 | ... | step-k].
-
-    Query (t, k) sees step-0 keys at positions <= t (causal block) and, from each of steps 1..k, ONLY
-    the key at the same position t (diagonal blocks): at inference the depth-k draft token sees the
-    verified context plus its own chain of ancestors, which sit at the same TTT position t.
-    """
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    diag = torch.eye(seq_len, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [diag] * step, dim=1)
-
-
-def ttt_attention_masked(q, keys, values):
-    """The first TTT attention, kept as the reference of ttt_attention (tests, benchmark): one SDPA over
-    the keys of all steps so far under ttt_attention_mask. It scores (k+1) T^2 pairs per head at step k
-    where T(T+1)/2 + kT are attended. q [B, nh, T, d]; keys/values: per step j <= k, [B, nkv, T, d]."""
-    rep = q.shape[1] // keys[0].shape[1]
-    k, v = torch.cat(keys, 2), torch.cat(values, 2)
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    mask = ttt_attention_mask(q.shape[2], len(keys) - 1, device=q.device)
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
-
-
-def ttt_attention(q, keys, values):
-    """TTT attention of step k = len(keys) - 1 without masked-out work -> [B, nh, T, d].
-
-    q [B, nh, T, d]; keys/values: per step j <= k, [B, nkv, T, d] (post-RoPE; nh a multiple of nkv).
-    Query (t, k) attends to the step-0 keys at positions <= t (a causal SDPA, T(T+1)/2 scores) and to
-    the step-1..k keys at position t (k dot products per query), one softmax over both sets: same
-    result as ttt_attention_masked, up to float rounding.
-    """
-    if len(keys) == 1:
-        return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True,
-                                              enable_gqa=q.shape[1] != keys[0].shape[1])
-    return _CausalPlusDiagonal.apply(q, keys[0], values[0], *keys[1:], *values[1:])
-
-
-def _causal_forward(q, k, v, scale: float):
-    """Causal attention that also returns its log-sum-exp: (out [B, nh, T, d], lse [B, nh, T] float32,
-    extra state for _causal_backward). k/v may have fewer (grouped) heads. This and _causal_backward
-    are the only calls of private SDPA kernels; their schemas and autograd formulas are in torch's
-    native_functions.yaml / derivatives.yaml (`_scaled_dot_product_flash_attention[_for_cpu]`)."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-        return out, lse, ()
-    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
-        out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, True, False, scale=scale)
-        return out, lse, (cum_q, cum_k, max_q, max_k, rng, unused)
-    raise ValueError(f"TTT attention runs on CPU, or on CUDA in bf16/fp16; got {q.device.type} {q.dtype} "
-                     "(use --precision bf16 on CUDA)")
-
-
-def _causal_backward(dout, q, k, v, out, lse, extra, scale: float):
-    """(dq, dk, dv) of causal attention for the given softmax normaliser `lse` and output `out`."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, True, scale=scale)
-    cum_q, cum_k, max_q, max_k, rng, unused = extra
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale)
-
-
-class _CausalPlusDiagonal(torch.autograd.Function):
-    """softmax over [causal step-0 keys | same-position keys of steps 1..k], without a mask.
-
-    Forward: (o_c, L_c) = causal attention over step 0 (flash kernel, with its log-sum-exp), diagonal
-    scores s_j = q_t . k_j[t] * scale (j = 1..k); the joint normaliser L = logaddexp(L_c, logsumexp_j s_j)
-    and out = exp(L_c - L) o_c + sum_j exp(s_j - L) v_j[t].
-    Backward: for one softmax over a union of key sets, each set's score gradient is
-    dS = P (dout . v - D) with P = exp(S - L) under the JOINT L and D = rowsum(dout * out) of the JOINT
-    out (the split ring attention uses). The flash backward computes exactly that when handed the joint
-    out and L instead of its own, so the causal block costs one kernel call; the k diagonal terms are
-    per-position dot products in float32 (vecdot/addcmul: measured faster on a CPU than batched tiny
-    matmuls over stacked keys). Grouped heads: views [B, nkv, rep, T, .], query head h = kv head h // rep.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k0, v0, *diag):
-        n, scale, nkv = len(diag) // 2, q.shape[-1] ** -0.5, k0.shape[1]
-        with torch.autocast(q.device.type, enabled=False):
-            out_c, lse_c, extra = _causal_forward(q, k0, v0, scale)
-            qg, lse_cg = _grouped(q.float(), nkv), _grouped(lse_c, nkv)               # [B, nkv, rep, T(, d)]
-            s = torch.stack([torch.linalg.vecdot(qg, _kv(kj)) for kj in diag[:n]], -1) * scale   # [.., T, k]
-            lse = torch.logaddexp(lse_cg, s.logsumexp(-1))                              # [B, nkv, rep, T]
-            p = (s - lse.unsqueeze(-1)).exp_()                                          # diagonal weights
-            out = _grouped(out_c.float(), nkv) * (lse_cg - lse).exp_().unsqueeze(-1)
-            for j, vj in enumerate(diag[n:]):
-                out.addcmul_(p[..., j, None], _kv(vj))
-            out, lse = out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)               # [B, nh, T(, d)]
-        ctx.save_for_backward(q, k0, v0, out, lse, p, *diag)
-        ctx.extra, ctx.scale = extra, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k0, v0, out, lse, p, *diag = ctx.saved_tensors
-        n, scale, nkv = len(diag) // 2, ctx.scale, k0.shape[1]
-        dout = dout.contiguous()
-        with torch.autocast(q.device.type, enabled=False):
-            dq, dk0, dv0 = _causal_backward(dout, q, k0, v0, out, lse, ctx.extra, scale)
-            g, qg = _grouped(dout.float(), nkv), _grouped(q.float(), nkv)
-            big_d = torch.linalg.vecdot(g, _grouped(out.float(), nkv))                 # D [B, nkv, rep, T]
-            dq = _grouped(dq.float(), nkv)
-            grads_k, grads_v = [], []
-            for j, (kj, vj) in enumerate(zip(diag[:n], diag[n:])):
-                kf, pj = _kv(kj), p[..., j]
-                ds = (pj * (torch.linalg.vecdot(g, _kv(vj)) - big_d) * scale).unsqueeze(-1)   # dS * scale
-                dq.addcmul_(ds, kf)
-                grads_k.append((ds * qg).sum(2).to(kj.dtype))                        # sum over the group
-                grads_v.append((pj.unsqueeze(-1) * g).sum(2).to(vj.dtype))
-        return (dq.flatten(1, 2).to(q.dtype), dk0, dv0, *grads_k, *grads_v)
-
-
-def _grouped(x, nkv: int):
-    """Query heads grouped by kv head: [B, nh, ...] -> [B, nkv, rep, ...] (a view)."""
-    return x.unflatten(1, (nkv, -1))
-
-
-def _kv(x):
-    """A step's keys or values [B, nkv, T, d] -> float32 [B, nkv, 1, T, d], broadcast over the group."""
-    return x.float().unsqueeze(2)
-
-
 def shift_left(x, n: int, fill=0):
     """x [B, T, ...] -> x[:, n:] padded at the end with `fill` back to length T."""
     if n == 0:
@@ -410,93 +281,3 @@ class Eagle3DraftModel(nn.Module):
     def trainable_state_dict(self) -> dict:
         """Everything but the frozen embedding: exactly the export key set."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
-
-
-def export_shapes(cfg: dict) -> dict[str, tuple]:
-    """The exact key set and shapes of the SGLang export (docs/design.md section 4)."""
-    h, d, i = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
-    ht = cfg.get("target_hidden_size", h)
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    return {
-        "fc.weight": (h, 3 * ht),
-        "midlayer.self_attn.q_proj.weight": (nh * d, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (nkv * d, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (nkv * d, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, nh * d),
-        "midlayer.mlp.gate_proj.weight": (i, h),
-        "midlayer.mlp.up_proj.weight": (i, h),
-        "midlayer.mlp.down_proj.weight": (h, i),
-        "midlayer.input_layernorm.weight": (h,),
-        "midlayer.hidden_norm.weight": (h,),
-        "midlayer.post_attention_layernorm.weight": (h,),
-        "norm.weight": (h,),
-        "lm_head.weight": (cfg["draft_vocab_size"], h),
-        "d2t": (cfg["draft_vocab_size"],),
-        "t2d": (cfg["vocab_size"],),
-    }
-
-
-def sglang_config(cfg: dict, capture_points: list[int], torch_dtype: str = "bfloat16") -> dict:
-    """config.json of the export. SGLang's eagle_config ids mean OUTPUT of layer j (it adds +1), so
-    ids = capture points - 1; vLLM's top-level ids mean INPUT of layer i: the points themselves."""
-    points = sorted(int(p) for p in capture_points)
-    out = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-        "hidden_size": cfg["hidden_size"], "num_attention_heads": cfg["num_attention_heads"],
-        "num_key_value_heads": cfg["num_key_value_heads"], "head_dim": cfg["head_dim"],
-        "intermediate_size": cfg["intermediate_size"], "rms_norm_eps": cfg["rms_norm_eps"],
-        "rope_theta": cfg["rope_theta"], "max_position_embeddings": cfg["max_position_embeddings"],
-        "num_hidden_layers": 1, "vocab_size": cfg["vocab_size"],
-        "draft_vocab_size": cfg["draft_vocab_size"], "tie_word_embeddings": False,
-        "torch_dtype": torch_dtype, "hidden_act": "silu",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [p - 1 for p in points],
-                         "use_aux_hidden_state": True},
-        "eagle_aux_hidden_state_layer_ids": points,
-    }
-    if cfg.get("target_hidden_size", cfg["hidden_size"]) != cfg["hidden_size"]:
-        out["target_hidden_size"] = cfg["target_hidden_size"]
-    return out
-
-
-def export_sglang(model: Eagle3DraftModel, out_dir, capture_points: list[int],
-                  torch_dtype: str = "bfloat16", extra_config: dict | None = None) -> Path:
-    """Write config.json + model.safetensors that SGLang's LlamaForCausalLMEagle3 loads."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dtype = getattr(torch, torch_dtype)
-    tensors = {}
-    for name, t in model.trainable_state_dict().items():
-        t = t.detach().cpu()
-        tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
-    tensors["d2t"], tensors["t2d"] = tensors["d2t"].to(torch.int64), tensors["t2d"].to(torch.bool)
-    # SGLang silently skips unknown names and leaves missing ones random: insist on the exact set.
-    want = export_shapes(model.config)
-    got = {k: tuple(v.shape) for k, v in tensors.items()}
-    assert got == want, f"export keys/shapes differ: {sorted(set(got) ^ set(want))} {got} {want}"
-    with atomic_path(out_dir / "model.safetensors") as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-    write_json(out_dir / "config.json", {**sglang_config(model.config, capture_points, torch_dtype),
-                                         **(extra_config or {})})
-    return out_dir
-
-
-def load_sglang_export(export_dir, embed_weight: torch.Tensor) -> Eagle3DraftModel:
-    """Rebuild the draft from an export (strict: the file must hold exactly the export key set)."""
-    export_dir = Path(export_dir)
-    cfg = json.loads((export_dir / "config.json").read_text())
-    model = Eagle3DraftModel(cfg)
-    with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    want = export_shapes(model.config)
-    got = {k: tuple(v.shape) for k, v in tensors.items()}
-    if got != want:
-        raise ValueError(f"{export_dir}: keys/shapes differ from the EAGLE-3 export set: "
-                         f"missing {sorted(set(want) - set(got))}, unexpected {sorted(set(got) - set(want))}, "
-                         f"shape mismatches {sorted(k for k in want if k in got and got[k] != want[k])}")
-    if tuple(embed_weight.shape) != (cfg["vocab_size"], cfg["hidden_size"]):
-        raise ValueError(f"embedding {tuple(embed_weight.shape)} does not match the draft "
-                         f"({cfg['vocab_size']}, {cfg['hidden_size']})")
-    state = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
-    state["embed_tokens.weight"] = embed_weight.float()
-    model.load_state_dict(state, strict=True)
-    return model.eval()

@@ -148,7 +148,7 @@ def capture_samples_sglang(backend, rows: list[dict], capture_fn, budget: int, h
 
 def build_backend(target_dir, layer_ids: list[int], kwargs: dict):  # GPU only
     """SpecForge's offline SGLang runner for the target, capturing what the draft-config `layer_ids`
-    name (common.draft.capture.sglang_layer_ids: checked to be the capture points under SGLang's
+    name (common.target.capture.sglang_layer_ids: checked to be the capture points under SGLang's
     rule for this architecture). init_process_group must have run."""
     import torch
     from specforge.offline_capture.sglang_backend.capture import OfflineSGLangCaptureBackend

@@ -483,7 +483,7 @@ def check_draft_files(export_dir: Path, m02b: dict, m04: dict) -> dict:
     """The exported draft against the target (02b manifest) and 04's manifest. Returns its config."""
     from safetensors import safe_open
 
-    from common.draft.capture import sglang_layer_ids
+    from common.target.capture import sglang_layer_ids
 
     cfg = json.loads((Path(export_dir) / "config.json").read_text())
     with safe_open(str(Path(export_dir) / "model.safetensors"), framework="pt") as f:
@@ -541,7 +541,7 @@ def preflight(base_url: str, export_dir: Path, m02b: dict, m04: dict, warmup_fn,
               target_dir: Path | None = None) -> dict:
     """Run every check against a live server; returns a record for metrics.json.
 
-    warmup_fn(base_url) -> per-request tau over a few short requests (common/serving/bench.warmup).
+    warmup_fn(base_url) -> per-request tau over a few short requests (common/benchmark/server_bench.warmup).
     """
     info = get_server_info(base_url)
     check_server_info(info, export_dir, target_dir, base_url)

@@ -1,2 +1,3 @@
 """The embedded CPU worlds the chain is demonstrated and measured on: the tiny Kimi-shaped target and
-SmolLM2-135M-Instruct, the real small one. May import the stage contract, common.data and common.draft."""
+SmolLM2-135M-Instruct, the real small one. Imports the stage contract, common.text, common.target,
+common.draft, common.generation and common.training."""

@@ -7,7 +7,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from common.data.chat_format import render_completion, render_prompt
+from common.text.chat_format import render_completion, render_prompt
 
 IGNORE = -100
 

@@ -1,0 +1,202 @@
+"""One interface over the serving engines 05 measures: SGLang (the GPU box) and vLLM (its CPU build
+serves the CPU worlds here). 05's sweep (common/benchmark/server_bench.py) only talks to an `Engine`.
+
+What differs between them, and where each answer comes from:
+                     SGLang (common/sglang/server.py)           vLLM (common/benchmark/vllm.py)
+  launch             python -m sglang.launch_server ...         python -m vllm.entrypoints.openai.api_server
+  what it serves     GET /server_info                           GET /server_info?config_format=json (dev mode)
+  algorithm          speculative_algorithm == "EAGLE3"          speculative_config.method == "eagle3"
+  aux layers         draft config ids checked against 02b       the engine's own log line, = capture points
+  requests           POST /generate (input_ids)                 POST /v1/completions (prompt = ids)
+  per-request tau    meta_info.spec_verify_ct                   metrics.speculative_decoding (per round)
+  run-level tau      reset + windowed avg_spec_accept_length    /metrics counters, differenced
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.benchmark import vllm
+from common.benchmark.sglang_stream import generate_stream
+from common.sglang import server as srv
+from common.stage import StageError, stage_dir
+
+ENGINES = ("sglang", "vllm")
+
+
+class Engine:
+    """What 05's sweep needs from an engine. `setting` = (steps, topk, num_draft_tokens)."""
+    name: str
+    label: str
+    reports_per_round = False  # per-request, per-round acceptance (the agreement check needs it)
+
+    def parse_setting(self, text: str) -> tuple[int, int, int]:
+        return srv.parse_spec_setting(text)
+
+    def command(self, port: int, graph: bool, setting) -> tuple[list[str], dict]:
+        raise NotImplementedError
+
+    def check_baseline(self, url: str) -> bool:
+        """Refuse a baseline that speculates or serves another target; returns its graph mode."""
+        raise NotImplementedError
+
+    def check_eagle3(self, url: str) -> tuple[bool, tuple[int, int, int]]:
+        """Refuse a speculative server that is not EAGLE-3 with 04's draft and our target; returns
+        (graph mode, setting)."""
+        raise NotImplementedError
+
+    def preflight(self, url: str, log: Path | None, warmup_fn) -> dict:
+        raise NotImplementedError
+
+    def request(self, url: str, ids: list[int], max_new_tokens: int, timeout: float) -> dict:
+        raise NotImplementedError
+
+    def window_start(self, url: str):
+        """Called right before a measured run; its result goes to window_end."""
+        return None
+
+    def window_end(self, url: str, start) -> dict:
+        """The server's own acceptance over the run: {"server_accept_length", ...}."""
+        return {"server_accept_length": None}
+
+
+@dataclass
+class SGLangEngine(Engine):
+    target_dir: Path
+    export_dir: Path
+    m02b: dict
+    m04: dict
+    tp_size: int = 1
+    mem_fraction: float = 0.85
+    python: str = "python"
+    extra_args: list[str] = field(default_factory=list)
+    min_accept_length: float = 1.3
+    draft_attention_backend: str | None = None
+    name = "sglang"
+    label = "SGLang"
+
+    def command(self, port, graph, setting):
+        cmd = srv.server_command(self.target_dir, port, self.tp_size, self.mem_fraction, graph,
+                                 self.export_dir if setting else None, setting, self.python, self.extra_args,
+                                 self.draft_attention_backend, srv.target_quantization(self.target_dir) is not None)
+        return cmd, {}
+
+    def check_baseline(self, url):
+        info = srv.get_server_info(url)
+        srv.check_baseline_info(info, self.target_dir, url)
+        return srv.cuda_graph_on(info)
+
+    def check_eagle3(self, url):
+        info = srv.get_server_info(url)
+        srv.check_server_info(info, self.export_dir, self.target_dir, url)
+        return srv.cuda_graph_on(info), srv.spec_settings_of(info)
+
+    def preflight(self, url, log, warmup_fn):
+        return srv.preflight(url, self.export_dir, self.m02b, self.m04, min_accept_length=self.min_accept_length,
+                             target_dir=self.target_dir, warmup_fn=warmup_fn)
+
+    @property
+    def draft_dir(self) -> Path:  # SGLang always loads 04's SGLang export
+        return self.export_dir
+
+    def request(self, url, ids, max_new_tokens, timeout):
+        return generate_stream(url, ids, max_new_tokens, timeout)
+
+    def window_start(self, url):
+        return srv.reset_accept_counters(url)
+
+    def window_end(self, url, start):
+        return {"server_accept_length": srv.server_accept_length(srv.get_server_info(url)) if start else None}
+
+
+@dataclass
+class VllmEngine(Engine):
+    target_dir: Path
+    export_dir: Path      # 04's SGLang export: the files the preflight checks against the manifests
+    draft_dir: Path       # what the server loads: export_dir or 04's speculators export
+    m02b: dict
+    m04: dict
+    settings: vllm.VllmSettings = field(default_factory=vllm.VllmSettings)
+    min_accept_length: float = 1.3
+    served: dict = field(default_factory=dict)  # url -> served model name, read from the info document
+    name = "vllm"
+    label = "vLLM"
+    reports_per_round = True
+
+    def parse_setting(self, text):
+        steps, topk, ndt = srv.parse_spec_setting(text)
+        if topk != 1:
+            raise StageError(f"--spec-settings {text!r}: vLLM's EAGLE-3 drafts chains only (topk 1)")
+        return steps, topk, ndt
+
+    def command(self, port, graph, setting):
+        cmd = vllm.server_command(self.target_dir, port, self.settings, graph,
+                                  self.draft_dir if setting else None, setting[0] if setting else None)
+        return cmd, vllm.server_env(self.settings)
+
+    def _info(self, url):
+        info = vllm.get_info(url)
+        self.served[url] = vllm.served_model(info)
+        return info
+
+    def check_baseline(self, url):
+        info = self._info(url)
+        vllm.check_baseline_info(info, self.target_dir, url)
+        return not vllm.eager(info)
+
+    def check_eagle3(self, url):
+        info = self._info(url)
+        k = vllm.check_eagle3_info(info, self.draft_dir, self.target_dir, url)
+        return not vllm.eager(info), (k, 1, k + 1)
+
+    def preflight(self, url, log, warmup_fn):
+        info = self._info(url)
+        k = vllm.check_eagle3_info(info, self.draft_dir, self.target_dir, url)
+        srv.check_draft_files(self.export_dir, self.m02b, self.m04)
+        layers = vllm.check_aux_layers(log, self.m02b["capture_points"], url)
+        before = vllm.read_counters(url)
+        tau = warmup_fn(url)
+        window = vllm.read_counters(url).minus(before).summary()
+        srv.check_acceptance(tau, self.min_accept_length, f"{url} warm-up (per-request)")
+        print(f"[05] preflight ok: eagle3, draft {self.draft_dir}, k {k}, aux layers "
+              f"{layers if layers is not None else 'not reported (attached)'}, warm-up tau {tau:.2f} "
+              f"(server {window['server_accept_length']})")
+        return {"speculative_algorithm": vllm.METHOD, "draft": str(self.draft_dir),
+                "draft_sha256": srv.folder_fingerprint(self.draft_dir, srv.DRAFT_FILES),
+                "server_draft_path": (info.get("speculative_config") or {}).get("model"),
+                "aux_layers_reported": layers, "warmup_tau": tau,
+                "server_accept_length": window["server_accept_length"],
+                "draft_dtype": ((info["speculative_config"].get("draft_model_config") or {}).get("dtype")),
+                "target_dtype": info["model_config"].get("dtype")}
+
+    def request(self, url, ids, max_new_tokens, timeout):
+        if url not in self.served:
+            self._info(url)
+        return vllm.complete_stream(url, self.served[url], ids, max_new_tokens, timeout)
+
+    def window_start(self, url):
+        return vllm.read_counters(url)
+
+    def window_end(self, url, start):
+        return vllm.read_counters(url).minus(start).summary()
+
+
+def engine_from_args(args, export_dir: Path, m02b: dict, m04: dict, target_dir: Path, work_dir: Path):
+    """05's flags -> the Engine that serves this run."""
+
+    if args.engine == "sglang":
+        return SGLangEngine(target_dir, export_dir, m02b, m04, tp_size=args.sglang_tp_size,
+                                    mem_fraction=args.mem_fraction_static, python=args.sglang_python,
+                                    extra_args=list(args.server_extra_args),
+                                    min_accept_length=args.min_accept_length,
+                                    draft_attention_backend=args.sglang_draft_attention_backend)
+    draft_dir = (export_dir if args.draft_format == "sglang"
+                 else stage_dir(work_dir, "04_train") / "export_speculators")
+    if not (draft_dir / "config.json").is_file():
+        raise StageError(f"{draft_dir} has no config.json: re-run `python 04_train.py --overwrite`")
+    settings = vllm.VllmSettings(python=args.vllm_python, dtype=args.vllm_dtype,
+                                 kv_cache_space_gib=args.vllm_kv_cache_space, threads=args.vllm_threads,
+                                 thread_binding=args.vllm_thread_binding, max_model_len=args.vllm_max_model_len,
+                                 preload_iomp=args.vllm_preload_iomp, extra_args=tuple(args.server_extra_args))
+    return VllmEngine(target_dir, export_dir, draft_dir, m02b, m04, settings,
+                              min_accept_length=args.min_accept_length)

@@ -1,0 +1,291 @@
+"""05 `--mode server`: the same prompts against a baseline and EAGLE-3 servers of one engine
+(common/benchmark/engines.py: SGLang or vLLM); tok/s, TTFT, tau, the agreement check's hook.
+
+SGLang's side: requests in common/benchmark/sglang_stream.py; the server-wide tau
+(`avg_spec_accept_length`) is a ratio of lifetime counters, so two readings cannot be subtracted; each
+run is windowed instead: the counters are reset (POST /set_internal_state) right
+before it and read right after it. The reset does not clear the per-interval counters that SGLang
+folds into the lifetime ones every 40 decode iterations, so the number may include up to 39 decode
+iterations from before the run and miss up to 39 of its last ones; per-request tau is exact. vLLM's
+side (requests, counters): common/benchmark/vllm.py.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from common.benchmark.engines import engine_from_args
+from common.benchmark.sglang_stream import generate_stream
+from common.stage import StageError
+
+
+def run_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int,
+                timeout: float, request_fn=generate_stream) -> dict:
+    """All prompts at a given concurrency; the summary over the wall time of the whole set."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(lambda ids: request_fn(base_url, ids, max_new_tokens, timeout), prompts))
+    return summarize(results, time.perf_counter() - t0, concurrency)
+
+
+def summarize(results: list[dict], wall_s: float, concurrency: int) -> dict:
+    tokens = sum(r["completion_tokens"] for r in results)
+    verify = [r["spec_verify_ct"] for r in results if r["spec_verify_ct"]]
+    taus = [r["accept_length"] for r in results if r["accept_length"] is not None]
+    ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    return {
+        "concurrency": concurrency, "num_requests": len(results), "completion_tokens": tokens,
+        "wall_s": wall_s, "output_tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "per_request_tokens_per_s": statistics.mean(r["completion_tokens"] / r["latency_s"]
+                                                    for r in results if r["latency_s"] > 0),
+        "ttft_mean_s": statistics.mean(ttfts) if ttfts else None,
+        "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        # tau two ways: mean of per-request ratios, and pooled (sum tokens / sum verify rounds,
+        # the SpecForge bench definition, weighting long answers more)
+        "accept_length_mean": statistics.mean(taus) if taus else None,
+        "accept_length_pooled": (sum(r["completion_tokens"] for r in results if r["spec_verify_ct"])
+                                 / sum(verify)) if verify else None,
+        # retried attempts (connection refused/reset, cut streams, 5xx): each request is timed on its
+        # successful attempt alone, but the run's wall time holds the backoff waits
+        "num_retries": sum(r.get("retries", 0) for r in results),
+        "retried_requests": sum(bool(r.get("retries")) for r in results),
+    }
+
+
+def warmup(base_url: str, prompts: list[list[int]], max_new_tokens: int, timeout: float,
+           request_fn=generate_stream) -> float:
+    """Pooled tau over a few short sequential requests (the preflight's acceptance probe)."""
+    res = [request_fn(base_url, ids, max_new_tokens, timeout) for ids in prompts]
+    verify = sum(r["spec_verify_ct"] or 0 for r in res)
+    if not verify:
+        raise StageError(f"{base_url} returned no spec_verify_ct: not a speculative server")
+    return sum(r["completion_tokens"] for r in res) / verify
+
+
+def setting_name(setting, cuda_graph: bool) -> str:
+    """'3-1-4/graph' style key (steps-topk-draft tokens / cuda graph on|off)."""
+    base = "baseline" if setting is None else "-".join(str(x) for x in setting)
+    return f"{base}/{'graph' if cuda_graph else 'nograph'}"
+
+
+def add_ratios(metrics: dict, max_retried: int = 0) -> None:
+    """speed_ratio = EAGLE3 output tok/s / baseline output tok/s at the same concurrency and graph mode;
+    refused (None, with `ratio_refused` saying why) when either run retried more than `max_retried`
+    requests: its wall time holds backoff waits, so the ratio would measure the faults."""
+    for key, entry in metrics["runs"].items():
+        base = metrics["runs"].get(setting_name(None, entry["cuda_graph"]))
+        for c, summ in entry["by_concurrency"].items():
+            ref = (base or {}).get("by_concurrency", {}).get(c)
+            faulty = [name for name, run in (("this run", summ), ("the baseline run", ref))
+                      if run and run.get("retried_requests", 0) > max_retried]
+            if faulty:
+                summ["speed_ratio"] = None
+                summ["ratio_refused"] = (f"{' and '.join(faulty)} retried more than {max_retried} requests "
+                                         "(--max-retried-requests): a number taken under faults")
+                continue
+            summ["speed_ratio"] = (summ["output_tokens_per_s"] / ref["output_tokens_per_s"]
+                                   if ref and ref["output_tokens_per_s"] else None)
+
+
+def fmt(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+SERVER_TAU_NOTE = {
+    "sglang": "server tau = `internal_states[0].avg_spec_accept_length` after POST /set_internal_state reset its "
+              "lifetime counters right before this run. The reset does not clear SGLang's per-interval counters, "
+              "which it folds into the lifetime ones every 40 decode iterations (--decode-log-interval): the "
+              "number may include up to 39 decode iterations from before the run and miss up to 39 of its "
+              "last ones (sglang 0.5.14 and 0.5.23 scheduler metrics). Per-request tau is exact. '-' = not "
+              "available. CUDA-graph mode as the server reports it (`cuda_graph_config.decode.backend`).",
+    "vllm": "server tau = 1 + accepted / drafts from vLLM's /metrics counters differenced around this run. "
+            "It differs from tau (pooled) in two ways that partly cancel: it leaves out each request's prefill "
+            "token, and it counts drafts accepted past the token budget or an end-of-turn, which the answer "
+            "cuts off. "
+            "Graph mode: `enforce_eager` as the server reports it.",
+}
+ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
+
+
+def write_report(out: Path, metrics: dict) -> None:
+    engine = metrics.get("engine", "sglang")
+    lines = [f"# 05 server benchmark ({ENGINE_LABELS[engine]})", "",
+             f"Target `{metrics['target']}`, draft `{metrics['draft']}`, {metrics['num_prompts']} prompts, "
+             f"max {metrics['max_new_tokens']} new tokens, greedy. Preflight: "
+             f"`{json.dumps(metrics.get('preflight', {}))}`.", "",
+             "| setting | concurrency | output tok/s | x baseline | TTFT mean (s) | tau (mean) | tau (pooled) "
+             "| server tau | retried requests |", "|---|---|---|---|---|---|---|---|---|"]
+    refused = []
+    for key, entry in metrics["runs"].items():
+        for c, s in entry["by_concurrency"].items():
+            ratio = fmt(s.get("speed_ratio")) if "ratio_refused" not in s else "refused*"
+            if "ratio_refused" in s:
+                refused.append(f"{key} c={c}: {s['ratio_refused']}")
+            lines.append(f"| {key} | {c} | {fmt(s['output_tokens_per_s'], 1)} | {ratio} "
+                         f"| {fmt(s['ttft_mean_s'], 3)} | {fmt(s['accept_length_mean'])} "
+                         f"| {fmt(s['accept_length_pooled'])} | {fmt(s.get('server_accept_length'))} "
+                         f"| {s.get('retried_requests', 0)} |")
+    if refused:
+        lines += [""] + [f"* {r}" for r in refused]
+    lines += ["", "tau = completion_tokens / verify rounds per request (the bonus token and the prefill token "
+              "included: SGLang's definition); " + SERVER_TAU_NOTE[engine] + " Launch commands: `commands.json`."]
+    if metrics.get("agreement"):
+        lines += ["", "## Agreement with replay", "",
+                  "Each EAGLE-3 server answered the first prompts one at a time; its per-round accepted counts "
+                  "are compared with replay of the same draft on the same tokens (common/benchmark/agreement.py). "
+                  "tau here = 1 + accepted / rounds (the engine's definition).", "",
+                  "| setting | prompts | rounds (engine / replay) | accepted per position (engine) | (replay) "
+                  "| tau (engine / replay) | every round equal |", "|---|---|---|---|---|---|---|"]
+        for key, a in metrics["agreement"].items():
+            e, r = a["engine"], a["replay"]
+            lines.append(f"| {key} | {len(a['per_prompt'])} | {e['num_rounds']} / {r['num_rounds']} | "
+                         f"{e['accepted_per_position']} | {r['accepted_per_position']} | {e['tau']:.4f} / "
+                         f"{r['tau']:.4f} | {'yes' if a['exact'] else 'no'} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def plot(out: Path, metrics: dict) -> None:
+    """tokens_per_s.png (bars per setting, one group per concurrency) and accept_length.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(metrics["runs"])
+    concs = sorted({int(c) for e in metrics["runs"].values() for c in e["by_concurrency"]})
+    for fname, field, ylabel, only_spec in (("tokens_per_s.png", "output_tokens_per_s", "output tok/s", False),
+                                            ("accept_length.png", "accept_length_pooled", "tau", True)):
+        shown = [k for k in keys if not (only_spec and k.startswith("baseline"))]
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shown)), 4))
+        width = 0.8 / max(1, len(concs))
+        for j, c in enumerate(concs):
+            vals = [(metrics["runs"][k]["by_concurrency"].get(str(c)) or {}).get(field) or 0 for k in shown]
+            ax.bar([i + j * width for i in range(len(shown))], vals, width, label=f"concurrency {c}")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shown))])
+        ax.set_xticklabels(shown, rotation=30, ha="right")
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=100)
+        plt.close(fig)
+
+
+def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], request_fn=None,
+                         agreement=None) -> dict:
+    """The sweep: per CUDA-graph mode, a baseline server and one EAGLE-3 server per spec setting.
+
+    Attached servers (--baseline-url / --eagle3-url) are used as they are (their own setting and
+    graph mode, read from the info document), after BOTH pass their checks; with an attached baseline
+    alone, the EAGLE-3 settings are launched in the baseline's graph mode (the baseline: no
+    speculation, our target; EAGLE-3: the preflight's document checks). Launched ones are started from
+    the engine's command, logged, polled until ready, checked the same way (and for the graph mode
+    asked for), and shut down before the next one (one model in memory at a time). Every EAGLE-3
+    server passes the full preflight before it is measured; `agreement(url, key, setting)` (05's
+    agreement check, vLLM) then runs on it before the timed runs.
+    """
+    from common.sglang import server as srv
+
+    request_fn = request_fn or engine.request
+    graphs = [{"on": True, "off": False}[m] for m in args.cuda_graph]
+    settings = [engine.parse_setting(s) for s in args.spec_settings]
+    concs = sorted({1, *[int(c) for c in args.bench_concurrency]})
+    warm = prompts[:max(1, args.warmup_requests)]
+    metrics = {"engine": engine.name, "target": str(engine.target_dir), "draft": str(engine.draft_dir),
+               "num_prompts": len(prompts), "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": concs,
+               "runs": {}, "commands": {}, "preflight": {}, "agreement": {}}
+
+    def check(url: str, speculative: bool) -> tuple[bool, tuple | None]:
+        if not speculative:
+            return engine.check_baseline(url), None
+        return engine.check_eagle3(url)
+
+    def measure(url: str, key: str, graph: bool, setting, log: Path | None) -> None:
+        entry = {"cuda_graph": graph, "setting": setting, "url": url, "by_concurrency": {}}
+        if setting is not None:
+            entry["preflight"] = engine.preflight(
+                url, log, lambda u: warmup(u, warm, 64, args.request_timeout, request_fn))
+            metrics["preflight"] = entry["preflight"]
+            if agreement is not None:
+                metrics["agreement"][key] = agreement(url, key, setting)
+        for c in concs:
+            start = engine.window_start(url) if setting is not None else None
+            s = run_prompts(url, prompts, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn)
+            s.update(engine.window_end(url, start) if setting is not None else {"server_accept_length": None})
+            entry["by_concurrency"][str(c)] = s
+            print(f"[05] {key} c={c}: {fmt(s['output_tokens_per_s'], 1)} tok/s, TTFT "
+                  f"{fmt(s['ttft_mean_s'], 3)} s, tau {fmt(s['accept_length_pooled'])} "
+                  f"(server {fmt(s['server_accept_length'])})"
+                  + (f"; UNDER FAULTS: {s['num_retries']} retries in {s['retried_requests']} requests"
+                     if s["num_retries"] else ""))
+        metrics["runs"][key] = entry
+
+    def launched(port: int, graph: bool, setting, key: str) -> None:
+        cmd, env = engine.command(port, graph, setting)
+        metrics["commands"][key] = {"argv": cmd, "env": env} if env else cmd
+        url = f"http://127.0.0.1:{port}"
+        log = out / "server_logs" / (key.replace("/", "_") + ".log")
+        proc = srv.launch_server(cmd, log, env)
+        try:
+            srv.wait_ready(url, proc, args.server_timeout, log_path=log, info=False)
+            reported_graph, _ = check(url, setting is not None)
+            if reported_graph != graph:
+                raise StageError(f"{url} reports decode CUDA graphs {'on' if reported_graph else 'off'}, "
+                                 f"but 05 launched it with them {'on' if graph else 'off'}; see {log}")
+            measure(url, key, graph, setting, log)
+        finally:
+            srv.stop_server(proc)
+
+    attached = []  # every attached server is checked before any is measured
+    if args.baseline_url:
+        graph, _ = check(args.baseline_url, False)
+        attached.append((args.baseline_url, graph, None))
+    if args.eagle3_url:
+        graph, setting = check(args.eagle3_url, True)
+        attached.append((args.eagle3_url, graph, setting))
+    for url, graph, setting in attached:
+        measure(url, setting_name(setting, graph), graph, setting, None)
+    if args.eagle3_url:
+        pass  # the attached server(s) alone
+    elif args.baseline_url:  # a kept baseline: the EAGLE-3 sweep is launched in its graph mode
+        for setting in settings:
+            launched(args.eagle3_port, attached[0][1], setting, setting_name(setting, attached[0][1]))
+    else:
+        for graph in graphs:
+            launched(args.baseline_port, graph, None, setting_name(None, graph))
+            for setting in settings:
+                launched(args.eagle3_port, graph, setting, setting_name(setting, graph))
+    add_ratios(metrics, args.max_retried_requests)
+    return metrics
+
+
+def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], target_dir: Path,
+                work_dir: Path) -> dict:
+    """05 --mode server after the shared input checks: sweep (+ agreement), metrics.json, report.md, plots."""
+    import shlex
+
+    from common.io import write_json
+    from common.stage import require_complete, stage_dir
+
+    m02b = require_complete(stage_dir(work_dir, "02b_extract_hidden_states_sglang"),
+                            "02b_extract_hidden_states_sglang")
+    if isinstance(args.server_extra_args, str):
+        args.server_extra_args = shlex.split(args.server_extra_args)
+    engine = engine_from_args(args, export_dir, m02b, m04, target_dir, work_dir)
+    prompts = [list(r["prompt_ids"]) for r in rows]
+    agreement = None
+    if args.agreement_prompts:
+        if not engine.reports_per_round:
+            raise StageError(f"--agreement-prompts needs per-round acceptance from the engine; {engine.label} "
+                             "reports totals only (the smoke run compares its tau with the reference instead)")
+        from common.benchmark.agreement import AgreementCheck
+        agreement = AgreementCheck(engine, target_dir, export_dir, m04, prompts[:args.agreement_prompts],
+                                   args.benchmark_max_new_tokens, args.request_timeout,
+                                   args.agreement_tolerance, out)
+    metrics = run_server_benchmark(args, out, engine, prompts, agreement=agreement)
+    write_json(out / "metrics.json", metrics)
+    write_json(out / "commands.json", metrics["commands"])
+    write_report(out, metrics)
+    plot(out, metrics)
+    return metrics

@@ -1,0 +1,53 @@
+"""05 against SGLang: one streamed greedy request to its native /generate.
+
+SGLang's side: requests go to its native POST /generate with token ids (`input_ids`, greedy, `stream: true`):
+the time to the first streamed chunk is the TTFT; the final chunk's `meta_info` carries
+`completion_tokens` and, on a speculative server, `spec_verify_ct` (verify rounds), so per-request
+tau = completion_tokens / spec_verify_ct (bonus token included; SGLang's definition, tokenizer_manager).
+Chunks are SSE lines `data: {json}` ending with `data: [DONE]`; a failed request streams
+`data: {"error": {"message", ...}}` before `[DONE]` (sglang 0.5.14 srt/entrypoints/http_server.py).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from common.stage import StageError
+
+
+def generate_stream(base_url: str, input_ids: list[int], max_new_tokens: int, timeout: float,
+                    role: str = "SGLang") -> dict:
+    """One greedy request to SGLang's /generate; returns {ttft_s, latency_s, completion_tokens,
+    spec_verify_ct, accept_length, output_ids, retries}.
+
+    The whole request is retried on connection refused/reset, a cut stream and transient 5xx
+    (server.sse_request), and timed on its successful attempt alone; an error chunk or an aborted
+    request stops with the server's own message.
+    """
+    from common.sglang.server import sse_request
+
+    url = base_url.rstrip("/") + "/generate"
+    payload = {"input_ids": input_ids, "stream": True,
+               "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}}
+    got = sse_request(url, payload, timeout, f"{role} server {base_url}: POST /generate")
+    last = got["chunks"][-1] if got["chunks"] else None
+    if last is not None and "error" in last:
+        err = last["error"]
+        message = err.get("message", err) if isinstance(err, dict) else err
+        raise StageError(f"{url} answered a {len(input_ids)}-token prompt with an error: {message}")
+    if last is None:
+        raise StageError(f"{url} streamed no chunk for a {len(input_ids)}-token prompt")
+    finish = (last.get("meta_info") or {}).get("finish_reason") or {}
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        raise StageError(f"{url} aborted a {len(input_ids)}-token prompt: {finish.get('message', finish)}")
+    return {"ttft_s": got["ttft_s"], "latency_s": got["latency_s"], **parse_meta(last.get("meta_info", {})),
+            "output_ids": last.get("output_ids"), "retries": got["retries"]}
+
+
+def parse_meta(meta: dict) -> dict:
+    """completion_tokens, spec_verify_ct (None on a non-speculative server) and per-request tau."""
+    n = int(meta["completion_tokens"])
+    ct = meta.get("spec_verify_ct")
+    ct = None if ct is None else int(ct)
+    return {"completion_tokens": n, "spec_verify_ct": ct,
+            "accept_length": (n / ct) if ct else None}
