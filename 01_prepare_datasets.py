@@ -1,25 +1,20 @@
 """Prepare datasets: raw chat data -> unified prompt records, one folder per dataset.
 
-Each dataset named in `--datasets` is loaded through the `datasets` library (a hub id with config and
-split, or local JSONL / JSON / parquet files), mapped to unified chat records by its adapter
-(common/datasets/adapters.py), cut to a prompt (the next assistant turn is the target's to write in 01b), its
-tool-call ids rewritten to Kimi's `functions.NAME:IDX` (Kimi-format targets only), and literal
-special-token strings scrubbed. What the target's text format is (Kimi's or another template; its
-end of turn; whether it renders thinking, tools and tool calls) is derived once from its tokenizer,
-template and generation config (common/text/target_format.py) and recorded in the manifests: a
-template without a thinking switch makes every record thinking off; records whose tools or tool calls
-the template would drop are skipped by default (--tools-not-rendered); `complete` answers are rendered
-through the target's own template and skipped, counted, where it cannot render them.
-v4 adapters (common/datasets/mix.py) add per-dataset `cut` (last | random | every assistant turn),
-`thinking-ratio` and `filters`, and `max-records` stops a dataset after that many records.
-Each prompt is rendered with the target's template and marked by its token length: `normal` when
-prompt + --max-new-tokens fits --max-context, `long` when it fits --long-context (01b runs those with
-lower concurrency), else dropped and counted. Rows that cannot be used are skipped and counted by
-reason in the manifest (`skipped`), rows a filter drops apart from them (`filtered`).
 Reads:  the datasets of --datasets; the tokenizer of --target-path (for scrubbing)
 Writes: <work-dir>/01_prepared/<dataset>/{records.jsonl, manifest.json}, <work-dir>/01_prepared/manifest.json
-Real:   python 01_prepare_datasets.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
+Real:   python 01_prepare_datasets.py --config configs/kimi-k2.5.yaml --config configs/datasets_v4.yaml
+            --work-dir /data/eagle3
 Tiny:   python 01_prepare_datasets.py --config configs/tiny.yaml --work-dir runs/tiny
+
+Each dataset (a hub id with config and split, or local JSONL / JSON / parquet) is mapped to chat
+records by its adapter (common/datasets/), cut to a prompt whose next assistant turn the target writes
+in 01b (the v4 mix's `cut`, `thinking-ratio`, `filters`, `max-records`: common/datasets/mix.py), its
+tool-call ids rewritten to Kimi's `functions.NAME:IDX` (Kimi-format targets only) and literal
+special-token strings scrubbed. The target's text format (its template, end of turn, whether it renders
+thinking, tools and tool calls; common/text/target_format.py) decides what survives, and is recorded.
+Each prompt is marked `normal` (prompt + --max-new-tokens fits --max-context) or `long` (fits
+--long-context; 01b runs those at lower concurrency), else dropped. Unusable rows are skipped and counted
+by reason (`skipped`), rows a filter drops apart from them (`filtered`).
 """
 from __future__ import annotations
 
@@ -30,12 +25,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from datasets import load_dataset
+from jinja2 import TemplateError
+
+from common.config import base_parser, parse_args
 from common.datasets.adapters import ADAPTERS, BadRow
 from common.datasets.mix import V4_SPEC_KEYS, FilteredRow, check_v4_spec, expand_row, length_partition
-from common.config import base_parser, parse_args
 from common.io import write_jsonl
-from common.stage import (StageError, is_complete, read_manifest, stage_dir, start_stage,
-                          target_identity, tokenizer_identity, write_manifest)
+from common.stage import (StageError, is_complete, read_manifest, stage_dir, start_stage, target_identity,
+                          tokenizer_identity, write_manifest)
+from common.text.chat_format import render_prompt, special_token_pattern
+from common.text.target_format import FormatError, load_target_format, render_final_turn
+from common.text.tokenizer import load_tokenizer
 
 STAGE = "01_prepare_datasets"
 SPEC_KEYS = {"name", "adapter", "path", "hf-id", "hf-config", "split", "max-rows", "complete",
@@ -120,8 +121,6 @@ def load_rows(spec: dict):
     builder infers one Arrow schema for all rows, which fills every nested field a row lacks with
     None (tool schemas gain foreign properties) and fails on rows whose types differ.
     """
-    from datasets import load_dataset
-
     if "path" in spec:
         path = Path(spec["path"])
         if not path.exists():
@@ -158,11 +157,6 @@ def rendered_lengths(tok, record: dict, fmt) -> tuple[int, int]:
     """(prompt tokens, prompt + kept answer tokens) of a record rendered by the target's template.
     Raises target_format.FormatError (the skip reason) when the template refuses the conversation or
     cannot render a complete record's answer."""
-    from jinja2 import TemplateError
-
-    from common.text.chat_format import render_prompt
-    from common.text.target_format import FormatError, render_final_turn
-
     msgs = record["messages"][:-1] if record["complete"] else record["messages"]
     try:  # templates refuse some conversations with raise_exception (e.g. roles that do not alternate)
         prompt = render_prompt(tok, msgs, record.get("tools"), thinking=record["thinking"])
@@ -196,8 +190,6 @@ def length_summary(lengths: list[int]) -> dict:
 def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dict, tgt_id: dict,
                 fmt=None) -> dict:
     """Adapt one dataset into out/records.jsonl; returns its counts. `fmt`: the target's TargetFormat."""
-    from common.text.target_format import FormatError
-
     t0 = time.time()
     skipped, filtered, repaired, seen = Counter(), Counter(), Counter(), set()
     counts, lengths = Counter(), {"normal": [], "long": []}
@@ -295,12 +287,8 @@ def main(argv=None):
         raise StageError(f"--thinking-ratio {args.thinking_ratio} is not in [0, 1]")
     tok_id, tgt_id = tokenizer_identity(args.target_path), target_identity(args.target_path)
     out = stage_dir(args.work_dir, STAGE)
-    if not start_stage(out, args.overwrite, "01"):
+    if not start_stage(out, args.overwrite, STAGE):
         return
-    from common.text.chat_format import special_token_pattern
-    from common.text.target_format import load_target_format
-    from common.text.tokenizer import load_tokenizer
-
     tok = load_tokenizer(args.target_path)
     fmt = load_target_format(args.target_path, tok)
     print(f"[01] target format: {fmt.as_dict()}")

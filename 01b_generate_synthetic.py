@@ -1,39 +1,22 @@
 """Generate synthetic responses: the target writes the answer to every prompt-only record.
 
-Each record's prompt is rendered with the target's own chat template (generation prompt included)
-and completed by the target through a backend: `openai` (common/generation/server_pool.py: one or more
-SGLang/vLLM servers, `--concurrency` requests in flight for the normal partition and
-`--long-concurrency` for the long one, together or one after the other) or `hf` (common/generation/progress.py:
-in-process transformers, the tiny world). Generation stops on the target's own end of turn
-(common/text/target_format.py: `<|im_end|>` for Kimi and ChatML, `<|eot_id|>` for Llama 3, plus its
-generation_config eos ids). The completion is kept as raw text, special tokens included, so prompt +
-completion is exactly what the target emits, and as the ids it emitted (`completion_ids`: the hf backend
-and vLLM servers; SGLang's /v1/completions returns text only). Records that already end with the target's
-own assistant turn (`complete`) are passed through (origin "dataset"), those of a benchmark-only dataset
-too, unanswered (origin "prompt"). `--response-cache` (common/generation/response_cache.py) serves known greedy
-answers of the same target, generator and cap without generating them (origin "cache").
-Before any request the servers are checked (common/generation/server_checks.py): healthy, serving the model,
-with enough context, tokenizing probe prompts exactly as the target's tokenizer does, and answering a few
-greedy probe prompts without token loops and with an end of turn (the target health gate); transient
-errors there are waited out up to --server-down-timeout. One 01b per dataset (a lock in its folder);
-a resume with another model, --max-new-tokens, --temperature or tokenizer is refused unless
---allow-mixed-settings; the manifest keeps totals over all runs (common/generation/run_state.py).
-Faults cost seconds, not the run: timeouts, dropped connections, 429 and 5xx are retried with backoff
-and jitter, a server that stops
-answering is waited for (health polling), input errors go to failures.jsonl with their reason
-(context_overflow, http_4xx), and `finish_reason` "length" is recorded (01c trains on them by default).
-Durable: each result is appended as one whole, flushed line as it arrives; a re-run after a kill at
-any moment skips the ids already written (a torn last line is cut), so every id lands exactly once.
-SIGINT/SIGTERM stop new requests, let those in flight finish for --shutdown-grace s, and exit;
-a second signal stops at once (the run loops: common/generation/loops.py; jobs and manifest
-counts: common/generation/jobs.py). Transient failures are retried by the next run;
-`--retry-failed` re-runs only the ids in failures.jsonl (context overflows included).
 Reads:  <work-dir>/01_prepared/<dataset>/records.jsonl (+ manifest.json)
 Writes: <work-dir>/01b_generated/<dataset>/{generated.jsonl, failures.jsonl, manifest.json},
         <work-dir>/01b_generated/manifest.json
-Real:   python 01b_generate_synthetic.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3 \
-            --server-url http://10.0.0.1:30000/v1 --server-url http://10.0.0.2:30000/v1 --concurrency 200
+Real:   python 01b_generate_synthetic.py --config configs/kimi-k2.5.yaml --config configs/datasets_v4.yaml
+            --work-dir /data/eagle3 --server-url http://10.0.0.1:30000/v1 --server-url http://10.0.0.2:30000/v1
 Tiny:   python 01b_generate_synthetic.py --config configs/tiny.yaml --work-dir runs/tiny
+
+EAGLE-3 learns the target's own next-token distribution, so the target itself answers every prompt:
+rendered with its chat template, completed through `openai` (SGLang/vLLM servers,
+common/generation/server_pool.py) or `hf` (in-process, common/generation/hf_backend.py) until its own
+end of turn (common/text/target_format.py). The answer is kept as raw text, special tokens included, and
+as the ids the target emitted (`completion_ids`; SGLang's /v1/completions returns text only). Complete
+records pass through (origin "dataset"), benchmark-only ones unanswered (origin "prompt");
+--response-cache serves known greedy answers of the same target and cap (origin "cache").
+Faults and resumes: start-up checks and the target health gate in common/generation/server_checks.py;
+retries, shutdown and durable results in common/generation/loops.py; locks, settings and totals over
+runs in common/generation/run_state.py. A re-run of the same command finishes the job.
 """
 from __future__ import annotations
 
@@ -41,18 +24,24 @@ import argparse
 import asyncio
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import base_parser, parse_args
-from common.generation.progress import Progress
+from common.generation.hf_backend import HFBackend, hf_generator
 from common.generation.jobs import PARTITIONS, dataset_counts, make_jobs, this_run_counts
 from common.generation.loops import run_hf, run_openai
+from common.generation.progress import Progress, log
+from common.generation.response_cache import ResponseCache, cache_identity
 from common.generation.run_state import (RunLog, check_unlocked, dataset_lock, distinct_settings, generation_settings,
-                                   refuse_mixed_settings, resume_generated)
-from common.text.target_format import load_target_format
+                                         refuse_mixed_settings, resume_generated)
+from common.generation.server_checks import health_gate
+from common.generation.server_pool import ServerPool
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
-from common.stage import (StageError, is_complete, manifest_sha256, read_manifest, require_complete,
-                          resolve_target, stage_dir, start_stage, write_manifest)
+from common.stage import (StageError, input_manifests, is_complete, read_manifest, require_complete, resolve_target,
+                          stage_dir, start_stage, write_manifest)
+from common.text.target_format import load_target_format
+from common.text.tokenizer import load_tokenizer
 
 STAGE, UPSTREAM = "01b_generate_synthetic", "01_prepare_datasets"
 # Failures that a re-run would repeat identically (kept unless --retry-failed); others are retried.
@@ -153,10 +142,6 @@ def open_response_cache(args, target: Path, tok, fmt):
     """The --response-cache entries that fit this run (same target, generator, stops; greedy), or None."""
     if args.response_cache is None:
         return None
-    from common.generation.hf_backend import hf_generator
-    from common.generation.progress import log
-    from common.generation.response_cache import ResponseCache, cache_identity
-
     if args.temperature != 0:
         raise StageError(f"--response-cache holds greedy answers; --temperature is {args.temperature}, not 0")
     generator = hf_generator(hf_device(args)) if args.generation_backend == "hf" else "openai"
@@ -167,6 +152,67 @@ def open_response_cache(args, target: Path, tok, fmt):
     else:
         log(f"[01b] --response-cache {args.response_cache}: {len(cache.entries)} answers")
     return cache
+
+
+@dataclass
+class ResumeState:
+    """Where one dataset stands: ids already generated, failures kept, records still to run."""
+    done: set[str]
+    earlier: object        # resume_generated's record of the settings already written
+    kept: list[dict]       # failures kept (permanent ones; none with --retry-failed)
+    pending: list[dict]    # records to run now
+    unattempted: int       # records --retry-failed leaves for a later plain run
+
+    @property
+    def settled(self) -> set[str]:
+        return self.done | {f["id"] for f in self.kept}
+
+
+def resume_state(name: str, records: list[dict], gen_path: Path, fail_path: Path, settings: dict, args,
+                 run_log) -> ResumeState:
+    """Read what earlier runs wrote (repairing duplicate ids of an unlocked older 01b) and pick what to
+    run: everything not generated and not failed permanently; with --retry-failed only the failures."""
+    done, earlier = resume_generated(gen_path, settings, args.allow_mixed_settings, run_log)
+    failed = [f for f in iter_jsonl(fail_path)] if fail_path.exists() else []
+    if args.retry_failed:
+        kept, retry = [], {f["id"] for f in failed} - done
+    else:  # transient failures of an earlier run are retried now, permanent ones kept
+        kept, retry = [f for f in failed if f["reason"] in PERMANENT_FAILURES and f["id"] not in done], None
+    if len(kept) != len(failed):
+        write_jsonl(fail_path, kept)
+    state = ResumeState(done, earlier, kept, [], 0)
+    pending = [r for r in records if r["id"] not in state.settled]
+    if retry is not None:
+        state.unattempted = sum(r["id"] not in retry for r in pending)
+        pending = [r for r in pending if r["id"] in retry]
+    state.pending = pending
+    if state.settled or retry is not None:
+        print(f"[01b] {name}: resuming, {len(done)} generated and {len(kept)} failed before, "
+              f"{len(pending)} to go" + (f" (--retry-failed; {state.unattempted} never tried are left)"
+                                         if retry is not None else ""))
+    return state
+
+
+def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, fmt, backends: dict,
+                          on_ready) -> tuple[str | None, dict]:
+    """Run the jobs against the OpenAI-compatible servers (common/generation/loops.run_openai), behind the
+    health gate (one for all datasets: each server is probed once). `on_ready(model)` gets the model name
+    the servers report. Returns (what stopped the run or None, requests per server)."""
+    specials = {i: t.content for i, t in tok.added_tokens_decoder.items() if t.special}
+    pool = ServerPool(args.server_url, args.served_model_name, args.api_key, args.temperature,
+                      args.seed if args.temperature > 0 else None, specials, args.request_timeout,
+                      args.request_retries, args.retry_base_delay, args.retry_max_delay,
+                      args.health_interval, args.health_timeout, args.server_down_timeout,
+                      stop=list(fmt.stop_strings))
+    if "health_gate" not in backends:
+        backends["health_gate"] = health_gate(tok, args.health_probes, args.health_max_new_tokens,
+                                              args.health_max_repeat_share)
+    stopped_by = asyncio.run(run_openai(
+        pool, tok, jobs, write, fail, bars, concurrency=args.concurrency,
+        long_concurrency=args.long_concurrency, long_after_normal=args.long_after_normal,
+        shutdown_grace=args.shutdown_grace, summary_interval=args.summary_interval,
+        gate=backends["health_gate"], on_ready=lambda found: on_ready(pool.model)))
+    return stopped_by, {s.url: s.num_requests for s in pool.servers}
 
 
 def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir: Path, ids: dict,
@@ -185,25 +231,9 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
                                    fmt.stop_strings if fmt is not None else (), args.max_context, args.long_context)
     prompt_settings = {"tokenizer_sha256": settings["tokenizer_sha256"]}  # rows the target did not write
     run_log = RunLog(out)
-    done, earlier = resume_generated(gen_path, settings, args.allow_mixed_settings, run_log)
-    failed = [f for f in iter_jsonl(fail_path)] if fail_path.exists() else []
-    if args.retry_failed:
-        kept, retry = [], {f["id"] for f in failed} - done
-    else:  # transient failures of an earlier run are retried now, permanent ones kept
-        kept, retry = [f for f in failed if f["reason"] in PERMANENT_FAILURES and f["id"] not in done], None
-    if len(kept) != len(failed):
-        write_jsonl(fail_path, kept)
-    settled = done | {f["id"] for f in kept}
-    pending = [r for r in records if r["id"] not in settled]
-    unattempted = 0
-    if retry is not None:
-        unattempted = sum(r["id"] not in retry for r in pending)
-        pending = [r for r in pending if r["id"] in retry]
-    if settled or retry is not None:
-        print(f"[01b] {name}: resuming, {len(done)} generated and {len(kept)} failed before, "
-              f"{len(pending)} to go" + (f" (--retry-failed; {unattempted} never tried are left)" if retry is not None
-                                         else ""))
-    todo, passed, overflow = make_jobs(pending, tok, fmt, max_new_tokens=args.max_new_tokens,
+    state = resume_state(name, records, gen_path, fail_path, settings, args, run_log)
+    settled, earlier, unattempted = state.settled, state.earlier, state.unattempted
+    todo, passed, overflow = make_jobs(state.pending, tok, fmt, max_new_tokens=args.max_new_tokens,
                                        max_context=args.max_context, long_context=args.long_context,
                                        benchmark_only=benchmark_only)
     counts = Counter()
@@ -244,33 +274,13 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
         cpu0, stopped_by = time.process_time(), None
         try:
             if todo and args.generation_backend == "openai":
-                from common.generation.server_pool import ServerPool
-
-                specials = {i: t.content for i, t in tok.added_tokens_decoder.items() if t.special}
-                pool = ServerPool(args.server_url, args.served_model_name, args.api_key, args.temperature,
-                                  args.seed if args.temperature > 0 else None, specials, args.request_timeout,
-                                  args.request_retries, args.retry_base_delay, args.retry_max_delay,
-                                  args.health_interval, args.health_timeout, args.server_down_timeout,
-                                  stop=list(fmt.stop_strings))
-                from common.generation.server_checks import health_gate
-
-                if "health_gate" not in backends:  # one gate for all datasets: each server is probed once
-                    backends["health_gate"] = health_gate(tok, args.health_probes, args.health_max_new_tokens,
-                                                          args.health_max_repeat_share)
-
-                def on_ready(found):
-                    settings["model"] = pool.model  # as the server reported it
+                def on_ready(model: str) -> None:
+                    settings["model"] = model  # as the server reported it
                     refuse_mixed_settings(gen_path, earlier, settings, args.allow_mixed_settings, keys=("model",))
 
-                stopped_by = asyncio.run(run_openai(
-                    pool, tok, jobs, write, fail, bars, concurrency=args.concurrency,
-                    long_concurrency=args.long_concurrency, long_after_normal=args.long_after_normal,
-                    shutdown_grace=args.shutdown_grace, summary_interval=args.summary_interval,
-                    gate=backends["health_gate"], on_ready=on_ready))
-                counts["requests_per_server"] = {s.url: s.num_requests for s in pool.servers}
+                stopped_by, counts["requests_per_server"] = generate_with_servers(
+                    jobs, write, fail, bars, args, tok, fmt, backends, on_ready)
             elif todo:
-                from common.generation.hf_backend import HFBackend
-
                 if "hf" not in backends:  # one model load for all datasets of this run
                     backends["hf"] = HFBackend(target, tok, fmt.stop_ids, hf_device(args), args.temperature,
                                                args.seed)
@@ -309,7 +319,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
         raise StageError(f"{out}: {len(records) - len(rows) - len(failures)} records neither generated nor "
                          "failed; re-run to resume")
     write_manifest(out, STAGE, redacted(args), dataset=name, backend=args.generation_backend,
-                   input_manifest_sha256=manifest_sha256(upstream_dir), **ids, settings=distinct_settings(rows),
+                   inputs=input_manifests(args.work_dir, upstream_dir), **ids, settings=distinct_settings(rows),
                    counts=result)
     print(f"[01b] {name}: {result['generated']} generated, {result['passed_through']} passed through, "
           f"failed {result['failed'] or 0}, finish {result['finish_reasons']}, {seconds:.1f} s, "
@@ -341,10 +351,8 @@ def main(argv=None):
                 for folder in (sub, out):
                     if is_complete(folder):
                         (folder / "manifest.json").unlink()
-    if not start_stage(out, args.overwrite, "01b"):
+    if not start_stage(out, args.overwrite, STAGE):
         return
-    from common.text.tokenizer import load_tokenizer
-
     tok = load_tokenizer(target)
     fmt = load_target_format(target, tok)
     print(f"[01b] target {target} | backend {args.generation_backend} | datasets {names}"
@@ -370,7 +378,7 @@ def main(argv=None):
     if missing:
         print(f"[01b] not done yet: {missing}; the stage manifest is written when every dataset is")
         return
-    write_manifest(out, STAGE, redacted(args), datasets=names, input_manifest_sha256=manifest_sha256(up_dir),
+    write_manifest(out, STAGE, redacted(args), datasets=names, inputs=input_manifests(args.work_dir, up_dir),
                    **ids, target_format=fmt.as_dict(), counts=summary)
 
 

@@ -1,23 +1,19 @@
 """Merge datasets: the per-dataset generations -> one tokenized training set plus held-out prompts.
 
-Holds out every prompt of a `benchmark-only` dataset (01b passed them through unanswered) and
-`--benchmark-size` random samples of the others (chosen with `--seed` before any filtering, so the choice
-does not move when caps change), then drops exact duplicates (same prompt and completion text), samples
-whose prompt equals a held-out prompt, samples longer than `--max-seq-len`, answers cut by the token cap
-only with `--drop-length-finished`, and answers that exist only as text whose re-tokenization disagrees
-with the target's own token count (unless `--keep-retokenize-mismatch`), all counted per reason;
-applies per-dataset `--dataset-weights` (kept fraction) and `--dataset-caps` (max samples).
-Training samples are written shortest first (by token count, then id), so that 02b's consecutive
-shards hold equal or similar lengths: its SGLang backend captures only rows of one length together.
-A sample's ids are the prompt's tokenization followed by the completion ids the target emitted
-(01b's `completion_ids`); only answers without them (servers that return text, dataset answers) are
-tokenized. The loss mask is 1 exactly on the completion: from right after the generation prompt through
-the target's end-of-turn token, or through the last emitted token of a capped answer.
 Reads:  <work-dir>/01b_generated/<dataset>/generated.jsonl (+ manifest.json),
         <work-dir>/01_prepared/<dataset>/records.jsonl (messages of the held-out prompts)
 Writes: <work-dir>/01c_merged/{tokenized_data.jsonl, benchmark_prompts.jsonl, stats.json, manifest.json}
-Real:   python 01c_merge_datasets.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
+Real:   python 01c_merge_datasets.py --config configs/kimi-k2.5.yaml --config configs/datasets_v4.yaml
+            --work-dir /data/eagle3
 Tiny:   python 01c_merge_datasets.py --config configs/tiny.yaml --work-dir runs/tiny
+
+Steps (each a function below): hold out every benchmark-only prompt and --benchmark-size random samples
+(chosen before any filter, so caps never move them); drop held-out prompts, exact duplicates, empty and
+(with --drop-length-finished) capped answers; drop samples over --max-seq-len and text answers whose
+re-tokenization disagrees with the target's own count; apply --dataset-weights and --dataset-caps; write
+the samples shortest first (02b's shards then hold similar lengths). Every drop is counted per reason.
+A sample's ids are the prompt's tokenization followed by the ids the target emitted (text answers are
+tokenized); the loss mask is 1 exactly on the completion, end-of-turn token included.
 """
 from __future__ import annotations
 
@@ -29,10 +25,13 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from tqdm import tqdm
+
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl, write_json, write_jsonl
-from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
-                          resolve_target, stage_dir, start_stage, tokenizer_identity, write_manifest)
+from common.stage import (StageError, check_same_tokenizer, input_manifests, require_complete, resolve_target,
+                          stage_dir, start_stage, tokenizer_identity, write_manifest)
+from common.text.tokenizer import load_tokenizer
 
 STAGE, UPSTREAM = "01c_merge_datasets", "01b_generate_synthetic"
 # The order of tokenized_data.jsonl, recorded in the manifest (see the sort in main).
@@ -126,8 +125,6 @@ class EmittedIds:
 
 
 def token_lengths(tok, texts: list[str], batch_size: int, desc: str) -> list[int]:
-    from tqdm import tqdm
-
     out = []
     for i in tqdm(range(0, len(texts), batch_size), desc=f"[01c] {desc}", unit="batch", disable=len(texts) < 1):
         out += [len(x) for x in tok(texts[i:i + batch_size], add_special_tokens=False)["input_ids"]]
@@ -179,34 +176,9 @@ def length_histogram(lengths: list[int], max_seq_len: int) -> dict:
     return {f"{edges[k - 1] + 1}-{edges[k]}": counts[k] for k in range(1, len(edges))}
 
 
-def main(argv=None):
-    args = parse_args(build_parser(), argv)
-    up_dir = stage_dir(args.work_dir, UPSTREAM)
-    upstream = require_complete(up_dir, UPSTREAM)
-    target = resolve_target(args.target_path, upstream, up_dir, UPSTREAM)
-    names = upstream["datasets"]
-    for name in names:  # every per-dataset folder must come from the same tokenizer too
-        sub_manifest = require_complete(stage_dir(args.work_dir, UPSTREAM, name), UPSTREAM)
-        check_same_tokenizer(sub_manifest["tokenizer"], tokenizer_identity(target),
-                             stage_dir(args.work_dir, UPSTREAM, name), UPSTREAM)
-    check_weights(args, names)
-    out = stage_dir(args.work_dir, STAGE)
-    if not start_stage(out, args.overwrite, "01c"):
-        return
-    from common.text.tokenizer import load_tokenizer
-
-    t0 = time.time()
-    tok = load_tokenizer(target)
-    print(f"[01c] target {target} | datasets {names} | max-seq-len {args.max_seq_len}")
-    rows, ids_at = [], {}
-    for name in names:
-        rows += sorted(read_generated(stage_dir(args.work_dir, UPSTREAM, name) / "generated.jsonl", ids_at),
-                       key=lambda r: r["id"])
-    if not rows:
-        raise StageError(f"{up_dir} holds no generated samples: re-run `python {UPSTREAM}.py --overwrite`")
-
-    # Held-out prompts first, from all ids, so caps and filters never change which ones they are:
-    # every benchmark-only prompt, plus --benchmark-size random samples of the rest.
+def hold_out(rows: list[dict], args) -> tuple[set[str], list[dict]]:
+    """The held-out prompts, chosen first from all ids so caps and filters never change which they are:
+    every benchmark-only prompt, plus --benchmark-size random samples of the rest."""
     answered = sorted(r["id"] for r in rows if r["origin"] != "prompt")
     if args.benchmark_size < 0:
         raise StageError(f"--benchmark-size {args.benchmark_size} is negative")
@@ -216,10 +188,13 @@ def main(argv=None):
                          "on top of it)")
     rng = random.Random(args.seed)
     bench_ids = set(rng.sample(answered, args.benchmark_size)) | {r["id"] for r in rows if r["origin"] == "prompt"}
-    bench = [r for r in rows if r["id"] in bench_ids]
-    bench_prompts = {r["prompt"] for r in bench}
+    return bench_ids, [r for r in rows if r["id"] in bench_ids]
 
-    dropped = defaultdict(Counter)
+
+def drop_by_content(rows: list[dict], bench_ids: set[str], bench: list[dict], args, dropped) -> list[dict]:
+    """Training candidates: not held out, no held-out prompt, not length-capped (when dropped), not empty,
+    not an exact duplicate (same prompt and completion text). Drops are counted in `dropped`."""
+    bench_prompts = {r["prompt"] for r in bench}
     seen, candidates = set(), []
     for r in rows:
         if r["id"] in bench_ids:
@@ -237,9 +212,14 @@ def main(argv=None):
                 continue
             seen.add(key)
             candidates.append(r)
+    return candidates
 
-    # Pass 1: lengths only (ids of 100K long samples would not fit in memory as Python lists).
-    # Answers with emitted ids have their length; only text answers are tokenized here.
+
+def drop_by_length(candidates: list[dict], ids_at: dict, tok, args, dropped) -> tuple[dict, Counter]:
+    """Pass 1, lengths only (ids of 100K long samples would not fit in memory as Python lists): answers
+    with emitted ids have their length, only text answers are tokenized. Drops samples over --max-seq-len
+    and text answers that do not re-tokenize to the target's own count. Returns ({source: [(row,
+    prompt tokens, completion tokens)]}, re-tokenization mismatches per source)."""
     n_prompt = token_lengths(tok, [r["prompt"] for r in candidates], args.tokenize_batch_size, "prompt lengths")
     text_only = [r for r in candidates if r["id"] not in ids_at]
     n_text = dict(zip((r["id"] for r in text_only), token_lengths(
@@ -260,7 +240,12 @@ def main(argv=None):
                 dropped[r["source"]]["retokenize_mismatch"] += 1
                 continue
         per_source[r["source"]].append((r, n_p, n_c))
+    return per_source, retokenize_mismatch
 
+
+def apply_mix(per_source: dict, names: list[str], args, dropped) -> list[tuple]:
+    """Per-dataset --dataset-weights (kept fraction) then --dataset-caps (max samples), seeded per
+    dataset; the kept samples sorted shortest first, ties by id (SAMPLE_ORDER)."""
     selected = []
     for name in names:
         items = per_source.get(name, [])
@@ -278,45 +263,75 @@ def main(argv=None):
         raise StageError(f"no sample survived the filters ({ {k: dict(v) for k, v in dropped.items()} }); "
                          "raise --max-seq-len or --max-new-tokens, or pass --no-drop-length-finished or "
                          "--keep-retokenize-mismatch")
-    # Shortest first, ties by id (SAMPLE_ORDER): 02b cuts this file into shards of consecutive samples,
-    # and its SGLang backend captures only rows of one length in one call (no padding), so equal lengths
-    # must sit together; 04 shuffles shards and samples within a shard, so a batch drawn from one
-    # length-homogeneous shard pads little. Only the lengths of pass 1 are needed: ids stay on disk and
-    # are read back by offset below, in this order.
+    # 02b cuts the file into shards of consecutive samples, and its SGLang backend captures only rows of
+    # one length in one call (no padding), so equal lengths must sit together; 04 shuffles shards and
+    # samples within a shard, so a batch drawn from one length-homogeneous shard pads little. Only the
+    # lengths of pass 1 are needed: ids stay on disk and are read back by offset, in this order.
     selected.sort(key=lambda item: (item[1] + item[2], item[0]["id"]))
+    return selected
 
-    # Pass 2: tokenize the kept samples in batches and stream them out.
-    stats = defaultdict(Counter)
-    lengths = []
-    emitted_differ = Counter()  # answers whose emitted ids differ from their text's tokenization (info)
 
-    def samples():
-        from tqdm import tqdm
+def training_samples(selected: list[tuple], ids_at: dict, tok, batch_size: int, stats, lengths: list[int],
+                     emitted_differ: Counter):
+    """Pass 2: the kept samples tokenized in batches, as tokenized_data.jsonl rows (a generator; it fills
+    `stats`, `lengths` and `emitted_differ` as it goes). A sample's ids are the prompt's tokenization
+    followed by the target's emitted ids, or the completion's tokenization for a text answer."""
+    with EmittedIds(ids_at) as emitted:
+        for i in tqdm(range(0, len(selected), batch_size), desc="[01c] tokenize", unit="batch"):
+            chunk = selected[i:i + batch_size]
+            p_ids = tok([r["prompt"] for r, _, _ in chunk], add_special_tokens=False)["input_ids"]
+            t_ids = tok([r["completion"] for r, _, _ in chunk], add_special_tokens=False)["input_ids"]
+            for (r, n_p, n_c), p, t in zip(chunk, p_ids, t_ids):
+                c = emitted.read(r["id"]) if r["id"] in ids_at else t  # the target's own ids first
+                emitted_differ[r["source"]] += c != t
+                assert (len(p), len(c)) == (n_p, n_c), r["id"]
+                s = stats[r["source"]]
+                s["num_samples"] += 1
+                s["num_tokens"] += n_p + n_c
+                s["num_prompt_tokens"] += n_p
+                s["num_response_tokens"] += n_c
+                s["max_seq_len"] = max(s["max_seq_len"], n_p + n_c)
+                lengths.append(n_p + n_c)
+                yield {"id": r["id"], "source": r["source"], "input_ids": p + c,
+                       "loss_mask": [0] * n_p + [1] * n_c, "seq_len": n_p + n_c,
+                       "n_prompt_tokens": n_p, "n_response_tokens": n_c}
 
-        bs = args.tokenize_batch_size
-        with EmittedIds(ids_at) as emitted:
-            for i in tqdm(range(0, len(selected), bs), desc="[01c] tokenize", unit="batch"):
-                chunk = selected[i:i + bs]
-                p_ids = tok([r["prompt"] for r, _, _ in chunk], add_special_tokens=False)["input_ids"]
-                t_ids = tok([r["completion"] for r, _, _ in chunk], add_special_tokens=False)["input_ids"]
-                for (r, n_p, n_c), p, t in zip(chunk, p_ids, t_ids):
-                    c = emitted.read(r["id"]) if r["id"] in ids_at else t  # the target's own ids first
-                    emitted_differ[r["source"]] += c != t
-                    assert (len(p), len(c)) == (n_p, n_c), r["id"]
-                    s = stats[r["source"]]
-                    s["num_samples"] += 1
-                    s["num_tokens"] += n_p + n_c
-                    s["num_prompt_tokens"] += n_p
-                    s["num_response_tokens"] += n_c
-                    s["max_seq_len"] = max(s["max_seq_len"], n_p + n_c)
-                    lengths.append(n_p + n_c)
-                    yield {"id": r["id"], "source": r["source"], "input_ids": p + c,
-                           "loss_mask": [0] * n_p + [1] * n_c, "seq_len": n_p + n_c,
-                           "n_prompt_tokens": n_p, "n_response_tokens": n_c}
 
-    num_samples = write_jsonl(out / "tokenized_data.jsonl", samples())
+def main(argv=None):
+    args = parse_args(build_parser(), argv)
+    up_dir = stage_dir(args.work_dir, UPSTREAM)
+    upstream = require_complete(up_dir, UPSTREAM)
+    target = resolve_target(args.target_path, upstream, up_dir, UPSTREAM)
+    names = upstream["datasets"]
+    for name in names:  # every per-dataset folder must come from the same tokenizer too
+        sub_manifest = require_complete(stage_dir(args.work_dir, UPSTREAM, name), UPSTREAM)
+        check_same_tokenizer(sub_manifest["tokenizer"], tokenizer_identity(target),
+                             stage_dir(args.work_dir, UPSTREAM, name), UPSTREAM)
+    check_weights(args, names)
+    out = stage_dir(args.work_dir, STAGE)
+    if not start_stage(out, args.overwrite, STAGE):
+        return
+    t0 = time.time()
+    tok = load_tokenizer(target)
+    print(f"[01c] target {target} | datasets {names} | max-seq-len {args.max_seq_len}")
+    rows, ids_at = [], {}
+    for name in names:
+        rows += sorted(read_generated(stage_dir(args.work_dir, UPSTREAM, name) / "generated.jsonl", ids_at),
+                       key=lambda r: r["id"])
+    if not rows:
+        raise StageError(f"{up_dir} holds no generated samples: re-run `python {UPSTREAM}.py --overwrite`")
+
+    dropped = defaultdict(Counter)
+    bench_ids, bench = hold_out(rows, args)
+    candidates = drop_by_content(rows, bench_ids, bench, args, dropped)
+    per_source, retokenize_mismatch = drop_by_length(candidates, ids_at, tok, args, dropped)
+    selected = apply_mix(per_source, names, args, dropped)
+    stats, lengths, emitted_differ = defaultdict(Counter), [], Counter()
+    num_samples = write_jsonl(out / "tokenized_data.jsonl", training_samples(
+        selected, ids_at, tok, args.tokenize_batch_size, stats, lengths, emitted_differ))
     bench_out = benchmark_rows(bench, args.work_dir, tok, args.tokenize_batch_size)
     write_jsonl(out / "benchmark_prompts.jsonl", bench_out)
+
     per = {name: {**stats[name], "dropped": dict(sorted(dropped[name].items())),
                   "completion_retokenize_mismatch": retokenize_mismatch[name],
                   "emitted_ids_differ_from_retokenized": emitted_differ[name],
@@ -328,11 +343,10 @@ def main(argv=None):
     write_json(out / "stats.json", {"totals": result, "per_source": per,
                                     "length_histogram": length_histogram(lengths, args.max_seq_len)})
     write_manifest(out, STAGE, args, datasets=names, tokenizer=upstream["tokenizer"], target=upstream["target"],
-                   input_manifest_sha256=manifest_sha256(up_dir), sample_order=SAMPLE_ORDER, counts=result)
+                   inputs=input_manifests(args.work_dir, up_dir), sample_order=SAMPLE_ORDER, counts=result)
     print(f"[01c] {num_samples} samples, {totals['num_tokens']} tokens ({totals['num_response_tokens']} "
           f"supervised), {len(bench_out)} held-out prompts, dropped {result['dropped'] or 0}, "
           f"{result['seconds']} s")
-
 
 if __name__ == "__main__":
     main()

@@ -1,26 +1,20 @@
 """Capture the target's hidden states for every training sample (the draft's inputs and teacher).
 
-Runs the target over 01c's tokenized samples and stores, per sample: the residual stream h_i at the
-capture points (default [2, N//2, N-3], concatenated low|mid|high, [T, 3H]), the teacher - the final
-post-norm hidden state (the lm_head input, [T, H]) - input_ids and loss_mask. Compact feature formats
-(common/target/shards.py; recorded in the manifest and read by 03/04 without flags): --aux-format fp8
-(float8 e4m3, one scale per token and capture point), --teacher-format topk (the target's
---teacher-topk largest logits over its full vocab instead of the final state; 04 then needs no
-lm_head), --prompt-window W (only the last W prompt tokens before the response, at their true
-positions), in any combination. Samples go to shards deterministically:
-shard k holds samples [k*S, (k+1)*S) of tokenized_data.jsonl, packed along tokens (no padding rows).
-A shard that exists is kept (resume); `*.tmp` files are partial and redone. Before the model loads,
-the disk the remaining shards need is printed, and the run refuses when the disk cannot hold it.
-Backends: `hf` (common/target/capture.py: transformers, CPU or one GPU) and `sglang` (common/sglang/capture.py:
-SGLang's model runner on the GPU box, tensor parallel via torchrun; see docs/sglang.md). Either way the
-capture points must be ones SGLang will capture from the draft's config ids when it serves the draft
-(common/target/capture.sglang_layer_ids, keyed by the target's architecture); others are refused.
-Under torchrun only rank 0 prepares, cleans and writes the stage folder; the other ranks wait for it.
-
 Reads:  <work-dir>/01c_merged/tokenized_data.jsonl (+ manifest.json: tokenizer, target)
 Writes: <work-dir>/02b_hidden_states/shard_00000.safetensors ..., manifest.json
-Real:   python 02b_extract_hidden_states_sglang.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
+Real:   torchrun --nproc_per_node 8 02b_extract_hidden_states_sglang.py --config configs/kimi-k2.5.yaml
+            --config configs/datasets_v4.yaml --work-dir /data/eagle3
 Tiny:   python 02b_extract_hidden_states_sglang.py --config configs/tiny.yaml --work-dir runs/tiny
+
+Per sample: the residual stream h_i at the capture points (default [2, N//2, N-3], low|mid|high, [T, 3H]),
+the teacher (the final post-norm state [T, H], or with --teacher-format topk the target's largest logits)
+and input_ids/loss_mask, in the feature format of common/target/shards.py (fp8 aux states, top-k teacher,
+prompt-tail window; recorded in the manifest, read by 03/04 without flags). Shard k holds samples
+[k*S, (k+1)*S) of tokenized_data.jsonl, so a re-run keeps every finished shard and redoes the rest; the
+disk the remaining shards need is checked before the model loads. Backends: `hf` (common/target/capture.py)
+and `sglang` (common/sglang/capture.py: SGLang's model runner, tensor parallel under torchrun, rank 0
+writes; docs/sglang.md). Capture points SGLang would not serve as the draft's are refused
+(common/target/capture.sglang_layer_ids).
 """
 from __future__ import annotations
 
@@ -29,10 +23,19 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl
-from common.stage import (StageError, is_complete, manifest_sha256, require_complete, resolve_target,
-                          stage_dir, start_stage, write_manifest)
+from common.sglang import capture as cs
+from common.stage import (StageError, input_manifests, is_complete, require_complete, resolve_target, stage_dir,
+                          start_stage, write_manifest)
+from common.target.capture import (capture_hf, default_capture_points, load_target_config, sglang_layer_ids,
+                                   target_architecture, target_dims, validate_capture_points)
+from common.target.head import load_target_head
+from common.target.shards import FeatureFormat, ShardReader, list_shards, shard_name, write_shard
 
 STAGE = "02b_extract_hidden_states_sglang"
 UPSTREAM = "01c_merge_datasets"
@@ -129,8 +132,6 @@ def scan_samples(path: Path, vocab_size: int) -> list[dict]:
 
 def existing_shard_tokens(path: Path, expected_ids: list[str], fmt) -> int:
     """Rows in a complete shard, after checking it holds exactly the samples planned for it, in `fmt`."""
-    from common.target.shards import ShardReader
-
     shard = ShardReader(path)
     if shard.format != fmt:
         raise StageError(f"{path} was written in feature format {shard.format.as_dict()}, this run asks for "
@@ -160,8 +161,6 @@ def pack_batches(lengths: list[int], budget: int) -> list[list[int]]:
 def capture_samples(model, rows: list[dict], capture_fn, points: list[int], budget: int,
                     device: str, store_dtype, on_batch=None) -> list[dict]:
     """Capture every row (right padding + attention_mask); returns samples in row order, no pad rows."""
-    import torch
-
     out: list[dict | None] = [None] * len(rows)
     for batch in pack_batches([len(r["input_ids"]) for r in rows], budget):
         t_max = len(rows[batch[0]]["input_ids"])
@@ -186,8 +185,6 @@ def capture_samples(model, rows: list[dict], capture_fn, points: list[int], budg
 
 
 def load_model(target_dir: Path, device: str, dtype):
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, trust_remote_code=True)
     return model.to(device).eval()
 
@@ -200,13 +197,64 @@ def prepare_out_dir(out: Path, overwrite: bool, rank: int, barrier) -> bool:
     """
     proceed = True
     if rank == 0:
-        proceed = start_stage(out, overwrite, "02b")
+        proceed = start_stage(out, overwrite, STAGE)
         for tmp in sorted(out.glob("*.tmp")) if proceed else []:  # redone below
             tmp.unlink()
     barrier()
     if rank != 0:  # rank 0 removed the manifest (--overwrite) or left a complete stage alone
         proceed = not is_complete(out)
     return proceed
+
+
+def plan_shards(meta: list[dict], samples_per_shard: int, fmt) -> dict[int, list[dict]]:
+    """Shard k -> its samples (consecutive in 01c's order), each with the rows its shard stores
+    (`num_rows`: a prompt-tail window drops the rest of the prompt)."""
+    for m in meta:
+        m["num_rows"] = m["seq_len"] - (max(0, m["first_supervised"] - fmt.window) if fmt.window else 0)
+    S = samples_per_shard
+    return {k: meta[k * S:(k + 1) * S] for k in range(math.ceil(len(meta) / S))}
+
+
+def completed_shards(out: Path, plan: dict[int, list[dict]], fmt) -> dict[int, int]:
+    """Shard k -> stored rows, for the shards an earlier run finished (checked sample by sample); a
+    shard outside the plan is refused (its run had other inputs)."""
+    planned = {shard_name(k) for k in plan}
+    strays = [p.name for p in list_shards(out) if p.name not in planned]
+    if strays:
+        raise StageError(f"{out} holds shards outside the plan ({', '.join(strays[:3])}...): "
+                         "re-run with --overwrite")
+    return {k: existing_shard_tokens(out / shard_name(k), [m["id"] for m in rows], fmt)
+            for k, rows in plan.items() if (out / shard_name(k)).exists()}
+
+
+def capture_shards(data: Path, plan: dict[int, list[dict]], todo: list[int], capture, write, calls: dict,
+                   show: bool) -> dict[int, int]:
+    """Stream tokenized_data.jsonl once; each shard in `todo` is captured (`capture(rows, on_batch)`) and
+    written (`write(k, samples)` -> stored rows) as soon as its rows are read. `calls` counts this run's
+    forward calls, tokens and seconds (capture + host copy + write: the hours to plan)."""
+    S = len(plan[0])
+    bar = tqdm(total=sum(m["seq_len"] for k in todo for m in plan[k]), unit="tok", desc="02b capture",
+               disable=not show)
+
+    def on_batch(num_tokens: int) -> None:
+        calls["num_forward_calls"] += 1
+        calls["num_tokens"] += num_tokens
+        bar.update(num_tokens)
+
+    todo_set, written, rows = set(todo), {}, []
+    for i, row in enumerate(iter_jsonl(data)):
+        k = i // S
+        if k in todo_set:
+            assert row["id"] == plan[k][i % S]["id"], "tokenized_data.jsonl changed during the run"
+            rows.append(row)
+        if k in todo_set and (len(rows) == len(plan[k])):
+            t_shard = time.time()
+            written[k] = write(k, capture(rows, on_batch))
+            calls["seconds"] += time.time() - t_shard
+            rows = []
+    bar.close()
+    assert not rows, "tokenized_data.jsonl changed during the run"
+    return written
 
 
 def main(argv=None):
@@ -217,8 +265,6 @@ def main(argv=None):
     if args.samples_per_shard < 1 or args.capture_batch_tokens < 1:
         raise StageError("--samples-per-shard and --capture-batch-tokens must be >= 1")
 
-    from common.target.capture import (default_capture_points, load_target_config, sglang_layer_ids,
-                                      target_architecture, target_dims, validate_capture_points)
     target_cfg = load_target_config(target_dir)
     dims = target_dims(target_cfg)
     n_layers, hidden, vocab = dims["num_hidden_layers"], dims["hidden_size"], dims["vocab_size"]
@@ -229,12 +275,10 @@ def main(argv=None):
 
     rank, barrier = 0, (lambda: None)
     if args.capture_backend == "sglang":  # checked on every rank before any process group or model
-        from common.sglang import capture as cs
         engine_args = cs.engine_kwargs(args.sglang_tp_size, args.mem_fraction_static, args.capture_engine_args)
         rank = cs.check_world(args.sglang_tp_size)
         cs.init_process_group(args.sglang_tp_size)
         barrier = cs.barrier
-    from common.target.shards import FeatureFormat
     try:
         fmt = FeatureFormat(aux=args.aux_format, teacher=args.teacher_format, window=args.prompt_window,
                             topk=args.teacher_topk if args.teacher_format == "topk" else None)
@@ -251,30 +295,15 @@ def main(argv=None):
 
     data = src / "tokenized_data.jsonl"
     meta = scan_samples(data, vocab)
-    for m in meta:  # rows a shard stores per sample (a prompt-tail window drops the rest of the prompt)
-        m["num_rows"] = m["seq_len"] - (max(0, m["first_supervised"] - fmt.window) if fmt.window else 0)
     S = args.samples_per_shard
-    num_shards = math.ceil(len(meta) / S)
-    plan = {k: meta[k * S:(k + 1) * S] for k in range(num_shards)}  # shard k -> its samples
-
-    from common.target.shards import list_shards, shard_name
-    planned = {shard_name(k): k for k in plan}
-    strays = [p.name for p in list_shards(out) if p.name not in planned]
-    if strays:
-        raise StageError(f"{out} holds shards outside the plan ({', '.join(strays[:3])}...): "
-                         "re-run with --overwrite")
-    done = {}
-    for k, rows in plan.items():
-        path = out / shard_name(k)
-        if path.exists():
-            done[k] = existing_shard_tokens(path, [m["id"] for m in rows], fmt)
+    plan = plan_shards(meta, S, fmt)
+    num_shards = len(plan)
+    done = completed_shards(out, plan, fmt)
     todo = [k for k in plan if k not in done]
-    todo_tokens = sum(m["seq_len"] for k in todo for m in plan[k])
     print(f"[02b] {len(meta)} samples, {sum(m['seq_len'] for m in meta):,} tokens -> {num_shards} shards "
           f"of {S}; {len(done)} already complete, {len(todo)} to capture")
     check_disk(out, sum(m["num_rows"] for k in todo for m in plan[k]), bytes_per_token, args.disk_margin)
 
-    import torch
     device = "cuda" if args.capture_backend == "sglang" else (
         args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # fp32 on CPU (tests compare against fp32 references); bf16 on CUDA (the checkpoint's dtype).
@@ -285,15 +314,10 @@ def main(argv=None):
     keep_dtype = compute_dtype if (fmt.teacher == "topk" or fmt.aux == "fp8") else store_dtype
     lm_head = None
     if fmt.teacher == "topk" and rank == 0 and todo:
-        from common.target.head import load_target_head
         lm_head = load_target_head(target_dir, dtype=compute_dtype, device=device)[1]
     written = dict(done)
     calls = {"num_forward_calls": 0, "num_tokens": 0, "seconds": 0.0}  # this run's shards: calls, tokens, time
     if todo:
-        from tqdm import tqdm
-
-        from common.target.capture import capture_hf
-        from common.target.shards import write_shard
         if args.capture_backend == "sglang":  # GPU box: SGLang runner on every rank, rank 0 writes
             model = cs.build_backend(target_dir, layer_ids, engine_args)
             capture = lambda m, rows, cb: cs.capture_samples_sglang(  # noqa: E731
@@ -302,29 +326,15 @@ def main(argv=None):
             model = load_model(target_dir, device, compute_dtype)
             capture = lambda m, rows, cb: capture_samples(  # noqa: E731
                 m, rows, capture_hf, points, args.capture_batch_tokens, device, keep_dtype, on_batch=cb)
-        bar = tqdm(total=todo_tokens, unit="tok", desc="02b capture", disable=rank != 0)
 
-        def on_batch(num_tokens: int) -> None:
-            calls["num_forward_calls"] += 1
-            calls["num_tokens"] += num_tokens
-            bar.update(num_tokens)
+        def write(k: int, samples) -> int:  # rank 0 writes; the other ranks only took part in the capture
+            if rank == 0:
+                return write_shard(out / shard_name(k), samples, store_dtype, fmt, lm_head)
+            return sum(m["num_rows"] for m in plan[k])
 
-        todo_set = set(todo)
-        rows: list[dict] = []
-        for i, row in enumerate(iter_jsonl(data)):
-            k = i // S
-            if k in todo_set:
-                assert row["id"] == plan[k][i % S]["id"], "tokenized_data.jsonl changed during the run"
-                rows.append(row)
-            if k in todo_set and (len(rows) == len(plan[k])):
-                t_shard = time.time()
-                samples = capture(model, rows, on_batch)
-                written[k] = (write_shard(out / shard_name(k), samples, store_dtype, fmt, lm_head) if rank == 0
-                              else sum(m["num_rows"] for m in plan[k]))
-                calls["seconds"] += time.time() - t_shard  # capture + host copy + write: the hours to plan
-                rows = []
-        bar.close()
-        assert not rows and set(written) == set(plan), "tokenized_data.jsonl changed during the run"
+        written |= capture_shards(data, plan, todo, lambda rows, cb: capture(model, rows, cb), write, calls,
+                                  show=rank == 0)
+        assert set(written) == set(plan), "tokenized_data.jsonl changed during the run"
         if rank != 0:
             return
 
@@ -347,7 +357,7 @@ def main(argv=None):
         bytes_per_sample_token=round(num_bytes / num_sample_tokens, 1),
         num_supervised_tokens=sum(m["num_supervised"] for m in meta), num_bytes=num_bytes,
         samples_per_shard=S, shards=shards, tokenizer=upstream["tokenizer"], target=upstream["target"],
-        inputs={"01c_merged/manifest.json": manifest_sha256(src)},
+        inputs=input_manifests(args.work_dir, src),
         this_run={**calls, "seconds": round(calls["seconds"], 2),
                   "tokens_per_s": round(calls["num_tokens"] / calls["seconds"], 1) if calls["seconds"] else None},
         elapsed_s=round(time.time() - t0, 2))

@@ -1,25 +1,32 @@
 """Choose the draft vocabulary: the `draft_vocab_size` target ids the draft is most often trained to emit.
 
-Counts only loss-masked (supervised) tokens of the 02b shards, the exact data training sees; prompt
-tokens never count. Keeps the most frequent ids (ties and padding: lowest target id first, so a
-corpus with fewer distinct supervised ids than draft_vocab_size is padded with the lowest unused ids),
-sorts them by target id and writes the mapping buffers the draft checkpoint carries (docs/design.md
-section 2): `d2t` int64 [Dv] offsets (target_id = draft_id + d2t[draft_id]) and `t2d` bool [V] membership.
-Coverage = share of supervised tokens the draft vocab can emit.
-
 Reads:  <work-dir>/02b_hidden_states/shard_*.safetensors (input_ids, loss_mask only) + manifest.json
 Writes: <work-dir>/03_vocab/vocab_mapping.safetensors, token_counts.safetensors, manifest.json
-Real:   python 03_build_vocab_mapping.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
+Real:   python 03_build_vocab_mapping.py --config configs/kimi-k2.5.yaml --config configs/datasets_v4.yaml
+            --work-dir /data/eagle3
 Tiny:   python 03_build_vocab_mapping.py --config configs/tiny.yaml --work-dir runs/tiny
+
+Counts only loss-masked (supervised) tokens of the 02b shards, the exact data training sees. Keeps the
+most frequent ids (ties and padding: lowest target id first, so a corpus with fewer distinct supervised
+ids than draft_vocab_size is padded with the lowest unused ids), sorted by target id, as the buffers the
+draft carries (docs/design.md section 2): `d2t` int64 [Dv] offsets (target_id = draft_id + d2t[draft_id])
+and `t2d` bool [V] membership. Coverage = share of supervised tokens the draft vocab can emit.
 """
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 from common.config import base_parser, parse_args
-from common.stage import (StageError, manifest_sha256, require_complete, resolve_target, stage_dir,
-                          start_stage, write_manifest)
+from common.io import atomic_path
+from common.stage import (StageError, input_manifests, require_complete, resolve_target, stage_dir, start_stage,
+                          write_manifest)
+from common.target.shards import ShardReader, list_shards
+from common.text.target_format import load_target_format
+from common.text.tokenizer import load_tokenizer
 
 STAGE = "03_build_vocab_mapping"
 UPSTREAM = "02b_extract_hidden_states_sglang"
@@ -42,10 +49,6 @@ def count_supervised(shard_paths: list[Path], vocab_size: int):
 
     Reads only the input_ids and loss_mask tensors of each shard (never the hidden states).
     """
-    import torch
-
-    from common.target.shards import ShardReader
-
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for path in shard_paths:
         shard = ShardReader(path)
@@ -61,8 +64,6 @@ def build_mapping(counts, draft_vocab_size: int):
     A stable descending sort ranks by count and, among equal counts (zeros included), by ascending
     target id: the padding, when fewer distinct ids were supervised, is the lowest unused ids.
     """
-    import torch
-
     ranked = torch.sort(counts, descending=True, stable=True).indices  # [V] target ids
     kept = torch.sort(ranked[:draft_vocab_size]).values  # [Dv] draft id i -> target id kept[i]
     d2t = kept - torch.arange(draft_vocab_size, dtype=torch.int64)  # target = draft + d2t[draft]
@@ -72,9 +73,6 @@ def build_mapping(counts, draft_vocab_size: int):
 
 
 def save_tensors(path: Path, tensors: dict) -> None:
-    from safetensors.torch import save_file
-
-    from common.io import atomic_path
     with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
 
@@ -88,11 +86,10 @@ def main(argv=None):
     vocab_size, dv = upstream["vocab_size"], args.draft_vocab_size
     if not 1 <= dv <= vocab_size:
         raise StageError(f"--draft-vocab-size {dv} must lie in 1..{vocab_size} (the target vocab size)")
-    if not start_stage(out, args.overwrite, "03"):
+    if not start_stage(out, args.overwrite, STAGE):
         return
     t0 = time.time()
 
-    from common.target.shards import list_shards
     shards = list_shards(src)
     missing = sorted(set(upstream["shards"]) - {p.name for p in shards})
     if missing:
@@ -113,8 +110,6 @@ def main(argv=None):
     distinct = int((counts > 0).sum())
 
     # The end-of-turn token must be draftable, or the draft can never propose the end of an answer.
-    from common.text.target_format import load_target_format
-    from common.text.tokenizer import load_tokenizer
     tok = load_tokenizer(upstream["tokenizer"]["path"])
     fmt = load_target_format(upstream["target"]["path"], tok)
     end_id = fmt.stop_ids[0]
@@ -131,7 +126,7 @@ def main(argv=None):
         capture_points=upstream["capture_points"], hidden_size=upstream["hidden_size"],
         num_hidden_layers=upstream["num_hidden_layers"],
         tokenizer=upstream["tokenizer"], target=upstream["target"],
-        inputs={"02b_hidden_states/manifest.json": manifest_sha256(src)},
+        inputs=input_manifests(args.work_dir, src),
         elapsed_s=round(time.time() - t0, 2))
     print(f"[03] coverage {coverage:.4f} ({covered:,} of {total:,} supervised tokens); "
           f"{distinct} distinct supervised ids, {max(0, dv - distinct)} padding ids; "

@@ -1,35 +1,55 @@
 """Train the EAGLE-3 draft on the stored target hidden states (training-time test), export for SGLang.
 
-The draft (common/draft/model.py) learns, at every position t and TTT step k, the target's distribution at
-t+1+k restricted to the draft vocab, from fc(target features at t) (step 0) or its own previous output,
-plus the ground-truth token t+1+k. The teacher is the target's lm_head over the stored final hidden
-state; only the target's embedding and lm_head are read (common/target/head.py). Samples are streamed
-shard by shard in a seeded order and packed into batches by a token budget (common/training/data.py);
-a background thread reads and collates the next batches while one trains. Under torchrun each rank reads
-a disjoint slice of every batch (DDP, optionally ZeRO-1; common/training/distributed.py) and rank 0 alone
-writes. Checkpoints hold weights, optimizer, scheduler, RNG and the data cursor; a re-run resumes from
-the newest complete one, on any number of processes.
 Reads:  <work-dir>/02b_hidden_states/shard_*.safetensors (+ manifest.json),
         <work-dir>/03_vocab/vocab_mapping.safetensors (+ manifest.json), the target (02b manifest)
 Writes: <work-dir>/04_draft/checkpoints/step_NNNNNN/, train_log.jsonl, train_curves.png, export_sglang/,
         export_speculators/ (vLLM speculators layout), manifest.json
-Real:   torchrun --nproc_per_node 8 04_train.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
+Real:   torchrun --nproc_per_node 8 04_train.py --config configs/kimi-k2.5.yaml --config configs/datasets_v4.yaml
+            --work-dir /data/eagle3
 Tiny:   python 04_train.py --config configs/tiny.yaml --work-dir runs/tiny
+
+The draft (common/draft/model.py) learns, at every position t and TTT step k, the target's distribution at
+t+1+k over the draft vocab, from fc(target features at t) (step 0) or its own previous output, plus the
+true token t+1+k. The teacher (common/training/teacher.py) follows 02b's feature format: the stored top-k
+logits (the Kimi preset) or the target's lm_head over the stored final state. Samples stream shard by
+shard in a seeded order, packed into batches by a token budget (common/training/data.py). Under torchrun
+each rank reads a disjoint slice of every batch (DDP, optionally ZeRO-1) and rank 0 alone writes.
+Checkpoints hold weights, optimizer, schedule, RNG and the data cursor: a re-run resumes from the newest
+complete one, on any number of processes (common/training/checkpoints.py).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
+
 from common.config import base_parser, parse_args
-from common.training.checkpoints import complete_checkpoints, load_checkpoint, save_checkpoint
+from common.draft.export_sglang import export_sglang
+from common.draft.export_speculators import export_speculators
+from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
-from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
-                          resolve_target, stage_dir, start_stage, write_manifest)
+from common.stage import (StageError, check_same_tokenizer, input_manifests, require_complete, resolve_target,
+                          stage_dir, start_stage, write_manifest)
+from common.target.head import load_target_head, read_target_text_config
+from common.target.shards import FeatureFormat, list_shards
+from common.training.checkpoints import complete_checkpoints, load_checkpoint, save_checkpoint
+from common.training.data import (Prefetcher, ShardData, epoch_order, is_eval, load_batch, make_batches, rank_slice,
+                                  schedule, to_device)
+from common.training.distributed import (Ranks, all_max, all_sum, barrier, broadcast_flag, make_optimizer,
+                                         optimizer_state, setup, shard_optimizer_wanted, teardown, unwrap, wrap_model)
+from common.training.loss import TTTMeter, ttt_loss
+from common.training.plot import plot_training_curves
+from common.training.precision import choose_bf16
+from common.training.teacher import step_counts, teacher_from_topk, teacher_targets
 
 STAGE = "04_train"
 # Flags whose change makes a checkpoint's data cursor, schedule or recipe meaningless: resume refuses them.
@@ -109,12 +129,6 @@ def cosine_with_warmup(warmup: int, total: int):
 def run_batch(model, lm_head, batch: dict, args, ranks, autocast):
     """(loss to backpropagate, per-step stats) of one batch on this rank. The loss is scaled so that
     DDP's average over ranks is the gradient of the whole global batch's loss."""
-    import torch
-
-    from common.training.distributed import all_max, all_sum, unwrap
-    from common.training.loss import ttt_loss
-    from common.training.teacher import step_counts, teacher_targets
-    from common.training.teacher import teacher_from_topk
     core, mask, k = unwrap(model), batch["loss_mask"], args.ttt_steps
     if "final" in batch:   # 02b feature format teacher "final": the target's lm_head over its last state
         teach = teacher_targets(batch["final"], lm_head, core.d2t, core.t2d, mask)
@@ -133,11 +147,6 @@ def run_batch(model, lm_head, batch: dict, args, ranks, autocast):
 
 def evaluate(model, lm_head, data, batches, args, ranks, autocast) -> dict | None:
     """Held-out TTT metrics; each rank evaluates its slices and the counts are summed over ranks."""
-    import torch
-
-    from common.training.distributed import Ranks, all_sum, unwrap
-    from common.training.loss import TTTMeter
-    from common.training.data import load_batch, rank_slice, to_device
     if not batches:
         return None
     core, meter, lengths = unwrap(model), TTTMeter(args.ttt_steps), [e[2] for e in data.entries]
@@ -153,46 +162,48 @@ def evaluate(model, lm_head, data, batches, args, ranks, autocast) -> dict | Non
     return meter.summary()
 
 
-def fmt(summary: dict) -> str:
+def summary_line(summary: dict) -> str:
     return (f"loss {summary['loss'][0]:.3f} | acc " + "/".join(f"{a:.2f}" for a in summary["acc"])
             + f" | tau {summary['tau']:.2f}")
 
 
-def load_inputs(args) -> dict:
-    """The 02b and 03 manifests (same tokenizer), their folders and the target folder."""
+@dataclass
+class Inputs:
+    """What 04 reads: the 02b and 03 folders, their manifests (same tokenizer) and the target folder."""
+    hs_dir: Path
+    vocab_dir: Path
+    m02b: dict
+    m03: dict
+    target_path: Path
+
+
+def load_inputs(args) -> Inputs:
     hs_dir = stage_dir(args.work_dir, "02b_extract_hidden_states_sglang")
     vocab_dir = stage_dir(args.work_dir, "03_build_vocab_mapping")
-    m02 = require_complete(hs_dir, "02b_extract_hidden_states_sglang")
+    m02b = require_complete(hs_dir, "02b_extract_hidden_states_sglang")
     m03 = require_complete(vocab_dir, "03_build_vocab_mapping")
-    check_same_tokenizer(m02["tokenizer"], m03["tokenizer"], vocab_dir, "03_build_vocab_mapping")
-    target_path = resolve_target(args.target_path, m02, hs_dir, "02b_extract_hidden_states_sglang")
-    return {"hs_dir": hs_dir, "vocab_dir": vocab_dir, "m02": m02, "m03": m03, "target_path": target_path}
+    check_same_tokenizer(m02b["tokenizer"], m03["tokenizer"], vocab_dir, "03_build_vocab_mapping")
+    target_path = resolve_target(args.target_path, m02b, hs_dir, "02b_extract_hidden_states_sglang")
+    return Inputs(hs_dir, vocab_dir, m02b, m03, target_path)
 
 
-def build_draft(args, inputs: dict, device, bf16: bool, verbose: bool):
+def build_draft(args, inputs: Inputs, device, bf16: bool, verbose: bool):
     """The draft (seeded init, frozen target embedding, d2t/t2d) and the target's lm_head, on `device`.
     Refuses when the target, 02b and 03 disagree on hidden size or vocabulary."""
-    import torch
-    from safetensors.torch import load_file
-
-    from common.draft.model import Eagle3DraftModel, draft_config
-    from common.target.shards import FeatureFormat
-    from common.target.head import load_target_head, read_target_text_config
-
-    target_path, m02 = inputs["target_path"], inputs["m02"]
+    target_path, m02b = inputs.target_path, inputs.m02b
     tcfg = read_target_text_config(target_path)
-    mapping = load_file(str(inputs["vocab_dir"] / "vocab_mapping.safetensors"))
+    mapping = load_file(str(inputs.vocab_dir / "vocab_mapping.safetensors"))
     d2t, t2d = mapping["d2t"], mapping["t2d"]
     # A top-k teacher (02b feature format) needs no lm_head: Kimi's is 2.35 GB of GPU memory.
-    with_head = FeatureFormat.from_dict(m02.get("feature_format")).teacher == "final"
+    with_head = FeatureFormat.from_dict(m02b.get("feature_format")).teacher == "final"
     embed, lm_head = load_target_head(target_path, dtype=torch.bfloat16 if bf16 else torch.float32,
                                       with_head=with_head)
-    hidden, points = int(m02["hidden_size"]), [int(p) for p in m02["capture_points"]]
+    hidden, points = int(m02b["hidden_size"]), [int(p) for p in m02b["capture_points"]]
     if not (embed.shape[1] == hidden == tcfg["hidden_size"] and embed.shape[0] == t2d.shape[0] == tcfg["vocab_size"]):
         raise StageError(f"shapes disagree: 02b hidden {hidden}, target config hidden {tcfg['hidden_size']} "
                          f"vocab {tcfg['vocab_size']}, embedding {tuple(embed.shape)}, t2d {tuple(t2d.shape)}: "
                          "re-run 02b/03 for this target")
-    cfg = draft_config(tcfg, int(inputs["m03"]["draft_vocab_size"]), args.draft_num_attention_heads,
+    cfg = draft_config(tcfg, int(inputs.m03["draft_vocab_size"]), args.draft_num_attention_heads,
                        args.draft_num_key_value_heads, args.draft_intermediate_size)
     torch.manual_seed(args.seed)
     model = Eagle3DraftModel(cfg)
@@ -210,11 +221,19 @@ def build_draft(args, inputs: dict, device, bf16: bool, verbose: bool):
     return model, (lm_head.to(device) if lm_head is not None else None), cfg
 
 
-def plan_data(args, hs_dir: Path, verbose: bool) -> dict:
+@dataclass
+class DataPlan:
     """The held-out split (by sample-id hash) and every epoch's batches, fixed by the seed."""
-    from common.target.shards import list_shards
-    from common.training.data import ShardData, epoch_order, is_eval, make_batches
+    data: ShardData
+    lengths: list[int]
+    epochs: list[list[list[int]]]   # epoch -> batch -> sample indices
+    total: int                      # optimizer steps of the whole run
+    eval_batches: list[list[int]]
+    num_train: int
+    num_eval: int
 
+
+def plan_data(args, hs_dir: Path, verbose: bool) -> DataPlan:
     data = ShardData(list_shards(hs_dir))
     lengths = [e[2] for e in data.entries]
     eval_idx = [i for i, e in enumerate(data.entries) if is_eval(e[3], args.eval_fraction)]
@@ -235,8 +254,7 @@ def plan_data(args, hs_dir: Path, verbose: bool) -> dict:
         print(f"[04] {len(train_idx)} train / {len(eval_idx)} eval samples, {total} steps "
               f"({args.num_epochs} epochs of ~{len(epochs[0])} batches, budget {args.batch_tokens} tokens"
               + (f", <= {args.max_samples_per_batch} samples" if args.max_samples_per_batch else "") + ")")
-    return {"data": data, "lengths": lengths, "epochs": epochs, "total": total, "eval_batches": eval_batches,
-            "num_train": len(train_idx), "num_eval": len(eval_idx)}
+    return DataPlan(data, lengths, epochs, total, eval_batches, len(train_idx), len(eval_idx))
 
 
 def resume(ckpt_root: Path, log_path: Path, plan: dict, model, opt, sched, ranks) -> tuple[int, dict]:
@@ -259,19 +277,25 @@ def resume(ckpt_root: Path, log_path: Path, plan: dict, model, opt, sched, ranks
     return step, cursor
 
 
-def train_loop(args, model, lm_head, opt, sched, params, dp: dict, step: int, cursor: dict, plan: dict,
-               out: Path, ranks, autocast) -> tuple[int, dict | None]:
+@dataclass
+class Trainer:
+    """What one optimizer step needs: the (DDP-wrapped) draft, the teacher's lm_head (None with a top-k
+    teacher), optimizer, schedule, trainable parameters, process group and the autocast context."""
+    model: torch.nn.Module
+    lm_head: torch.Tensor | None
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    params: list
+    ranks: Ranks
+    autocast: object
+
+
+def train_loop(args, tr: Trainer, dp: DataPlan, step: int, cursor: dict, plan: dict,
+               out: Path) -> tuple[int, dict | None]:
     """The loop, fresh and resumed runs alike: (last step, final eval or None when stopped early)."""
-    import contextlib
-
-    import torch
-    from tqdm import tqdm
-
-    from common.training.distributed import all_sum, optimizer_state, unwrap
-    from common.training.loss import TTTMeter
-    from common.training.data import Prefetcher, load_batch, schedule, to_device
-
-    data, lengths, epochs, total = dp["data"], dp["lengths"], dp["epochs"], dp["total"]
+    model, lm_head, opt, sched, params, ranks, autocast = (tr.model, tr.lm_head, tr.opt, tr.sched, tr.params,
+                                                           tr.ranks, tr.autocast)
+    data, lengths, epochs, total = dp.data, dp.lengths, dp.epochs, dp.total
     ckpt_root, log_path = out / "checkpoints", out / "train_log.jsonl"
     model.train()
     meter, interval_tokens, t_interval, t_start = TTTMeter(args.ttt_steps), 0, time.time(), time.time()
@@ -307,15 +331,15 @@ def train_loop(args, model, lm_head, opt, sched, params, dp: dict, step: int, cu
                        "ms_per_step": 1000 * dt / (step - last_log), "eta_s": eta}
                 if ranks.main:
                     log.write(row)
-                    tqdm.write(f"step {step}/{total} | {fmt(s)} | lr {row['lr']:.2e} | {row['ms_per_step']:.0f} ms"
+                    tqdm.write(f"step {step}/{total} | {summary_line(s)} | lr {row['lr']:.2e} | {row['ms_per_step']:.0f} ms"
                                f" | {row['tokens_per_s']:.0f} tok/s | eta {eta / 60:.1f} m")
                 meter, interval_tokens, t_interval = TTTMeter(args.ttt_steps), 0, time.time()
                 last_log = step
             if step % args.eval_every == 0 and step < total:
-                ev = evaluate(model, lm_head, data, dp["eval_batches"], args, ranks, autocast)
+                ev = evaluate(model, lm_head, data, dp.eval_batches, args, ranks, autocast)
                 if ev and ranks.main:
                     log.write({"step": step, "split": "eval", **ev})
-                    tqdm.write(f"eval step {step} | {fmt(ev)}")
+                    tqdm.write(f"eval step {step} | {summary_line(ev)}")
             if step % args.save_every == 0 or step == stop_at:
                 opt_state = optimizer_state(opt, ranks)    # collective when the optimizer is sharded
                 if ranks.main:
@@ -325,40 +349,34 @@ def train_loop(args, model, lm_head, opt, sched, params, dp: dict, step: int, cu
         bar.close()
         if step < total:
             return step, None
-        final_eval = evaluate(model, lm_head, data, dp["eval_batches"], args, ranks, autocast)
+        final_eval = evaluate(model, lm_head, data, dp.eval_batches, args, ranks, autocast)
         if final_eval and ranks.main:
             log.write({"step": step, "split": "eval", **final_eval})
-            print(f"[04] final eval | {fmt(final_eval)}")
+            print(f"[04] final eval | {summary_line(final_eval)}")
     return step, final_eval
 
 
-def export(args, model, cfg: dict, inputs: dict, dp: dict, final_eval: dict | None, out: Path, run: dict) -> None:
+def export(args, model, cfg: dict, inputs: Inputs, dp: DataPlan, final_eval: dict | None, out: Path,
+           run: dict) -> None:
     """The SGLang and speculators folders and the training curves, then the manifest (last: it marks
     the stage complete)."""
-    from common.draft.export_speculators import export_speculators
-    from common.draft.export_sglang import export_sglang
-    from common.training.plot import plot_training_curves
-
-    m02, target_path = inputs["m02"], inputs["target_path"]
-    points = [int(p) for p in m02["capture_points"]]
+    m02b, target_path = inputs.m02b, inputs.target_path
+    points = [int(p) for p in m02b["capture_points"]]
     export_dir = export_sglang(model, out / "export_sglang", points)
     spec_dir = export_speculators(export_dir, out / "export_speculators", points, target_path,
                                   json.loads((Path(target_path) / "config.json").read_text()).get("architectures", []))
     curves = plot_training_curves(out / "train_log.jsonl", out / "train_curves.png")
     write_manifest(out, STAGE, args, draft_config=cfg, capture_points=points,
                    draft_vocab_size=cfg["draft_vocab_size"], vocab_size=cfg["vocab_size"],
-                   num_steps=dp["total"], num_train_samples=dp["num_train"], num_eval_samples=dp["num_eval"],
+                   num_steps=dp.total, num_train_samples=dp.num_train, num_eval_samples=dp.num_eval,
                    final_eval=final_eval, export_dir=str(export_dir), export_speculators_dir=str(spec_dir),
-                   train_curves=str(curves), **run, tokenizer=m02["tokenizer"], target=m02["target"],
-                   inputs={"02b_hidden_states/manifest.json": manifest_sha256(inputs["hs_dir"]),
-                           "03_vocab/manifest.json": manifest_sha256(inputs["vocab_dir"])})
+                   train_curves=str(curves), **run, tokenizer=m02b["tokenizer"], target=m02b["target"],
+                   inputs=input_manifests(args.work_dir, inputs.hs_dir, inputs.vocab_dir))
     print(f"[04] exported {export_dir}")
 
 
 def main(argv=None):
     args = parse_args(build_parser(), argv)
-    from common.training.distributed import barrier, setup, teardown
-
     if args.keep_checkpoints < 2:
         raise StageError("--keep-checkpoints must be >= 2 (never overwrite the only good checkpoint)")
     if args.max_samples_per_batch is not None and args.max_samples_per_batch < 1:
@@ -372,24 +390,15 @@ def main(argv=None):
 
 
 def train(args, ranks) -> None:
-    import contextlib
-
-    import torch
-
-    from common.training.distributed import (broadcast_flag, make_optimizer, shard_optimizer_wanted, unwrap,
-                                          wrap_model)
-
     out = stage_dir(args.work_dir, STAGE)
     inputs = load_inputs(args)
     go = True
     if ranks.main:
         if args.overwrite and out.exists() and not (out / "manifest.json").exists():
             shutil.rmtree(out)     # --overwrite also drops the checkpoints of an unfinished run
-        go = start_stage(out, args.overwrite, "04")
+        go = start_stage(out, args.overwrite, STAGE)
     if not broadcast_flag(go, ranks):
         return
-    from common.training.precision import choose_bf16
-
     bf16, why = choose_bf16(args.precision, ranks.device)
     bf16 = broadcast_flag(bf16, ranks)  # rank 0's measurement decides for all
     if ranks.main:
@@ -398,26 +407,26 @@ def train(args, ranks) -> None:
                 else contextlib.nullcontext)
 
     core, lm_head, cfg = build_draft(args, inputs, ranks.device, bf16, ranks.main)
-    dp = plan_data(args, inputs["hs_dir"], ranks.main)
+    dp = plan_data(args, inputs.hs_dir, ranks.main)
     params = [p for p in core.parameters() if p.requires_grad]
     shard = shard_optimizer_wanted(args.shard_optimizer, params, ranks)
     model = wrap_model(core, ranks)
     opt = make_optimizer(params, args.learning_rate, args.adam_betas, shard, ranks)
-    warmup = max(1, round(args.warmup_ratio * dp["total"]))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(warmup, dp["total"]))
+    warmup = max(1, round(args.warmup_ratio * dp.total))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(warmup, dp.total))
     plan = {k: getattr(args, k) for k in PLAN_KEYS}
     if ranks.main and ranks.world > 1:
-        small = sum(len(b) < ranks.world for e in dp["epochs"] for b in e)
+        small = sum(len(b) < ranks.world for e in dp.epochs for b in e)
         print(f"[04] {ranks.world} ranks (DDP{', ZeRO-1 optimizer' if shard else ''}); "
               + (f"{small} batches hold fewer samples than ranks (idle ranks compute a zero-weight copy): "
                  "raise --batch-tokens or --max-samples-per-batch" if small else "every batch feeds every rank"))
 
     step, cursor = resume(out / "checkpoints", out / "train_log.jsonl", plan, core, opt, sched, ranks)
-    step, final_eval = train_loop(args, model, lm_head, opt, sched, params, dp, step, cursor, plan,
-                                  out, ranks, autocast)
-    if step < dp["total"]:
+    trainer = Trainer(model, lm_head, opt, sched, params, ranks, autocast)
+    step, final_eval = train_loop(args, trainer, dp, step, cursor, plan, out)
+    if step < dp.total:
         if ranks.main:
-            print(f"[04] stopped at step {step} of {dp['total']} (--stop-at-step); re-run to resume")
+            print(f"[04] stopped at step {step} of {dp.total} (--stop-at-step); re-run to resume")
         return
     if ranks.main:
         export(args, unwrap(model), cfg, inputs, dp, final_eval, out,

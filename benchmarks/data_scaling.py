@@ -68,7 +68,7 @@ def main(argv=None):
             stage = __import__("importlib").import_module("04_train")
             defaults = vars(stage.parse_args(stage.build_parser(), ["--config", str(args.config), "--work-dir", str(work)]))
             total = stage.plan_data(Namespace(**{**defaults, "max_train_samples": None}), work / "02b_hidden_states",
-                                    False)["num_train"]
+                                    False).num_train
         row_flags = {**flags, "max-train-samples": max(1, round(share * total))}
         if name in results and results[name]["flags"] == row_flags:
             continue

@@ -80,6 +80,12 @@ def manifest_sha256(path: str | Path) -> str:
     return hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
 
 
+def input_manifests(work_dir: str | Path, *dirs: str | Path) -> dict[str, str]:
+    """A manifest's `inputs`: the sha256 of each upstream manifest it was made from, keyed by that
+    manifest's path under the work dir (e.g. "02b_hidden_states/manifest.json")."""
+    return {(Path(d) / MANIFEST).relative_to(work_dir).as_posix(): manifest_sha256(d) for d in dirs}
+
+
 def require_complete(path: str | Path, producer: str) -> dict:
     """Return the manifest of an upstream folder, or stop with the command that makes it."""
     path = Path(path)
@@ -89,8 +95,14 @@ def require_complete(path: str | Path, producer: str) -> dict:
     return read_manifest(path)
 
 
-def start_stage(out_dir: str | Path, overwrite: bool, name: str) -> bool:
-    """Prepare `out_dir` for a run. Returns False when it is already complete (caller exits).
+def stage_tag(stage: str) -> str:
+    """The log tag of a stage: its number, e.g. "04_train" -> "[04]"."""
+    return f"[{stage.split('_', 1)[0]}]"
+
+
+def start_stage(out_dir: str | Path, overwrite: bool, stage: str) -> bool:
+    """Prepare `out_dir` for `stage` (its name, e.g. "04_train"). Returns False when it is already
+    complete (caller exits).
 
     A complete folder is left alone unless `overwrite`; an incomplete one is kept, so that a
     resumable stage can pick up where it stopped.
@@ -98,7 +110,7 @@ def start_stage(out_dir: str | Path, overwrite: bool, name: str) -> bool:
     out_dir = Path(out_dir)
     if is_complete(out_dir):
         if not overwrite:
-            print(f"[{name}] {out_dir} is complete (manifest.json exists); nothing to do. "
+            print(f"{stage_tag(stage)} {out_dir} is complete (manifest.json exists); nothing to do. "
                   "Pass --overwrite to redo it.")
             return False
         shutil.rmtree(out_dir)

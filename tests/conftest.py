@@ -16,8 +16,22 @@ def stdlib_texts(limit: int) -> list[str]:
     return [f.read_text(encoding="utf-8", errors="replace") for f in files]
 
 
+def save_random_target(out_dir: str | Path, tokenizer, seed: int = 0, **dims):
+    """Initialise a DeepseekV3ForCausalLM (common/worlds/tiny_target.deepseek_v3_config) with `seed`,
+    save it (safetensors) with its tokenizer."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    from common.worlds.tiny_target import deepseek_v3_config
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(tokenizer, **dims)).eval()
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return model
+
+
 def make_micro_target(out_dir: Path, seed: int = 0, vocab_size: int = 600) -> Path:
-    from common.worlds.tiny_target import save_random_target
     from common.worlds.tiny_tokenizer import build_tokenizer
 
     tok = build_tokenizer(stdlib_texts(12), vocab_size, out_dir)

@@ -348,5 +348,5 @@ def test_max_train_samples_takes_nested_subsets(upstream, tmp_path):
     sets = {}
     for n in (3, 6, None):
         plan = train.plan_data(_ap.Namespace(**{**base, "max_train_samples": n, "eval_fraction": 0.0}), hs, False)
-        sets[n] = {i for e in plan["epochs"] for b in e for i in b}
+        sets[n] = {i for e in plan.epochs for b in e for i in b}
     assert len(sets[3]) == 3 and len(sets[6]) == 6 and sets[3] < sets[6] < sets[None]

@@ -43,11 +43,11 @@ def test_missing_work_dir_is_an_error():
 
 def test_start_stage_complete_is_noop_unless_overwrite(tmp_path, capsys):
     out = tmp_path / "s"
-    assert stage.start_stage(out, overwrite=False, name="t")
+    assert stage.start_stage(out, overwrite=False, stage="09_test")
     stage.write_manifest(out, "t", argparse.Namespace(a=1), counts={"n": 1})
-    assert not stage.start_stage(out, overwrite=False, name="t")
+    assert not stage.start_stage(out, overwrite=False, stage="09_test")
     assert "nothing to do" in capsys.readouterr().out
-    assert stage.start_stage(out, overwrite=True, name="t") and not stage.is_complete(out)
+    assert stage.start_stage(out, overwrite=True, stage="09_test") and not stage.is_complete(out)
 
 
 def test_require_complete_names_the_producer(tmp_path):

@@ -3,19 +3,46 @@ and the SGLang -> speculators -> SGLang round trip is lossless."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from common.draft.export_sglang import export_sglang, export_shapes, load_sglang_export
-
+from common.draft.export_speculators import LAYER_KEYS, export_speculators
 from common.draft.model import Eagle3DraftModel, draft_config
-from common.draft.export_speculators import export_speculators, speculators_to_sglang
 
 POINTS = [2, 4, 5]
 TARGET = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 600,
           "rms_norm_eps": 1e-6, "rope_theta": 50000.0, "max_position_embeddings": 512}
+
+
+def to_sglang_name(name: str) -> str:
+    return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
+
+
+def speculators_to_sglang(spec_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The inverse of export_speculators, the round trip's other half: (SGLang config.json dict,
+    SGLang-named tensors) from a speculators folder."""
+    spec_dir = Path(spec_dir)
+    cfg = json.loads((spec_dir / "config.json").read_text())
+    if cfg.get("norm_before_residual", True):
+        raise ValueError(f"{spec_dir}: norm_before_residual is not false; SGLang's Eagle3 Llama draft "
+                         "has no such option")
+    layer = cfg["transformer_layer_config"]
+    points = [int(p) for p in cfg["eagle_aux_hidden_state_layer_ids"]]
+    out = {k: layer[k] for k in LAYER_KEYS if k in layer}
+    out.update({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+                "draft_vocab_size": cfg["draft_vocab_size"],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [p - 1 for p in points],
+                                 "use_aux_hidden_state": True},
+                "eagle_aux_hidden_state_layer_ids": points})
+    if cfg.get("target_hidden_size", layer["hidden_size"]) != layer["hidden_size"]:
+        out["target_hidden_size"] = cfg["target_hidden_size"]
+    with safe_open(str(spec_dir / "model.safetensors"), framework="pt") as f:
+        tensors = {to_sglang_name(k): f.get_tensor(k) for k in f.keys()}
+    return out, tensors
 
 
 @pytest.fixture()

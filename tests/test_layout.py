@@ -169,3 +169,17 @@ def test_checker_catches_each_kind_of_violation(tmp_path):
     assert "config.py:4: loads a module at run time (exec_module)" in found
     assert "loose.py: not in a known package" in found
     assert import_loops(tmp_path) == [["common.training.d", "common.training.e", "common.training.d"]]
+
+
+def test_stage_docstrings_open_with_their_contract():
+    """A stage's docstring: one summary line, then Reads:/Writes:/Real:/Tiny:, then the what-and-why in
+    at most 12 lines (the fault policy lives in the module that implements it)."""
+    from common.stage import STAGE_SCRIPTS
+
+    for name in STAGE_SCRIPTS:
+        doc = ast.get_docstring(ast.parse((REPO / f"{name}.py").read_text()))
+        summary, contract, *body = doc.split("\n\n")
+        assert "\n" not in summary, name
+        tags = [line.split(":")[0] for line in contract.splitlines() if not line.startswith(" ")]
+        assert tags == ["Reads", "Writes", "Real", "Tiny"], (name, tags)
+        assert body and len("\n\n".join(body).splitlines()) <= 12, (name, len("\n\n".join(body).splitlines()))

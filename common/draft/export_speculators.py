@@ -1,4 +1,4 @@
-"""Convert 04's SGLang export into the speculators/vLLM folder format, and back (for the round trip).
+"""Convert 04's SGLang export into the speculators/vLLM folder format.
 
 speculators (vllm-project/speculators `src/speculators/models/eagle3/config.py`, `convert/eagle/
 eagle3_converter.py`; docs/design.md section 4): `architectures ["Eagle3Speculator"]`,
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -27,10 +26,6 @@ LAYER_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head
 
 def to_speculators_name(name: str) -> str:
     return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
-
-
-def to_sglang_name(name: str) -> str:
-    return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
 
 
 def speculators_config(sglang_cfg: dict, capture_points: list[int], verifier: dict,
@@ -75,25 +70,3 @@ def export_speculators(sglang_dir: str | Path, out_dir: str | Path, capture_poin
     verifier = {"name_or_path": str(verifier_path), "architectures": list(verifier_architectures)}
     write_json(out_dir / "config.json", speculators_config(cfg, points, verifier, speculative_tokens))
     return out_dir
-
-
-def speculators_to_sglang(spec_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Inverse: (SGLang config.json dict, SGLang-named tensors) from a speculators folder."""
-    spec_dir = Path(spec_dir)
-    cfg = json.loads((spec_dir / "config.json").read_text())
-    if cfg.get("norm_before_residual", True):
-        raise ValueError(f"{spec_dir}: norm_before_residual is not false; SGLang's Eagle3 Llama draft "
-                         "has no such option")
-    layer = cfg["transformer_layer_config"]
-    points = [int(p) for p in cfg["eagle_aux_hidden_state_layer_ids"]]
-    out = {k: layer[k] for k in LAYER_KEYS if k in layer}
-    out.update({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-                "draft_vocab_size": cfg["draft_vocab_size"],
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [p - 1 for p in points],
-                                 "use_aux_hidden_state": True},
-                "eagle_aux_hidden_state_layer_ids": points})
-    if cfg.get("target_hidden_size", layer["hidden_size"]) != layer["hidden_size"]:
-        out["target_hidden_size"] = cfg["target_hidden_size"]
-    with safe_open(str(spec_dir / "model.safetensors"), framework="pt") as f:
-        tensors = {to_sglang_name(k): f.get_tensor(k) for k in f.keys()}
-    return out, tensors

@@ -9,6 +9,16 @@
   run_hf(backend, ...)    in-process batches of common/generation/hf_backend.HFBackend, similar prompt
                           lengths together.
 Each finished job goes to `write(job, result)`, each failed one to `fail(job, reason, detail)`.
+
+Fault policy of 01b. Faults cost seconds, not the run: timeouts, dropped connections, 429 and 5xx are
+retried with backoff and jitter, a server that stops answering is waited for (health polling;
+server_pool.py), input errors go to failures.jsonl with their reason (context_overflow, http_4xx), and
+`finish_reason` "length" is recorded (01c trains on them by default). Durable: each result is appended
+as one whole, flushed line as it arrives (common/io.JsonlAppender); a re-run after a kill at any moment
+skips the ids already written (a torn last line is cut), so every id lands exactly once (run_state.py).
+Transient failures are retried by the next run; `--retry-failed` re-runs only the ids in failures.jsonl
+(context overflows included). A resume with another model, --max-new-tokens, --temperature or tokenizer
+is refused unless --allow-mixed-settings.
 """
 from __future__ import annotations
 

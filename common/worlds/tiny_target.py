@@ -1,8 +1,6 @@
 """Kimi-shaped (DeepSeek-V3: MLA + MoE) target models small enough for a CPU."""
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def deepseek_v3_config(tokenizer, hidden_size: int = 64, num_hidden_layers: int = 8,
                        num_attention_heads: int = 4, n_routed_experts: int = 8,
@@ -28,15 +26,3 @@ def deepseek_v3_config(tokenizer, hidden_size: int = 64, num_hidden_layers: int 
         bos_token_id=tokenizer.convert_tokens_to_ids("[BOS]"),
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("[PAD]"))
-
-
-def save_random_target(out_dir: str | Path, tokenizer, seed: int = 0, **dims):
-    """Initialise a DeepseekV3ForCausalLM with `seed`, save it (safetensors) with its tokenizer."""
-    import torch
-    from transformers import DeepseekV3ForCausalLM
-
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(deepseek_v3_config(tokenizer, **dims)).eval()
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
-    return model
