@@ -153,14 +153,14 @@ def load_rows(spec: dict):
         yield row
 
 
-def rendered_lengths(tok, record: dict, fmt) -> tuple[int, int]:
+def rendered_lengths(tok, record: dict, text_format) -> tuple[int, int]:
     """(prompt tokens, prompt + kept answer tokens) of a record rendered by the target's template.
     Raises target_format.FormatError (the skip reason) when the template refuses the conversation or
     cannot render a complete record's answer."""
     msgs = record["messages"][:-1] if record["complete"] else record["messages"]
     try:  # templates refuse some conversations with raise_exception (e.g. roles that do not alternate)
         prompt = render_prompt(tok, msgs, record.get("tools"), thinking=record["thinking"])
-        answer = (render_final_turn(tok, fmt, record["messages"], record.get("tools"), record["thinking"])
+        answer = (render_final_turn(tok, text_format, record["messages"], record.get("tools"), record["thinking"])
                   if record["complete"] else None)
     except TemplateError as e:
         raise FormatError("template_error", str(e)) from None
@@ -170,11 +170,11 @@ def rendered_lengths(tok, record: dict, fmt) -> tuple[int, int]:
     return n_prompt, n_prompt + len(tok(answer, add_special_tokens=False)["input_ids"])
 
 
-def unrendered_tools(record: dict, fmt) -> str | None:
+def unrendered_tools(record: dict, text_format) -> str | None:
     """The skip reason of a record whose tool calls or tools the target's template would drop, else None."""
-    if not fmt.renders_tool_calls and any(m.get("tool_calls") for m in record["messages"]):
+    if not text_format.renders_tool_calls and any(m.get("tool_calls") for m in record["messages"]):
         return "tool_calls_not_rendered"  # a tool-call turn would render as its (often empty) content
-    if not fmt.renders_tools and record.get("tools"):
+    if not text_format.renders_tools and record.get("tools"):
         return "tools_not_rendered"
     return None
 
@@ -188,8 +188,8 @@ def length_summary(lengths: list[int]) -> dict:
 
 
 def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dict, tgt_id: dict,
-                fmt=None) -> dict:
-    """Adapt one dataset into out/records.jsonl; returns its counts. `fmt`: the target's TargetFormat."""
+                text_format=None) -> dict:
+    """Adapt one dataset into out/records.jsonl; returns its counts. `text_format`: the target's TargetFormat."""
     t0 = time.time()
     skipped, filtered, repaired, seen = Counter(), Counter(), Counter(), set()
     counts, lengths = Counter(), {"normal": [], "long": []}
@@ -204,7 +204,7 @@ def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dic
                 if isinstance(row, BadRow):
                     raise row
                 expanded = expand_row(row, index, spec, scrub, args.seed, args.thinking, args.thinking_ratio,
-                                      repaired, kimi_tool_ids=fmt.kimi)
+                                      repaired, kimi_tool_ids=text_format.kimi)
             except FilteredRow as e:
                 filtered[e.reason] += 1
                 continue
@@ -215,9 +215,9 @@ def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dic
                 if record["id"] in seen:
                     skipped["duplicate_id"] += 1
                     continue
-                if not fmt.renders_thinking:  # the template has no thinking switch: say so in the record
+                if not text_format.renders_thinking:  # the template has no thinking switch: say so in the record
                     record["thinking"] = False
-                dropped_tools = unrendered_tools(record, fmt)
+                dropped_tools = unrendered_tools(record, text_format)
                 if dropped_tools and args.tools_not_rendered == "refuse":
                     raise StageError(f"dataset {spec['name']}, record {record['id']}: the target's chat template "
                                      f"does not render {'tool calls' if 'calls' in dropped_tools else 'tools'}; "
@@ -227,7 +227,7 @@ def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dic
                     skipped[dropped_tools] += 1
                     continue
                 try:
-                    n, n_total = rendered_lengths(tok, record, fmt)
+                    n, n_total = rendered_lengths(tok, record, text_format)
                 except FormatError as e:
                     skipped[e.reason] += 1
                     continue
@@ -242,7 +242,7 @@ def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dic
                 lengths[part].append(n)
                 counts["num_records"] += 1
                 counts["special_tokens_scrubbed"] += n_scrubbed
-                counts["with_tools"] += bool(record.get("tools")) and fmt.renders_tools
+                counts["with_tools"] += bool(record.get("tools")) and text_format.renders_tools
                 if dropped_tools:  # --tools-not-rendered keep
                     counts["kept_" + dropped_tools] += 1
                 counts["thinking"] += record["thinking"]
@@ -268,7 +268,7 @@ def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dic
               "prompt_tokens": {p: length_summary(v) for p, v in lengths.items()},
               "seconds": round(time.time() - t0, 2)}
     write_manifest(out, STAGE, args, dataset=spec, tokenizer=tok_id, target=tgt_id,
-                   target_format=fmt.as_dict(), counts=result)
+                   target_format=text_format.as_dict(), counts=result)
     pt = result["prompt_tokens"]["normal"]
     print(f"[01] {spec['name']}: {num_records} records from {counts['rows_read']} rows "
           f"({result['partitions']['normal']} normal, {result['partitions']['long']} long; thinking "
@@ -290,8 +290,8 @@ def main(argv=None):
     if not start_stage(out, args.overwrite, STAGE):
         return
     tok = load_tokenizer(args.target_path)
-    fmt = load_target_format(args.target_path, tok)
-    print(f"[01] target format: {fmt.as_dict()}")
+    text_format = load_target_format(args.target_path, tok)
+    print(f"[01] target format: {text_format.as_dict()}")
     scrub = special_token_pattern(tok)
     summary = {}
     for spec in specs:
@@ -308,9 +308,9 @@ def main(argv=None):
                 continue
             (sub / "manifest.json").unlink()
         sub.mkdir(parents=True, exist_ok=True)
-        summary[spec["name"]] = prepare_one(spec, sub, scrub, args, tok, tok_id, tgt_id, fmt)
+        summary[spec["name"]] = prepare_one(spec, sub, scrub, args, tok, tok_id, tgt_id, text_format)
     write_manifest(out, STAGE, args, datasets=[s["name"] for s in specs], tokenizer=tok_id,
-                   target=tgt_id, target_format=fmt.as_dict(), counts=summary)
+                   target=tgt_id, target_format=text_format.as_dict(), counts=summary)
 
 
 if __name__ == "__main__":

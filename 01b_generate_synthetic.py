@@ -138,14 +138,14 @@ def hf_device(args) -> str:
     return args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
 
 
-def open_response_cache(args, target: Path, tok, fmt):
+def open_response_cache(args, target: Path, tok, text_format):
     """The --response-cache entries that fit this run (same target, generator, stops; greedy), or None."""
     if args.response_cache is None:
         return None
     if args.temperature != 0:
         raise StageError(f"--response-cache holds greedy answers; --temperature is {args.temperature}, not 0")
     generator = hf_generator(hf_device(args)) if args.generation_backend == "hf" else "openai"
-    cache = ResponseCache.load(args.response_cache, cache_identity(target, fmt, generator), tok)
+    cache = ResponseCache.load(args.response_cache, cache_identity(target, text_format, generator), tok)
     if cache.mismatch:
         log(f"[01b] WARNING --response-cache {args.response_cache} was made for another target or generator "
             f"({', '.join(cache.mismatch)} differ): every answer is generated")
@@ -193,7 +193,7 @@ def resume_state(name: str, records: list[dict], gen_path: Path, fail_path: Path
     return state
 
 
-def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, fmt, backends: dict,
+def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, text_format, backends: dict,
                           on_ready) -> tuple[str | None, dict]:
     """Run the jobs against the OpenAI-compatible servers (common/generation/loops.run_openai), behind the
     health gate (one for all datasets: each server is probed once). `on_ready(model)` gets the model name
@@ -203,7 +203,7 @@ def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, fmt, b
                       args.seed if args.temperature > 0 else None, specials, args.request_timeout,
                       args.request_retries, args.retry_base_delay, args.retry_max_delay,
                       args.health_interval, args.health_timeout, args.server_down_timeout,
-                      stop=list(fmt.stop_strings))
+                      stop=list(text_format.stop_strings))
     if "health_gate" not in backends:
         backends["health_gate"] = health_gate(tok, args.health_probes, args.health_max_new_tokens,
                                               args.health_max_repeat_share)
@@ -216,10 +216,10 @@ def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, fmt, b
 
 
 def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir: Path, ids: dict,
-                     backends: dict, fmt=None, cache=None) -> dict | None:
+                     backends: dict, text_format=None, cache=None) -> dict | None:
     """Generate what is missing of one dataset; its counts when complete, None when not yet.
 
-    `fmt`: the target's TargetFormat (common/text/target_format.py); `cache`: a ResponseCache whose hits
+    `text_format`: the target's TargetFormat (common/text/target_format.py); `cache`: a ResponseCache whose hits
     are written at once (origin "cache") instead of being generated."""
     records = list(iter_jsonl(upstream_dir / "records.jsonl"))
     benchmark_only = bool(read_manifest(upstream_dir).get("dataset", {}).get("benchmark-only", False))
@@ -228,12 +228,12 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
     # against the records already written; duplicate ids (an unlocked older 01b) are repaired.
     settings = generation_settings(args.generation_backend, str(target) if args.generation_backend == "hf" else None,
                                    args.max_new_tokens, args.temperature, args.seed, ids["tokenizer"]["sha256"],
-                                   fmt.stop_strings if fmt is not None else (), args.max_context, args.long_context)
+                                   text_format.stop_strings if text_format is not None else (), args.max_context, args.long_context)
     prompt_settings = {"tokenizer_sha256": settings["tokenizer_sha256"]}  # rows the target did not write
     run_log = RunLog(out)
     state = resume_state(name, records, gen_path, fail_path, settings, args, run_log)
     settled, earlier, unattempted = state.settled, state.earlier, state.unattempted
-    todo, passed, overflow = make_jobs(state.pending, tok, fmt, max_new_tokens=args.max_new_tokens,
+    todo, passed, overflow = make_jobs(state.pending, tok, text_format, max_new_tokens=args.max_new_tokens,
                                        max_context=args.max_context, long_context=args.long_context,
                                        benchmark_only=benchmark_only)
     counts = Counter()
@@ -279,10 +279,10 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
                     refuse_mixed_settings(gen_path, earlier, settings, args.allow_mixed_settings, keys=("model",))
 
                 stopped_by, counts["requests_per_server"] = generate_with_servers(
-                    jobs, write, fail, bars, args, tok, fmt, backends, on_ready)
+                    jobs, write, fail, bars, args, tok, text_format, backends, on_ready)
             elif todo:
                 if "hf" not in backends:  # one model load for all datasets of this run
-                    backends["hf"] = HFBackend(target, tok, fmt.stop_ids, hf_device(args), args.temperature,
+                    backends["hf"] = HFBackend(target, tok, text_format.stop_ids, hf_device(args), args.temperature,
                                                args.seed)
                 run_hf(backends["hf"], todo, write, args.hf_batch_size, bars["normal"])
         finally:
@@ -354,11 +354,11 @@ def main(argv=None):
     if not start_stage(out, args.overwrite, STAGE):
         return
     tok = load_tokenizer(target)
-    fmt = load_target_format(target, tok)
+    text_format = load_target_format(target, tok)
     print(f"[01b] target {target} | backend {args.generation_backend} | datasets {names}"
           + (f" | servers {urls}" if args.generation_backend == "openai" else "")
-          + f" | stops on {list(fmt.stop_strings)}")
-    cache = open_response_cache(args, target, tok, fmt)
+          + f" | stops on {list(text_format.stop_strings)}")
+    cache = open_response_cache(args, target, tok, text_format)
     ids = {"tokenizer": upstream["tokenizer"], "target": upstream["target"]}
     summary, backends = {}, {}
     for name in names:
@@ -371,7 +371,7 @@ def main(argv=None):
         sub.mkdir(parents=True, exist_ok=True)
         with dataset_lock(sub):  # one 01b per dataset: a second is refused, naming the holder
             result = generate_dataset(name, args, tok, target, sub, stage_dir(args.work_dir, UPSTREAM, name),
-                                      ids, backends, fmt, cache)
+                                      ids, backends, text_format, cache)
         if result is not None:
             summary[name] = result
     missing = [n for n in names if n not in summary]
@@ -379,7 +379,7 @@ def main(argv=None):
         print(f"[01b] not done yet: {missing}; the stage manifest is written when every dataset is")
         return
     write_manifest(out, STAGE, redacted(args), datasets=names, inputs=input_manifests(args.work_dir, up_dir),
-                   **ids, target_format=fmt.as_dict(), counts=summary)
+                   **ids, target_format=text_format.as_dict(), counts=summary)
 
 
 if __name__ == "__main__":

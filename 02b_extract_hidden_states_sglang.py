@@ -130,12 +130,12 @@ def scan_samples(path: Path, vocab_size: int) -> list[dict]:
     return meta
 
 
-def existing_shard_tokens(path: Path, expected_ids: list[str], fmt) -> int:
-    """Rows in a complete shard, after checking it holds exactly the samples planned for it, in `fmt`."""
+def existing_shard_tokens(path: Path, expected_ids: list[str], features) -> int:
+    """Rows in a complete shard, after checking it holds exactly the samples planned for it, in `features`."""
     shard = ShardReader(path)
-    if shard.format != fmt:
+    if shard.format != features:
         raise StageError(f"{path} was written in feature format {shard.format.as_dict()}, this run asks for "
-                         f"{fmt.as_dict()}: use the same flags to resume, or --overwrite")
+                         f"{features.as_dict()}: use the same flags to resume, or --overwrite")
     if shard.sample_ids != expected_ids:
         raise StageError(f"{path} holds other samples than tokenized_data.jsonl assigns to it (another "
                          "01c run or --samples-per-shard?): re-run this stage with --overwrite")
@@ -206,16 +206,16 @@ def prepare_out_dir(out: Path, overwrite: bool, rank: int, barrier) -> bool:
     return proceed
 
 
-def plan_shards(meta: list[dict], samples_per_shard: int, fmt) -> dict[int, list[dict]]:
+def plan_shards(meta: list[dict], samples_per_shard: int, features) -> dict[int, list[dict]]:
     """Shard k -> its samples (consecutive in 01c's order), each with the rows its shard stores
     (`num_rows`: a prompt-tail window drops the rest of the prompt)."""
     for m in meta:
-        m["num_rows"] = m["seq_len"] - (max(0, m["first_supervised"] - fmt.window) if fmt.window else 0)
+        m["num_rows"] = m["seq_len"] - (max(0, m["first_supervised"] - features.window) if features.window else 0)
     S = samples_per_shard
     return {k: meta[k * S:(k + 1) * S] for k in range(math.ceil(len(meta) / S))}
 
 
-def completed_shards(out: Path, plan: dict[int, list[dict]], fmt) -> dict[int, int]:
+def completed_shards(out: Path, plan: dict[int, list[dict]], features) -> dict[int, int]:
     """Shard k -> stored rows, for the shards an earlier run finished (checked sample by sample); a
     shard outside the plan is refused (its run had other inputs)."""
     planned = {shard_name(k) for k in plan}
@@ -223,7 +223,7 @@ def completed_shards(out: Path, plan: dict[int, list[dict]], fmt) -> dict[int, i
     if strays:
         raise StageError(f"{out} holds shards outside the plan ({', '.join(strays[:3])}...): "
                          "re-run with --overwrite")
-    return {k: existing_shard_tokens(out / shard_name(k), [m["id"] for m in rows], fmt)
+    return {k: existing_shard_tokens(out / shard_name(k), [m["id"] for m in rows], features)
             for k, rows in plan.items() if (out / shard_name(k)).exists()}
 
 
@@ -280,7 +280,7 @@ def main(argv=None):
         cs.init_process_group(args.sglang_tp_size)
         barrier = cs.barrier
     try:
-        fmt = FeatureFormat(aux=args.aux_format, teacher=args.teacher_format, window=args.prompt_window,
+        features = FeatureFormat(aux=args.aux_format, teacher=args.teacher_format, window=args.prompt_window,
                             topk=args.teacher_topk if args.teacher_format == "topk" else None)
     except ValueError as e:
         raise StageError(f"feature format: {e}") from None
@@ -288,17 +288,17 @@ def main(argv=None):
     if not prepare_out_dir(out, args.overwrite, rank, barrier):
         return
     t0 = time.time()
-    bytes_per_token = fmt.bytes_per_token(hidden, DTYPE_BYTES[args.hidden_states_dtype])
+    bytes_per_token = features.bytes_per_token(hidden, DTYPE_BYTES[args.hidden_states_dtype])
     print(f"[02b] target {target_dir} ({architecture}): N={n_layers} layers, H={hidden}, vocab {vocab}; "
           f"capture points h{points} (inputs of decoder layers {points}; SGLang draft ids {layer_ids}); "
-          f"features {fmt.as_dict()} ({args.hidden_states_dtype} dense), {bytes_per_token} B/stored token")
+          f"features {features.as_dict()} ({args.hidden_states_dtype} dense), {bytes_per_token} B/stored token")
 
     data = src / "tokenized_data.jsonl"
     meta = scan_samples(data, vocab)
     S = args.samples_per_shard
-    plan = plan_shards(meta, S, fmt)
+    plan = plan_shards(meta, S, features)
     num_shards = len(plan)
-    done = completed_shards(out, plan, fmt)
+    done = completed_shards(out, plan, features)
     todo = [k for k in plan if k not in done]
     print(f"[02b] {len(meta)} samples, {sum(m['seq_len'] for m in meta):,} tokens -> {num_shards} shards "
           f"of {S}; {len(done)} already complete, {len(todo)} to capture")
@@ -311,9 +311,9 @@ def main(argv=None):
     store_dtype = getattr(torch, args.hidden_states_dtype)
     # fp8 and a top-k teacher are encoded at write time from states kept in the compute dtype; top-k uses
     # the target's lm_head on the capture device (rank 0 writes; Kimi: 2.35 GB of bf16 on its GPU).
-    keep_dtype = compute_dtype if (fmt.teacher == "topk" or fmt.aux == "fp8") else store_dtype
+    keep_dtype = compute_dtype if (features.teacher == "topk" or features.aux == "fp8") else store_dtype
     lm_head = None
-    if fmt.teacher == "topk" and rank == 0 and todo:
+    if features.teacher == "topk" and rank == 0 and todo:
         lm_head = load_target_head(target_dir, dtype=compute_dtype, device=device)[1]
     written = dict(done)
     calls = {"num_forward_calls": 0, "num_tokens": 0, "seconds": 0.0}  # this run's shards: calls, tokens, time
@@ -329,7 +329,7 @@ def main(argv=None):
 
         def write(k: int, samples) -> int:  # rank 0 writes; the other ranks only took part in the capture
             if rank == 0:
-                return write_shard(out / shard_name(k), samples, store_dtype, fmt, lm_head)
+                return write_shard(out / shard_name(k), samples, store_dtype, features, lm_head)
             return sum(m["num_rows"] for m in plan[k])
 
         written |= capture_shards(data, plan, todo, lambda rows, cb: capture(model, rows, cb), write, calls,
@@ -352,7 +352,7 @@ def main(argv=None):
         compute_dtype=str(compute_dtype).removeprefix("torch."), capture_points=points,
         target_architecture=architecture, sglang_layer_ids=layer_ids,
         hidden_size=hidden, num_hidden_layers=n_layers, vocab_size=vocab, dtype=args.hidden_states_dtype,
-        feature_format=fmt.as_dict(), bytes_per_token=bytes_per_token,
+        feature_format=features.as_dict(), bytes_per_token=bytes_per_token,
         num_samples=len(meta), num_tokens=num_tokens, num_sample_tokens=num_sample_tokens,
         bytes_per_sample_token=round(num_bytes / num_sample_tokens, 1),
         num_supervised_tokens=sum(m["num_supervised"] for m in meta), num_bytes=num_bytes,

@@ -111,8 +111,8 @@ def main(argv=None):
 
     # The end-of-turn token must be draftable, or the draft can never propose the end of an answer.
     tok = load_tokenizer(upstream["tokenizer"]["path"])
-    fmt = load_target_format(upstream["target"]["path"], tok)
-    end_id = fmt.stop_ids[0]
+    text_format = load_target_format(upstream["target"]["path"], tok)
+    end_id = text_format.stop_ids[0]
     end_in = bool(t2d[end_id])
 
     save_tensors(out / "vocab_mapping.safetensors", {"d2t": d2t, "t2d": t2d})
@@ -120,7 +120,7 @@ def main(argv=None):
     write_manifest(
         out, STAGE, args, draft_vocab_size=dv, vocab_size=vocab_size, coverage=coverage,
         num_supervised_tokens=total, num_covered_tokens=covered, num_distinct_supervised=distinct,
-        num_padding_ids=max(0, dv - distinct), end_of_turn=fmt.end_of_turn, end_of_turn_id=end_id,
+        num_padding_ids=max(0, dv - distinct), end_of_turn=text_format.end_of_turn, end_of_turn_id=end_id,
         end_of_turn_in_draft_vocab=end_in,
         counted_from="02b_hidden_states (input_ids, loss_mask)",
         capture_points=upstream["capture_points"], hidden_size=upstream["hidden_size"],
@@ -130,7 +130,7 @@ def main(argv=None):
         elapsed_s=round(time.time() - t0, 2))
     print(f"[03] coverage {coverage:.4f} ({covered:,} of {total:,} supervised tokens); "
           f"{distinct} distinct supervised ids, {max(0, dv - distinct)} padding ids; "
-          f"{fmt.end_of_turn} in draft vocab: {end_in} ({time.time() - t0:.1f} s)")
+          f"{text_format.end_of_turn} in draft vocab: {end_in} ({time.time() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

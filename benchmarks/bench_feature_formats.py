@@ -64,16 +64,16 @@ def reencode(base: Path, rows: dict, out: Path) -> dict:
             if k_max:
                 s["topk_ids"], s["topk_logits"] = topk_logits(s["final"], lm_head, k_max)
             samples.append(s)
-        for name, fmt in todo.items():
+        for name, features in todo.items():
             t0 = time.time()
-            write_shard(out / name / "02b_hidden_states" / path.name, samples, torch.bfloat16, fmt)
+            write_shard(out / name / "02b_hidden_states" / path.name, samples, torch.bfloat16, features)
             seconds[name] += time.time() - t0
-    for name, fmt in todo.items():
+    for name, features in todo.items():
         d = out / name / "02b_hidden_states"
         rows_stored = sum(ShardReader(p).num_tokens for p in list_shards(d))
         num_bytes = sum(p.stat().st_size for p in list_shards(d))
-        write_json(d / "manifest.json", {**m02, "feature_format": fmt.as_dict(), "num_tokens": rows_stored,
-                                         "num_bytes": num_bytes, "bytes_per_token": fmt.bytes_per_token(m02["hidden_size"]),
+        write_json(d / "manifest.json", {**m02, "feature_format": features.as_dict(), "num_tokens": rows_stored,
+                                         "num_bytes": num_bytes, "bytes_per_token": features.bytes_per_token(m02["hidden_size"]),
                                          "bytes_per_sample_token": round(num_bytes / m02["num_tokens"], 1),
                                          "reencoded_from": str(base / "02b_hidden_states")})
     return seconds

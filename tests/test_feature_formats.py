@@ -38,26 +38,26 @@ FORMATS = [FeatureFormat(aux=a, teacher=t, topk=8 if t == "topk" else None, wind
            for a, t, w in itertools.product(("bf16", "fp8"), ("final", "topk"), (None, 3))]
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.aux}-{f.teacher}-w{f.window}")
-def test_every_combination_round_trips(fmt, tmp_path):
+@pytest.mark.parametrize("features", FORMATS, ids=lambda f: f"{f.aux}-{f.teacher}-w{f.window}")
+def test_every_combination_round_trips(features, tmp_path):
     data = samples()
     lm_head = torch.randn(V, H)
     path = tmp_path / "shard_00000.safetensors"
-    rows = write_shard(path, data, fmt=fmt, lm_head=lm_head)
+    rows = write_shard(path, data, features=features, lm_head=lm_head)
     r = ShardReader(path)
-    assert r.format == fmt and r.num_tokens == rows
+    assert r.format == features and r.num_tokens == rows
     for i, s in enumerate(data):
         got = r.sample(i)
         first = int(s["loss_mask"].nonzero()[0])
-        start = 0 if fmt.window is None else first - fmt.window
+        start = 0 if features.window is None else first - features.window
         assert got["start"] == start and torch.equal(got["input_ids"], s["input_ids"][start:])
         assert torch.equal(got["loss_mask"], s["loss_mask"][start:])
         ref_aux = s["aux"][start:]
-        tol = 2 ** -4 if fmt.aux == "fp8" else 2 ** -8
+        tol = 2 ** -4 if features.aux == "fp8" else 2 ** -8
         assert ((got["aux"].float() - ref_aux).abs() <= ref_aux.abs() * tol + ref_aux.abs().max() * 2 ** -9).all()
-        if fmt.teacher == "topk":
+        if features.teacher == "topk":
             logits = s["final"][start:] @ lm_head.T                      # [T, V]
-            vals, ids = logits.topk(fmt.topk, dim=-1)
+            vals, ids = logits.topk(features.topk, dim=-1)
             assert torch.equal(got["topk_ids"], ids) and "final" not in got
             torch.testing.assert_close(got["topk_logits"], vals, rtol=1e-3, atol=1e-3)
         else:
@@ -71,11 +71,11 @@ def test_bytes_per_token_match_the_files(tmp_path):
     hidden, n = 512, 256
     data = [{"id": "a", "input_ids": torch.zeros(n, dtype=torch.int64), "loss_mask": torch.ones(n, dtype=torch.bool),
              "aux": torch.randn(n, 3 * hidden), "final": torch.randn(n, hidden)}]
-    for fmt in (FeatureFormat(), FeatureFormat(aux="fp8"), FeatureFormat(aux="fp8", teacher="topk", topk=32)):
-        path = tmp_path / f"{fmt.aux}{fmt.teacher}.safetensors"
-        write_shard(path, data, fmt=fmt, lm_head=torch.randn(1000, hidden))
+    for features in (FeatureFormat(), FeatureFormat(aux="fp8"), FeatureFormat(aux="fp8", teacher="topk", topk=32)):
+        path = tmp_path / f"{features.aux}{features.teacher}.safetensors"
+        write_shard(path, data, features=features, lm_head=torch.randn(1000, hidden))
         per_token = path.stat().st_size / n
-        assert abs(per_token - fmt.bytes_per_token(hidden)) < 0.02 * fmt.bytes_per_token(hidden), (fmt, per_token)
+        assert abs(per_token - features.bytes_per_token(hidden)) < 0.02 * features.bytes_per_token(hidden), (features, per_token)
     kimi = 7168
     assert FeatureFormat().bytes_per_token(kimi) == 57353
     assert FeatureFormat().bytes_per_token(kimi) / FeatureFormat(aux="fp8", teacher="topk", topk=32).bytes_per_token(kimi) > 2.5

@@ -18,7 +18,7 @@ from common.stage import StageError
 PARTITIONS = ("normal", "long")
 
 
-def make_jobs(records: list[dict], tok, fmt, *, max_new_tokens: int, max_context: int, long_context: int | None,
+def make_jobs(records: list[dict], tok, text_format, *, max_new_tokens: int, max_context: int, long_context: int | None,
               benchmark_only: bool = False) -> tuple[list[dict], list[dict], list[dict]]:
     """Render prompts; split into (to generate, passed through, context overflows). A job's response
     budget is what its partition's context leaves after the prompt (at most `max_new_tokens`): the long
@@ -36,7 +36,7 @@ def make_jobs(records: list[dict], tok, fmt, *, max_new_tokens: int, max_context
     for r in records:
         if r["complete"] and not benchmark_only:
             try:
-                completions[r["id"]] = render_final_turn(tok, fmt, r["messages"], r.get("tools"), r["thinking"])
+                completions[r["id"]] = render_final_turn(tok, text_format, r["messages"], r.get("tools"), r["thinking"])
             except FormatError as e:  # 01 skips these; records from elsewhere may still hold one
                 raise StageError(f"record {r['id']}: the target's template cannot render its answer ({e}); "
                                  "re-run 01_prepare_datasets.py --overwrite for this target") from None

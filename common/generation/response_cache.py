@@ -1,7 +1,7 @@
 """A response cache for deterministic (greedy) answers: 01b serves what it already knows instead of generating.
 
 API (used by 01b `--response-cache PATH` and by world builders that ship a finished 01b output):
-  identity = cache_identity(target_path, fmt, generator)
+  identity = cache_identity(target_path, text_format, generator)
       what makes two greedy answers the same: the target's config.json, weights and tokenizer hashes, the
       generator (backend + dtype, e.g. "hf-float32"; common/generation/hf_backend.hf_generator) and the stop ids
       (common/text/target_format.TargetFormat.stop_ids); temperature is always 0.
@@ -59,12 +59,12 @@ def weights_sha256(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def cache_identity(target_path: str | Path, fmt, generator: str) -> dict:
+def cache_identity(target_path: str | Path, text_format, generator: str) -> dict:
     """What two greedy answers must share to be the same answer (module doc)."""
     return {"config_sha256": target_identity(target_path)["config_sha256"],
             "weights_sha256": weights_sha256(target_path),
             "tokenizer_sha256": tokenizer_identity(target_path)["sha256"],
-            "generator": generator, "stop_ids": [int(i) for i in fmt.stop_ids], "temperature": 0.0}
+            "generator": generator, "stop_ids": [int(i) for i in text_format.stop_ids], "temperature": 0.0}
 
 
 def _rows(generated) -> Iterable[dict]:

@@ -110,22 +110,22 @@ def shard_name(index: int) -> str:
 
 
 def write_shard(path: str | Path, samples: list[dict], dtype: torch.dtype = torch.bfloat16,
-                fmt: FeatureFormat | None = None, lm_head: torch.Tensor | None = None) -> int:
+                features: FeatureFormat | None = None, lm_head: torch.Tensor | None = None) -> int:
     """Write samples (dicts with id, input_ids [T], loss_mask [T], aux [T,3H], final [T,H], all T tokens
-    of the sample) atomically in `fmt` (default bf16 aux + final hidden state, `dtype`). Teacher "topk"
+    of the sample) atomically in `features` (default bf16 aux + final hidden state, `dtype`). Teacher "topk"
     needs the target's `lm_head` [V, H], unless every sample already carries topk_ids / topk_logits
     [T, k'] with k' >= k (largest first; benchmarks re-encode one capture into several formats).
     Returns the number of rows written."""
     assert samples, "a shard holds at least one sample"
-    fmt = fmt or FeatureFormat()
+    features = features or FeatureFormat()
     given_topk = all("topk_ids" in s for s in samples)
-    if fmt.teacher == "topk" and lm_head is None and not given_topk:
+    if features.teacher == "topk" and lm_head is None and not given_topk:
         raise ValueError("feature format teacher 'topk' needs the target's lm_head")
     starts, rows = [], []
     for s in samples:
         n = len(s["input_ids"])
         assert s["aux"].shape[0] == n and s["final"].shape[0] == n and len(s["loss_mask"]) == n, s["id"]
-        a = window_start(s["loss_mask"], fmt.window)
+        a = window_start(s["loss_mask"], features.window)
         starts.append(a)
         rows.append({k: s[k][a:] for k in ("input_ids", "loss_mask", "aux", "final", "topk_ids", "topk_logits")
                      if k in s})
@@ -138,19 +138,19 @@ def write_shard(path: str | Path, samples: list[dict], dtype: torch.dtype = torc
         "loss_mask": torch.cat([torch.as_tensor(r["loss_mask"], dtype=torch.uint8) for r in rows]),
         "offsets": offsets, "starts": torch.tensor(starts, dtype=torch.int64),
     }
-    if fmt.aux == "fp8":
+    if features.aux == "fp8":
         tensors["aux_fp8"], tensors["aux_scales"] = encode_fp8(aux, 3)
     else:
         tensors["aux_hidden_states"] = aux.to(dtype).contiguous()
-    if fmt.teacher == "topk" and given_topk:
-        tensors["topk_ids"] = torch.cat([r["topk_ids"][:, :fmt.topk] for r in rows]).to(torch.int32).contiguous()
-        tensors["topk_logits"] = torch.cat([r["topk_logits"][:, :fmt.topk] for r in rows]).to(torch.float16).contiguous()
-    elif fmt.teacher == "topk":
-        tensors["topk_ids"], tensors["topk_logits"] = topk_logits(final, lm_head, fmt.topk)
+    if features.teacher == "topk" and given_topk:
+        tensors["topk_ids"] = torch.cat([r["topk_ids"][:, :features.topk] for r in rows]).to(torch.int32).contiguous()
+        tensors["topk_logits"] = torch.cat([r["topk_logits"][:, :features.topk] for r in rows]).to(torch.float16).contiguous()
+    elif features.teacher == "topk":
+        tensors["topk_ids"], tensors["topk_logits"] = topk_logits(final, lm_head, features.topk)
     else:
         tensors["final_hidden_states"] = final.to(dtype).contiguous()
     metadata = {"sample_ids": json.dumps([s["id"] for s in samples]),
-                "feature_format": json.dumps(fmt.as_dict())}
+                "feature_format": json.dumps(features.as_dict())}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
     return int(offsets[-1])

@@ -19,7 +19,7 @@ returns a `TargetFormat`; stages 01, 01b and 01c use it instead of assuming Kimi
                       renders as its (empty) content).
 Each capability is found by rendering the same probe with and without the feature.
 
-`render_final_turn(tokenizer, fmt, messages, tools, thinking)` is the text the target emits for the final
+`render_final_turn(tokenizer, text_format, messages, tools, thinking)` is the text the target emits for the final
 assistant turn of a `complete` record: Kimi's exact completion rendering, or for any other template
 the suffix of the whole conversation's rendering after the rendering of its history plus generation
 prompt, cut after the end-of-turn string (ChatML writes `<|im_end|>\n`; the model emits `<|im_end|>`
@@ -146,13 +146,13 @@ def load_target_format(model_dir: str | Path, tokenizer=None) -> TargetFormat:
         raise StageError(f"target {model_dir}: {e}") from None
 
 
-def render_final_turn(tokenizer, fmt: TargetFormat, messages: list[dict], tools: list[dict] | None,
+def render_final_turn(tokenizer, text_format: TargetFormat, messages: list[dict], tools: list[dict] | None,
                       thinking: bool) -> str:
     """The text the target emits for `messages[-1]` (an assistant turn) after the prompt of the history
     (module doc). Raises FormatError when the template cannot give it."""
     final = messages[-1]
     assert final["role"] == "assistant", final["role"]
-    if fmt.kimi:
+    if text_format.kimi:
         return render_completion(final, thinking=thinking)
     prompt = render_prompt(tokenizer, messages[:-1], tools, thinking=thinking)
     full = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=False,
@@ -161,10 +161,10 @@ def render_final_turn(tokenizer, fmt: TargetFormat, messages: list[dict], tools:
         raise FormatError("completion_prefix_mismatch",
                           "the template renders the history differently with the final turn present")
     suffix = full[len(prompt):]
-    cut = suffix.find(fmt.end_of_turn)
+    cut = suffix.find(text_format.end_of_turn)
     if cut < 0:
-        raise FormatError("completion_without_end_of_turn", f"no {fmt.end_of_turn} after the final turn")
-    completion = suffix[:cut + len(fmt.end_of_turn)]
+        raise FormatError("completion_without_end_of_turn", f"no {text_format.end_of_turn} after the final turn")
+    completion = suffix[:cut + len(text_format.end_of_turn)]
     reasoning = (final.get("reasoning_content") or "").strip()
     if reasoning and reasoning not in completion:
         raise FormatError("reasoning_not_rendered", "the template drops the final turn's reasoning")
