@@ -1,6 +1,7 @@
 """Build the tiny Kimi-shaped world: a small tokenizer, a trained DeepSeek-V3 target, and a prompt set.
 
-Reads:  the Python standard library's source files on this machine (sysconfig stdlib path)
+Reads:  assets/tiny_kimi/world.{json,tar.gz} (the shipped build), or with --retrain or other build
+        settings the Python standard library's source files on this machine (sysconfig stdlib path)
 Writes: <tiny-dir>/target/ (HF model folder: safetensors, config, tokenizer, generation_config.json),
         <tiny-dir>/data/prompts.jsonl (prompt-only `messages` rows from held-out functions),
         <tiny-dir>/greedy_samples.jsonl (the quality-gate generations), <tiny-dir>/manifest.json
@@ -11,13 +12,20 @@ The embedded default that lets the whole pipeline run on a CPU in minutes. Tasks
 Python standard library's own functions (common/worlds/tiny_tasks.py): signature -> body, docstring ->
 summary, and a get_source tool call followed by an answer, rendered in the Kimi-K2.5 chat format.
 Functions are split by a stable hash into target-train and held-out; the target trains on the
-first, the prompt set and the quality gates use only the second. Deterministic for a given seed;
-cached: a folder with manifest.json is reused unless --overwrite.
+first, the prompt set and the quality gates use only the second. Deterministic for a given seed on one
+CPU, but training amplifies each CPU's float rounding, so the default settings are not rebuilt: the
+build made with them is shipped (assets/tiny_kimi/, hashes and quality gates in world.json) and
+unpacked, and every machine runs the demo on the same target. --retrain builds anyway; --pack-asset
+writes a finished build as the asset. Cached: a folder with manifest.json is reused unless --overwrite.
 """
 from __future__ import annotations
 
+import io
+import json
+import platform
 import random
 import shutil
+import tarfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,7 +35,8 @@ from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
 from common.config import base_parser, parse_args
 from common.io import write_jsonl
-from common.stage import StageError, start_stage, target_identity, tokenizer_identity, torch_threads, write_manifest
+from common.stage import (StageError, package_versions, read_manifest, sha256_file, start_stage, target_identity,
+                          tokenizer_identity, torch_threads, write_manifest)
 from common.text.chat_format import render_prompt
 from common.worlds import tiny_tasks as tw
 from common.worlds import tiny_train as tt
@@ -35,6 +44,15 @@ from common.worlds.tiny_target import deepseek_v3_config
 from common.worlds.tiny_tokenizer import build_tokenizer
 
 STAGE = "00_build_tiny_world"
+ASSET = Path("assets/tiny_kimi")
+# The files of a tiny world, relative to --tiny-dir (manifest.json is written by whoever builds or unpacks).
+WORLD_FILES = ("target/config.json", "target/generation_config.json", "target/model.safetensors",
+               "target/tokenizer.json", "target/tokenizer_config.json", "target/chat_template.jinja",
+               "data/prompts.jsonl", "greedy_samples.jsonl")
+# Manifest fields a build measures; the asset carries them so that an unpacked world reports them too.
+BUILD_FIELDS = ("model", "training", "counts", "held_out_functions_sha256", "quality", "build_seconds")
+# Flags that do not change what is built.
+NOT_SETTINGS = ("config", "overwrite", "tiny_dir", "tiny_threads", "tiny_asset", "retrain", "pack_asset")
 
 
 def build_parser():
@@ -42,6 +60,12 @@ def build_parser():
     g = p.add_argument_group("tiny world")
     g.add_argument("--tiny-dir", type=Path, default=Path("build/tiny-kimi"),
                    help="output folder of the tiny world (target/, data/, manifest.json)")
+    g.add_argument("--tiny-asset", type=Path, default=ASSET,
+                   help="folder of the shipped build (world.json + world.tar.gz), unpacked when the build "
+                        "settings equal its own")
+    g.add_argument("--retrain", action="store_true", help="build and train even when the asset matches")
+    g.add_argument("--pack-asset", action="store_true",
+                   help="write the complete world in --tiny-dir as the asset in --tiny-asset, then stop")
     g.add_argument("--seed", type=int, default=0, help="seed of the tokenizer, tasks, init and training")
     g.add_argument("--tiny-train-steps", type=int, default=400,
                    help="target training steps (optimizer steps)")
@@ -81,19 +105,100 @@ def build_parser():
     return p
 
 
+def cpu_name() -> str:
+    """The CPU model (its kernels decide the float rounding a build trains with)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def log_time(name: str, t0: float) -> float:
     now = time.time()
     print(f"[00] {name}: {now - t0:.1f} s", flush=True)
     return now
 
 
+def build_settings(args) -> dict:
+    """What decides the world: the seed and the tiny-* build flags."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in NOT_SETTINGS}
+
+
+def pack_asset(tiny_dir: Path, asset: Path) -> None:
+    """world.tar.gz (the files of a complete build) + world.json (its settings, file hashes, what the
+    build measured and where it ran)."""
+    manifest = read_manifest(tiny_dir)
+    if manifest.get("source") != "build":
+        raise StageError(f"{tiny_dir} is not a complete build (source {manifest.get('source')!r}); "
+                         "run with --retrain first")
+    asset.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=9) as tar:
+        for rel in WORLD_FILES:
+            info = tar.gettarinfo(str(tiny_dir / rel), arcname=rel)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with open(tiny_dir / rel, "rb") as f:
+                tar.addfile(info, f)
+    (asset / "world.tar.gz").write_bytes(buf.getvalue())
+    info = {"settings": manifest["build_settings"],
+            "files": {rel: sha256_file(tiny_dir / rel) for rel in WORLD_FILES},
+            "archive_sha256": sha256_file(asset / "world.tar.gz"),
+            "built_on": manifest["built_on"], **{k: manifest[k] for k in BUILD_FIELDS}}
+    (asset / "world.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(f"[00] packed {tiny_dir} into {asset}/world.tar.gz ({len(buf.getvalue()) / 1e6:.1f} MB)")
+
+
+def unpack_asset(asset: Path, tiny_dir: Path, info: dict) -> None:
+    """Extract the shipped world; every file must have the hash world.json records."""
+    if sha256_file(asset / "world.tar.gz") != info["archive_sha256"]:
+        raise StageError(f"{asset}/world.tar.gz does not match the sha256 in world.json: re-fetch the asset, "
+                         "or build with --retrain")
+    for d in ("target", "data"):  # leftovers of a killed run (no manifest): start clean
+        if (tiny_dir / d).exists():
+            shutil.rmtree(tiny_dir / d)
+    with tarfile.open(asset / "world.tar.gz", "r:gz") as tar:
+        if sorted(tar.getnames()) != sorted(WORLD_FILES):
+            raise StageError(f"{asset}/world.tar.gz holds {sorted(tar.getnames())}, not the world's files")
+        # names checked above (no absolute or parent paths); the "data" filter where this Python has it
+        tar.extractall(tiny_dir, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    bad = [rel for rel in WORLD_FILES if sha256_file(tiny_dir / rel) != info["files"][rel]]
+    if bad:
+        raise StageError(f"unpacked files differ from world.json: {bad}")
+
+
 def main(argv=None):
     args = parse_args(build_parser(), argv)
     tiny_dir = Path(args.tiny_dir)
+    if args.pack_asset:
+        return pack_asset(tiny_dir, args.tiny_asset)
     if args.tiny_num_hidden_layers < 8:
         raise StageError("--tiny-num-hidden-layers must be >= 8 (capture points 2, N//2, N-3 distinct)")
     if not start_stage(tiny_dir, args.overwrite, STAGE):
         return
+    settings = build_settings(args)
+    info_path = args.tiny_asset / "world.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else None
+    if info is not None and info["settings"] == settings and not args.retrain:
+        unpack_asset(args.tiny_asset, tiny_dir, info)
+        target_dir = tiny_dir / "target"
+        write_manifest(tiny_dir, STAGE, args, source="asset", build_settings=settings,
+                       asset={"path": str(args.tiny_asset), "archive_sha256": info["archive_sha256"]},
+                       built_on=info["built_on"], tokenizer=tokenizer_identity(target_dir),
+                       target=target_identity(target_dir), target_path=str(target_dir),
+                       prompts_path=str(tiny_dir / "data" / "prompts.jsonl"), **{k: info[k] for k in BUILD_FIELDS})
+        q = info["quality"]
+        print(f"[00] unpacked the shipped tiny world into {tiny_dir} (built on {info['built_on']['cpu']}; "
+              f"held-out loss {q['held_out_loss']:.3f}, {q['distinct_token_ids']} distinct ids in its greedy "
+              f"answers, ends with <|im_end|> {q['ends_with_im_end_share']:.2f}); --retrain builds it here")
+        return
+    why = ("--retrain" if args.retrain else "no asset" if info is None
+           else "settings differ from the asset's: " + ", ".join(
+               k for k in sorted(set(settings) | set(info["settings"]))
+               if settings.get(k) != info["settings"].get(k)))
+    print(f"[00] building the tiny world ({why})")
     with torch_threads(args.tiny_threads):
         build(args, tiny_dir)
 
@@ -184,7 +289,9 @@ def build(args, tiny_dir: Path) -> None:
           f"{quality['ends_with_im_end_share']:.2f}, "
           f"{quality['mean_response_tokens']} tokens/response | build {total:.0f} s")
     write_manifest(
-        tiny_dir, STAGE, args,
+        tiny_dir, STAGE, args, source="build", build_settings=build_settings(args),
+        built_on={"cpu": cpu_name(), "machine": platform.machine(),
+                  **{k: v for k, v in package_versions().items() if k in ("torch", "transformers", "tokenizers")}},
         tokenizer=tokenizer_identity(target_dir), target=target_identity(target_dir),
         target_path=str(target_dir), prompts_path=str(data_dir / "prompts.jsonl"),
         model={"architecture": "DeepseekV3ForCausalLM", "num_parameters": num_params,

@@ -129,3 +129,42 @@ def test_fewer_than_eight_layers_is_refused(tmp_path):
     with pytest.raises(StageError, match="must be >= 8"):
         stage.main(["--tiny-dir", str(tmp_path / "t"), "--tiny-num-hidden-layers", "7"])
     assert not (tmp_path / "t").exists()
+
+
+def test_default_settings_unpack_the_shipped_world(tmp_path, monkeypatch):
+    """`make demo`'s settings do not train: the shipped build is unpacked, byte for byte the files its
+    world.json hashes, with the quality gates it measured. Every CPU runs the demo on this target."""
+    from common.stage import sha256_file
+
+    monkeypatch.chdir(REPO)
+    info = json.loads((REPO / "assets" / "tiny_kimi" / "world.json").read_text())
+    out = tmp_path / "tiny-kimi"
+    t0 = time.time()
+    stage.main(["--tiny-dir", str(out), "--config", str(REPO / "configs" / "tiny.yaml")])
+    assert time.time() - t0 < 60  # unpacking, not the ~7 minutes of training
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["source"] == "asset" and man["quality"] == info["quality"]
+    assert {rel: sha256_file(out / rel) for rel in stage.WORLD_FILES} == info["files"]
+    assert man["model"]["num_parameters"] == 4696192
+
+
+def test_pack_unpack_round_trip_and_a_bad_asset_is_refused(built, tmp_path):
+    from common.stage import StageError
+
+    assert json.loads((built / "manifest.json").read_text())["source"] == "build"
+    asset = tmp_path / "asset"
+    stage.main(["--tiny-dir", str(built), "--tiny-asset", str(asset), "--pack-asset"])
+    again = tmp_path / "again"
+    stage.main(["--tiny-dir", str(again), "--seed", "3", *SMALL, "--tiny-asset", str(asset)])
+    got = json.loads((again / "manifest.json").read_text())
+    assert got["source"] == "asset" and got["quality"] == json.loads((built / "manifest.json").read_text())["quality"]
+    for rel in stage.WORLD_FILES:
+        assert (again / rel).read_bytes() == (built / rel).read_bytes(), rel
+    info = json.loads((asset / "world.json").read_text())
+    info["files"]["target/model.safetensors"] = "0" * 64
+    (asset / "world.json").write_text(json.dumps(info))
+    with pytest.raises(StageError, match="differ from world.json"):
+        stage.main(["--tiny-dir", str(tmp_path / "bad"), "--seed", "3", *SMALL, "--tiny-asset", str(asset)])
+    (asset / "world.tar.gz").write_bytes(b"not the archive")
+    with pytest.raises(StageError, match="does not match the sha256"):
+        stage.main(["--tiny-dir", str(tmp_path / "bad2"), "--seed", "3", *SMALL, "--tiny-asset", str(asset)])
