@@ -1,32 +1,26 @@
 """Benchmark the exported EAGLE-3 draft: acceptance length (tau), speed, and losslessness.
 
-Mode `reference` (common/benchmark/reference.py): greedy EAGLE-3 with the HF target and the draft
-loaded from the SGLang export exactly as an engine does (the draft gets the target's embedding; d2t
-maps draft ids to target ids; aux states come from the capture points in the export config). tau on
-ALL held-out prompts comes from replay (common/benchmark/replay.py): the target's greedy answer (cached
-under --replay-cache-dir), one target forward for its features, one draft forward for every round at
-every k - exact, and cheap enough for 100+ prompts on a CPU. It reports tau with a 95% bootstrap
-interval over prompts, per-position acceptance, the histogram of accepted lengths, tau by prompt
-family, and an untrained draft of the same shape (seeded) as the chance level. Real speculative
-decoding (KV caches, rollback) runs on the first --loop-prompts prompts: every output must equal
-target-only greedy decoding (else mismatches.json and the run raises), it is timed against target-only
-decoding (speed ratio), and its statistics are checked against the replay's. Float32 throughout: a
-reference measures acceptance, not engine speed; a target too large for this machine is refused.
-Mode `server` (common/benchmark/, docs/sglang.md, docs/serving.md): launches (or attaches to) a baseline
-and EAGLE-3 servers of --engine (SGLang, or vLLM) per --spec-settings and --cuda-graph mode, preflights
-each EAGLE-3 server (EAGLE3 / eagle3, 04's draft by content, our target, draft config vs manifests, the
-aux layers the engine reports, warm-up tau above chance), with vLLM checks its per-round acceptance
-against replay (--agreement-prompts), then reports output tok/s, TTFT, tau and the ratio to the baseline
-at each --bench-concurrency.
-
 Reads:  <work-dir>/04_draft/export_sglang/{config.json,model.safetensors} (+ 04_draft/manifest.json),
         <work-dir>/01c_merged/benchmark_prompts.jsonl (+ manifest.json), the target from the manifests
-Writes: <work-dir>/05_benchmark/reference/{metrics.json,report.md,acceptance.png,manifest.json}
+Writes: <work-dir>/05_benchmark/reference/{metrics.json,report.md,acceptance.png,tau_by_position.png,
+        manifest.json}
         <work-dir>/05_benchmark/server/{metrics.json,report.md,tokens_per_s.png,accept_length.png,
         commands.json,server_logs/,agreement/,manifest.json} (server mode; also reads 02b_hidden_states/manifest.json)
-Real:   python 05_benchmark.py --config configs/kimi-k2.5.yaml --work-dir /data/eagle3
+Real:   python 05_benchmark.py --config configs/kimi-k2.5.yaml --config configs/datasets_v4.yaml
+            --work-dir /data/eagle3 --mode server
 Tiny:   python 05_benchmark.py --config configs/tiny.yaml --work-dir runs/tiny
-vLLM:   python 05_benchmark.py --config configs/smollm2.yaml --work-dir runs/smollm2 --mode server --engine vllm
+            (vLLM on SmolLM2: --config configs/smollm2.yaml --work-dir runs/smollm2 --mode server --engine vllm)
+
+Mode `reference` (common/benchmark/reference.py): the HF target and the draft loaded from the SGLang
+export as an engine does; tau by replay against the target's greedy continuation (exact), and under
+sampling at --acceptance-temperatures (common/benchmark/sampled.py), with 95% bootstrap intervals, split
+by segment, output position and source (common/benchmark/segments.py); real speculative decoding on
+--loop-prompts prompts must equal target-only decoding and its statistics the replay's. Float32; a
+target too large for this machine is refused. Mode `server` (common/benchmark/, docs/serving.md,
+docs/sglang.md): baseline and EAGLE-3 servers of --engine (SGLang or vLLM) per --spec-settings, each
+EAGLE-3 server preflighted (EAGLE3 / eagle3, our draft and target, aux layers, warm-up tau), checked
+against replay (--agreement-prompts); reports tok/s, TTFT, tau and the ratio to the baseline per
+--bench-concurrency, and the setting to deploy with its launch line (common/benchmark/deploy.py).
 """
 from __future__ import annotations
 
@@ -58,7 +52,22 @@ def build_parser():
     g.add_argument("--target-path", type=Path, default=None,
                    help="target model folder; read from the 04 manifest, and when given it must match")
     g.add_argument("--seed", type=int, default=0,
-                   help="seed of the untrained contrast draft's init and of the bootstrap intervals")
+                   help="seed of the untrained contrast draft's init, the bootstrap intervals and the sampled "
+                        "continuations / loops (per prompt: common/benchmark/sampled.py prompt_seed)")
+    g.add_argument("--acceptance-temperatures", type=float, nargs="+", default=[0.0],
+                   help="sampling temperatures tau is measured at, side by side (0 = greedy, the exact replay; "
+                        "T > 0: the target samples at T and --acceptance-top-p, docs/design.md section 11); "
+                        "server mode, vllm: the agreement check also sends sampled requests at each T > 0. Not "
+                        "01b's --temperature, which is the generation temperature")
+    g.add_argument("--acceptance-top-p", type=float, default=1.0,
+                   help="top-p (0-1] of the target's sampling at every temperature > 0")
+    g.add_argument("--acceptance-rule", choices=("engine", "textbook"), default="engine",
+                   help="reference, T > 0: engine = the draft proposes its argmax, accepted w.p. p(d) (vLLM "
+                        "0.32, SGLang 0.5.14 defaults); textbook = the draft samples from q at T, accepted "
+                        "w.p. min(1, p/q)")
+    g.add_argument("--acceptance-loop-prompts", type=int, default=None,
+                   help="reference, T > 0: prompts (the first N) that run the real sampled loop, compared with "
+                        "the sampled replay (default: --loop-prompts; 0: replay only)")
     g.add_argument("--loop-prompts", type=int, default=None,
                    help="reference: prompts (the first N) that also run the step-by-step loop for the lossless "
                         "check and the speed ratio (default: all; 0: replay only)")
@@ -246,10 +255,14 @@ def main(argv=None):
         args.num_draft_tokens = [args.num_draft_tokens]
     if any(k < 1 for k in args.num_draft_tokens) or args.benchmark_max_new_tokens < 1:
         raise StageError("--num-draft-tokens and --benchmark-max-new-tokens must be >= 1")
+    if isinstance(args.acceptance_temperatures, (int, float)):  # a YAML scalar instead of a list
+        args.acceptance_temperatures = [args.acceptance_temperatures]
+    if any(t < 0 for t in args.acceptance_temperatures) or not 0 < args.acceptance_top_p <= 1:
+        raise StageError("--acceptance-temperatures must be >= 0 and --acceptance-top-p in (0, 1]")
     out = stage_dir(args.work_dir, STAGE) / args.mode
     export_dir, m04, rows = load_inputs(args)
     target_dir = resolve_target(args.target_path, m04, stage_dir(args.work_dir, "04_train"), "04_train")
-    if not start_stage(out, args.overwrite, "05"):
+    if not start_stage(out, args.overwrite, STAGE):
         return
     if args.mode == "server":
         from common.benchmark.server_bench import server_main
@@ -268,6 +281,7 @@ def main(argv=None):
     from common.text.target_format import load_target_format
     from common.text.tokenizer import load_tokenizer
     from common.benchmark import reference as rb
+    from common.benchmark.segments import plot_tau_by_position
     from common.target.capture import load_target_config, target_dims
     from common.benchmark.spec_decode import LosslessError
 
@@ -293,17 +307,27 @@ def main(argv=None):
     eos = set(fmt.stop_ids)  # the target's end of turn and its generation config's eos ids
     cache_file = rb.replay_cache_file(args.replay_cache_dir, target_dir, args.benchmark_max_new_tokens, eos)
     metrics, mismatches = rb.run_reference(args, target, {"trained": trained, "untrained": untrained},
-                                           rows, points, eos, cache_file, known_answers(args, target_dir, tok, fmt))
+                                           rows, points, eos, cache_file, known_answers(args, target_dir, tok, fmt),
+                                           tok=tok)
     write_json(out / "metrics.json", metrics)
     rb.write_report(out, metrics, {"target": target_dir, "export": export_dir,
                                    "draft_vocab_size": export_cfg["draft_vocab_size"]})
     rb.plot_acceptance(out, metrics)
+    plot_tau_by_position(out, metrics)
     for k, e in metrics["by_num_draft_tokens"].items():
         speed = (f", {rb.fmt(e['tokens_per_s_speculative'], 1)} vs {rb.fmt(e['tokens_per_s_target_only'], 1)} "
                  f"tok/s (x{rb.fmt(e['speed_ratio'])}) on {e['loop_prompts']} loop prompts, lossless "
                  f"{e['lossless']}" if "loop_tau" in e else "")
         print(f"[05] k={k}: tau {rb.fmt(e['tau'])} {rb.fmt_ci(e['tau_ci95'])} (untrained "
               f"{rb.fmt(e['untrained_tau'])}){speed}")
+    sampled_tau = {t: {k: e["tau"] for k, e in bt["by_num_draft_tokens"].items()}
+                   for t, bt in metrics.get("sampled", {}).get("by_temperature", {}).items()}
+    for t, bt in metrics.get("sampled", {}).get("by_temperature", {}).items():
+        for k, e in bt["by_num_draft_tokens"].items():
+            loop = (f"; sampled loop {rb.fmt(e['loop_tau'])} vs replay {rb.fmt(e['replay_tau_on_loop_prompts'])}, "
+                    f"difference {rb.fmt_ci(e['loop_minus_replay_ci95'])} "
+                    f"({'agree' if e['loop_agrees'] else 'DISAGREE'})" if "loop_tau" in e else "")
+            print(f"[05] T={t} k={k}: tau {rb.fmt(e['tau'])} {rb.fmt_ci(e['tau_ci95'])}{loop}")
     if mismatches:
         write_json(out / "mismatches.json", mismatches)
         raise LosslessError(f"{len(mismatches)} speculative outputs differ from target-only greedy "
@@ -316,7 +340,8 @@ def main(argv=None):
                            "target_only_tokens": metrics["target_only"]["num_generated_tokens"]},
                    tau={k: e["tau"] for k, e in metrics["by_num_draft_tokens"].items()},
                    tau_ci95={k: e["tau_ci95"] for k, e in metrics["by_num_draft_tokens"].items()},
-                   untrained_tau={k: e["untrained_tau"] for k, e in metrics["by_num_draft_tokens"].items()})
+                   untrained_tau={k: e["untrained_tau"] for k, e in metrics["by_num_draft_tokens"].items()},
+                   **({"tau_by_temperature": sampled_tau} if sampled_tau else {}))
     print(f"[05] wrote {out}")
 
 

@@ -73,6 +73,8 @@ class AgreementCheck:
     timeout: float
     tolerance: float   # 0: exact (float32); else the largest relative tau difference allowed
     out: Path
+    sampling: tuple = ()   # sd.SamplingParams per temperature > 0: the sampled check after the greedy one
+    seed: int = 0          # 05's --seed: the per-request seeds (sampled.prompt_seed, stream "engine")
 
     def __post_init__(self):
         self._models = None
@@ -117,7 +119,36 @@ class AgreementCheck:
         if not result["agree"]:
             raise StageError(f"agreement {key}: {self.engine.label} and replay disagree - {result['layer']}: "
                              f"{result['detail']} (details in {self.out / 'agreement'})")
+        if self.sampling:
+            result["sampled"] = self.sampled(url, key, k)
+            write_json(self.out / "agreement" / f"{key.replace('/', '_')}.json", result)
         return result
+
+    def sampled(self, url: str, key: str, k: int) -> dict:
+        """The same prompts answered sampled (temperature, top_p, a seed per request): check_sampled_answers
+        per temperature; raises when a round differs."""
+        from common.benchmark import sampled as smp
+
+        out = {}
+        for params in self.sampling:
+            answers = [self.engine.request(url, ids, self.max_new_tokens, self.timeout, sampling={
+                "temperature": params.temperature, "top_p": params.top_p,
+                "seed": smp.prompt_seed(self.seed, ids, params, "engine") % 2 ** 31}) for ids in self.prompts]
+            res = check_sampled_answers(self.models(), self.prompts, answers, k, params, self.max_new_tokens,
+                                        self.seed)
+            out[f"{params.temperature:g}"] = res
+            x = res["expected"]
+            print(f"[05] agreement {key} T={params.temperature:g} top-p {params.top_p:g}: {res['exact_prompts']}/"
+                  f"{len(self.prompts)} answers' rounds equal replay along them; {self.engine.label} tau "
+                  f"{x['engine_tau']:.3f} vs sampled replay {x['replay_tau']:.3f}, difference {x['difference']:+.3f} "
+                  f"[{x['ci'][0]:+.3f}, {x['ci'][1]:+.3f}] ({'agree' if x['agree'] else 'DISAGREE'})")
+            if not res["exact"]:
+                bad = next(r for r in res["per_prompt"] if not r["equal"])
+                raise StageError(f"agreement {key} T={params.temperature:g}: {self.engine.label}'s sampled rounds on "
+                                 f"prompt {bad['prompt']} ({bad['engine']}) are not replay's along its own answer "
+                                 f"({bad['replay']}): the engine does not accept exactly the drafts equal to the "
+                                 f"tokens it commits (docs/design.md section 11; details in {self.out / 'agreement'})")
+        return out
 
 
 def totals(rounds: list[list[int]], k: int) -> dict:
@@ -178,6 +209,57 @@ def check_answers(models, prompts: list[list[int]], answers: list[dict], k: int,
     if not result["agree"]:
         result["layer"], result["detail"] = diagnose(models, prompts, answers, per_prompt, k, first_bad)
     return result
+
+
+def check_sampled_answers(models, prompts: list[list[int]], answers: list[dict], k: int, params,
+                          max_new_tokens: int, seed: int) -> dict:
+    """A sampled engine against replay (docs/design.md section 11), two ways.
+
+    exact: under the engines' rule (vLLM 0.32's default greedy draft, q one-hot) a draft is accepted iff the
+      committed token equals it, so replay along the engine's OWN sampled answer must give its rounds. Every
+      round but the last is compared for equality; the last may run past the answer's end, where the
+      engine judged its drafts on tokens it sampled and then cut (budget, end of turn), which replay cannot
+      see, so there the engine's count must be >= replay's.
+    expected: the sampled replay's prediction (our target samples independent continuations of the same
+      prompts, sampled.replay_prompt) against the engine's tau, both counted as 05's loop counts (tokens
+      committed in rounds / rounds), with the paired bootstrap interval over prompts of the difference."""
+    import torch
+
+    from common.benchmark import replay as rp
+    from common.benchmark import sampled as smp
+    from common.benchmark import spec_decode as sd
+
+    target, draft, eos, points = models
+    per_prompt, engine_rounds, our_rounds, predicted = [], [], [], []
+    for i, (ids, ans) in enumerate(zip(prompts, answers)):
+        if ans.get("per_step_accepted") is None:
+            raise StageError("the engine returned no per-round acceptance (per_step_accepted)")
+        seq = list(ids) + list(ans["output_ids"])
+        with torch.no_grad():
+            aux, _ = rp.target_features(target, seq, points)
+        ours = replay_rounds(rp.draft_predictions(draft, aux, seq, k).tolist(), seq, len(ids),
+                             len(ans["output_ids"]), k, eos)
+        eng = [int(a) for a in ans["per_step_accepted"]]
+        equal = len(eng) == len(ours) and eng[:-1] == ours[:-1] and (not eng or eng[-1] >= ours[-1])
+        per_prompt.append({"prompt": i, "engine": eng, "replay": ours, "equal": equal,
+                           "answer_tokens": len(ans["output_ids"])})
+        engine_rounds.append(eng)
+        our_rounds.append(ours)
+        g = smp.generator(target.device, smp.prompt_seed(seed, list(ids), params, "replay"))
+        cont = sd.sample_decode(target, list(ids), max_new_tokens, eos, params, g)
+        res, _ = smp.replay_prompt(target, {"d": draft}, list(ids) + cont, len(ids), points, params, [k],
+                                   max_new_tokens, eos)
+        predicted.append(res["d"][k])
+    enum, eden = [len(a["output_ids"]) - 1 for a in answers], [len(r) for r in engine_rounds]
+    pnum, pden = [p.emitted for p in predicted], [p.rounds for p in predicted]
+    diff = rp.bootstrap_paired_difference(enum, eden, pnum, pden, seed=seed)
+    exact_prompts = sum(r["equal"] for r in per_prompt)
+    return {"temperature": params.temperature, "top_p": params.top_p, "num_draft_tokens": k,
+            "engine": totals(engine_rounds, k), "replay": totals(our_rounds, k),
+            "exact": exact_prompts == len(per_prompt), "exact_prompts": exact_prompts, "per_prompt": per_prompt,
+            "expected": {"engine_tau": sum(enum) / sum(eden), "replay_tau": sum(pnum) / sum(pden),
+                         "difference": diff["difference"], "ci": diff["ci"],
+                         "agree": diff["ci"][0] <= 0 <= diff["ci"][1]}}
 
 
 def diagnose(models, prompts, answers, per_prompt, k: int, first_bad: int | None) -> tuple[str, str]:

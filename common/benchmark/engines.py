@@ -49,6 +49,7 @@ class Engine:
         raise NotImplementedError
 
     def request(self, url: str, ids: list[int], max_new_tokens: int, timeout: float) -> dict:
+        """One greedy answer; engines with reports_per_round also take sampling={temperature, top_p, seed}."""
         raise NotImplementedError
 
     def window_start(self, url: str):
@@ -169,10 +170,10 @@ class VllmEngine(Engine):
                 "draft_dtype": ((info["speculative_config"].get("draft_model_config") or {}).get("dtype")),
                 "target_dtype": info["model_config"].get("dtype")}
 
-    def request(self, url, ids, max_new_tokens, timeout):
+    def request(self, url, ids, max_new_tokens, timeout, sampling=None):
         if url not in self.served:
             self._info(url)
-        return vllm.complete_stream(url, self.served[url], ids, max_new_tokens, timeout)
+        return vllm.complete_stream(url, self.served[url], ids, max_new_tokens, timeout, sampling=sampling)
 
     def window_start(self, url):
         return vllm.read_counters(url)

@@ -7,7 +7,8 @@
    feature; one TTT forward per draft gives every round's acceptance at every k. Trained and untrained
    drafts, all prompts, all k: tau with a 95% bootstrap interval over prompts, per-position acceptance,
    histogram, tau by prompt family (the id before the first "/"), per-prompt totals for paired
-   comparisons between drafts.
+   comparisons between drafts; and, trained draft, tau and per-position acceptance by segment
+   (reasoning, answer, code, tool call), output position and source dataset (segments.py).
 3. Loop (common/benchmark/spec_decode.py) on the first `loop_prompts` prompts: real speculative decoding
    with KV caches and rollback, checked token for token against target-only greedy decoding
    (lossless), timed against it (speed ratio), and its per-round statistics compared with the
@@ -20,6 +21,8 @@ import json
 from pathlib import Path
 
 from common.benchmark import replay as rp
+from common.benchmark import sampled as smp
+from common.benchmark import segments as sg
 from common.benchmark import spec_decode as sd
 from common.io import atomic_path, iter_jsonl, write_jsonl
 from common.stage import sha256_file
@@ -118,15 +121,17 @@ class ReplaySet:
 
 
 def run_reference(args, target, drafts: dict, rows: list[dict], points: list[int], eos: set[int],
-                  cache_file: Path, known=None) -> tuple[dict, list[dict]]:
+                  cache_file: Path, known=None, tok=None) -> tuple[dict, list[dict]]:
     """Returns (metrics, mismatches). drafts: {"trained": ..., "untrained": ...}; known: see
-    greedy_continuations."""
+    greedy_continuations; tok: the target's tokenizer, which also splits the trained draft's tau by
+    segment, output position and source (common/benchmark/segments.py)."""
     import torch
     from tqdm import tqdm
 
     ks = sorted(set(args.num_draft_tokens))
     rs = ReplaySet(target, rows, points, args.benchmark_max_new_tokens, eos, cache_file, known)
     conts, sources, inconsistent = rs.conts, rs.sources, rs.inconsistent
+    labels, segments = sg.label_continuations(tok, rows, conts) if tok is not None else (None, None)
     replayed = {(name, k): results for name, draft in drafts.items() for k, results in rs.replay(draft, ks).items()}
     del rs
     loop_rows = rows if args.loop_prompts is None else rows[:args.loop_prompts]
@@ -157,6 +162,8 @@ def run_reference(args, target, drafts: dict, rows: list[dict], points: list[int
                  "untrained_tau_ci95": u["tau_ci95"], "per_position_acceptance": t["per_position_acceptance"],
                  "accept_length_histogram": t["accept_length_histogram"], "trained": t, "untrained": u,
                  "tau_by_family": family_tau(rows, replayed[("trained", k)])}
+        if labels is not None:
+            entry.update(sg.breakdown(replayed[("trained", k)], labels, [r["source"] for r in rows], k, args.seed))
         if loop_rows:
             lt = sd.acceptance_stats(loop[("trained", k)], k)
             same = sum(a.emitted == b.emitted and a.accepted == b.accepted
@@ -184,6 +191,10 @@ def run_reference(args, target, drafts: dict, rows: list[dict], points: list[int
                         "tokens_per_s": base_tokens / base_seconds if base_seconds else None},
         "by_num_draft_tokens": per_k,
     }
+    if segments is not None:
+        metrics["segments"] = segments
+    if any(t > 0 for t in args.acceptance_temperatures):  # acceptance under sampling (sampled.py)
+        metrics["sampled"] = smp.run_sampled(args, target, drafts, rows, points, eos, cache_file)
     return metrics, mismatches
 
 
@@ -253,6 +264,10 @@ def write_report(out: Path, metrics: dict, info: dict) -> None:
             lines.append("  - tau by prompt family: " + ", ".join(
                 f"{f} {fmt(v['tau'])} ({v['num_prompts']})" for f, v in e["tau_by_family"].items()))
     lines.append("")
+    if "sampled" in m:
+        lines += smp.report_lines(m)
+    if "segments" in m:
+        lines += sg.report_lines(m)
     with atomic_path(out / "report.md") as tmp:
         tmp.write_text("\n".join(lines))
 

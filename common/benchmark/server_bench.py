@@ -17,18 +17,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common.benchmark import deploy
 from common.benchmark.engines import engine_from_args
 from common.benchmark.sglang_stream import generate_stream
 from common.stage import StageError
 
 
 def run_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int,
-                timeout: float, request_fn=generate_stream) -> dict:
-    """All prompts at a given concurrency; the summary over the wall time of the whole set."""
+                timeout: float, request_fn=generate_stream, tags: list[dict] | None = None) -> dict:
+    """All prompts at a given concurrency; the summary over the wall time of the whole set, with one
+    record per request in prompt order (`tags[i]`: prompt i's source / thinking) for the deploy section."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         results = list(pool.map(lambda ids: request_fn(base_url, ids, max_new_tokens, timeout), prompts))
-    return summarize(results, time.perf_counter() - t0, concurrency)
+    summ = summarize(results, time.perf_counter() - t0, concurrency)
+    summ["requests"] = [deploy.request_record(r, (tags or [None] * len(results))[i]) for i, r in enumerate(results)]
+    return summ
 
 
 def summarize(results: list[dict], wall_s: float, concurrency: int) -> dict:
@@ -110,8 +114,12 @@ SERVER_TAU_NOTE = {
 ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
-def write_report(out: Path, metrics: dict) -> None:
+def write_report(out: Path, metrics: dict, reference: dict | None = None) -> None:
+    """report.md; its deploy section (common/benchmark/deploy.py) from metrics["deploy"], computed here
+    when absent (`reference`: 05 reference metrics of the same draft, for the per-depth tau)."""
     engine = metrics.get("engine", "sglang")
+    if "deploy" not in metrics:
+        metrics["deploy"] = deploy.summary(metrics, reference)
     lines = [f"# 05 server benchmark ({ENGINE_LABELS[engine]})", "",
              f"Target `{metrics['target']}`, draft `{metrics['draft']}`, {metrics['num_prompts']} prompts, "
              f"max {metrics['max_new_tokens']} new tokens, greedy. Preflight: "
@@ -144,6 +152,7 @@ def write_report(out: Path, metrics: dict) -> None:
             lines.append(f"| {key} | {len(a['per_prompt'])} | {e['num_rounds']} / {r['num_rounds']} | "
                          f"{e['accepted_per_position']} | {r['accepted_per_position']} | {e['tau']:.4f} / "
                          f"{r['tau']:.4f} | {'yes' if a['exact'] else 'no'} |")
+    lines += deploy.report_lines(metrics["deploy"], ENGINE_LABELS[engine])
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
@@ -173,7 +182,7 @@ def plot(out: Path, metrics: dict) -> None:
 
 
 def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], request_fn=None,
-                         agreement=None) -> dict:
+                         agreement=None, tags: list[dict] | None = None) -> dict:
     """The sweep: per CUDA-graph mode, a baseline server and one EAGLE-3 server per spec setting.
 
     Attached servers (--baseline-url / --eagle3-url) are used as they are (their own setting and
@@ -211,7 +220,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
                 metrics["agreement"][key] = agreement(url, key, setting)
         for c in concs:
             start = engine.window_start(url) if setting is not None else None
-            s = run_prompts(url, prompts, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn)
+            s = run_prompts(url, prompts, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn, tags)
             s.update(engine.window_end(url, start) if setting is not None else {"server_accept_length": None})
             entry["by_concurrency"][str(c)] = s
             print(f"[05] {key} c={c}: {fmt(s['output_tokens_per_s'], 1)} tok/s, TTFT "
@@ -260,6 +269,20 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     return metrics
 
 
+def reference_metrics(work_dir: Path) -> dict | None:
+    """05 reference's metrics when that mode ran complete on THIS draft (its manifest's 04 input hash is
+    the current 04 manifest's), for the cost model's per-depth tau; None otherwise."""
+    from common.io import read_json
+    from common.stage import manifest_sha256, stage_dir
+
+    ref = stage_dir(work_dir, "05_benchmark") / "reference"
+    if not (ref / "manifest.json").is_file():
+        return None
+    same = read_json(ref / "manifest.json").get("inputs", {}).get("04_draft") == \
+        manifest_sha256(stage_dir(work_dir, "04_train"))
+    return read_json(ref / "metrics.json") if same else None
+
+
 def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], target_dir: Path,
                 work_dir: Path) -> dict:
     """05 --mode server after the shared input checks: sweep (+ agreement), metrics.json, report.md, plots."""
@@ -280,10 +303,13 @@ def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], 
             raise StageError(f"--agreement-prompts needs per-round acceptance from the engine; {engine.label} "
                              "reports totals only (the smoke run compares its tau with the reference instead)")
         from common.benchmark.agreement import AgreementCheck
+        from common.benchmark.sampled import engine_sampling
         agreement = AgreementCheck(engine, target_dir, export_dir, m04, prompts[:args.agreement_prompts],
                                    args.benchmark_max_new_tokens, args.request_timeout,
-                                   args.agreement_tolerance, out)
-    metrics = run_server_benchmark(args, out, engine, prompts, agreement=agreement)
+                                   args.agreement_tolerance, out, sampling=engine_sampling(args), seed=args.seed)
+    tags = [{"source": r.get("source"), "thinking": r.get("thinking")} for r in rows]
+    metrics = run_server_benchmark(args, out, engine, prompts, agreement=agreement, tags=tags)
+    metrics["deploy"] = deploy.summary(metrics, reference_metrics(work_dir))
     write_json(out / "metrics.json", metrics)
     write_json(out / "commands.json", metrics["commands"])
     write_report(out, metrics)

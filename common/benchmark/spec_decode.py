@@ -1,6 +1,10 @@
-"""Greedy EAGLE-3 speculative decoding with an HF target (the reference loop) and its acceptance statistics.
+"""EAGLE-3 speculative decoding with an HF target (the reference loop) and its acceptance statistics.
 
-Batch size 1, greedy everywhere. The draft is anything with the `Eagle3DraftModel` surface
+Batch size 1. Greedy by default; with `sampling` (temperature > 0, top-p) the chain speculative sampling
+rule of the engines (docs/design.md section 11): the target's distribution is softmax(logits / T) cut
+to its top-p set, a draft token d is accepted with probability min(1, p(d) / q(d)), a rejected one is replaced
+by a sample from the residual max(0, p - q), and the output is distributed exactly as target sampling.
+The draft is anything with the `Eagle3DraftModel` surface
 (`project`, `step`, `draft_to_target`, see common/draft/model.py); the target is an HF causal LM whose
 hidden states are captured at the draft's capture points (h_i = input of decoder layer i =
 HF `hidden_states[i]`, docs/design.md section 1).
@@ -30,6 +34,45 @@ class SpecResult:
     accepted: list[int] = field(default_factory=list)  # leading draft tokens committed per round
     emitted: list[int] = field(default_factory=list)   # tokens committed per round (incl. bonus)
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target samples (T > 0) and how the draft proposes (`rule`, docs/design.md section 11):
+    engine   = vLLM 0.32 (`draft_sample_method` "greedy", its default) and SGLang 0.5.14 (EAGLE topk 1,
+               `speculative_use_rejection_sampling` off, thresholds 1.0): the draft's argmax, q one-hot,
+               so the acceptance probability of draft d is p(d);
+    textbook = Leviathan et al. / Chen et al.: the draft samples d ~ q = softmax(draft logits / T) (no top-p,
+               as vLLM's "probabilistic" and SGLang's rejection-sampling drafts), accepted w.p. min(1, p/q)."""
+    temperature: float
+    top_p: float = 1.0
+    rule: str = "engine"
+
+    def __post_init__(self):
+        assert self.temperature > 0 and 0 < self.top_p <= 1 and self.rule in ("engine", "textbook"), self
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """[..., V] logits -> the distribution the target samples from: softmax(logits / T), then top-p.
+
+    Order as both engines: temperature FIRST, then the nucleus of the tempered distribution (vLLM 0.32
+    `apply_sampling_constraints` -> `apply_top_k_top_p`; SGLang 0.5.14 `top_p_renorm_prob` on
+    softmax(logits / T)). Top-p keeps the smallest set of most likely tokens whose mass reaches top_p:
+    token i (sorted descending) stays iff the mass strictly above it is < top_p (the most likely one
+    always stays); the kept mass is renormalised to 1. Float32.
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class LosslessError(RuntimeError):
@@ -157,12 +200,16 @@ def commit_round(res: SpecResult, new: list[int], accepted: int, judged: int, eo
 
 @torch.no_grad()
 def speculative_decode(target, draft, prompt_ids: list[int], num_draft_tokens: int,
-                       max_new_tokens: int, eos_ids: set[int], capture_points: list[int]) -> SpecResult:
-    """EAGLE-3 greedy chain speculation: draft k tokens, verify them in one target forward, repeat.
+                       max_new_tokens: int, eos_ids: set[int], capture_points: list[int],
+                       sampling: SamplingParams | None = None,
+                       generator: torch.Generator | None = None) -> SpecResult:
+    """EAGLE-3 chain speculation: draft k tokens, verify them in one target forward, repeat.
 
-    Output is by construction the target's greedy continuation (every committed token is either a
-    draft token the target's argmax agreed with, or the target's own argmax), up to fp differences
-    between a (k+1)-token forward and k+1 single-token forwards.
+    Greedy (sampling None): output is by construction the target's greedy continuation (every committed
+    token is either a draft token the target's argmax agreed with, or the target's own argmax), up to
+    fp differences between a (k+1)-token forward and k+1 single-token forwards. Sampled: every random
+    draw comes from `generator` (seeded by the caller); the output is distributed as target-only
+    sampling (sample_decode), see `_verify_sampled`.
     """
     device = target.device
     k = num_draft_tokens
@@ -174,7 +221,11 @@ def speculative_decode(target, draft, prompt_ids: list[int], num_draft_tokens: i
     prompt = torch.tensor([prompt_ids], device=device)  # [1, n]
     t_cache = new_target_cache(target)
     logits, aux = target_forward(target, prompt, t_cache, capture_points)
-    pending = int(logits[0, -1].argmax())
+    if sampling is None:
+        pending = int(logits[0, -1].argmax())
+    else:
+        assert generator is not None, "sampled speculative decoding needs a seeded generator"
+        pending = _sample(sampling_probs(logits[0, -1], sampling.temperature, sampling.top_p), generator)
     res = SpecResult(tokens=[pending])
     n_ctx = prompt.shape[1]
     # EAGLE-3 alignment (docs/design.md section 3): draft position t pairs fc(aux_t) with token t+1 and
@@ -189,6 +240,7 @@ def speculative_decode(target, draft, prompt_ids: list[int], num_draft_tokens: i
         # no work is thrown away and the per-round counts stay exact.
         k_eff = min(k, max_new_tokens - len(res.tokens) - 1)
         drafts: list[int] = []
+        draft_q: list[torch.Tensor] = []  # textbook rule: q of each draft over the draft vocab [Dv]
         if k_eff > 0:
             # Draft feed: the target-backed positions not yet in the draft cache. Its LAST output
             # (position n_ctx-1, token `pending`) predicts the token after `pending`: draft 1.
@@ -203,12 +255,31 @@ def speculative_decode(target, draft, prompt_ids: list[int], num_draft_tokens: i
                     pos = torch.tensor([[n_ctx - 1 + j]], device=device)
                     tok = prompt.new_tensor([[drafts[-1]]])
                     d_logits, d_hidden = draft.step(d_hidden[:, -1:], tok, pos, d_cache)
-                # Greedy draft token in draft-vocab ids, mapped to target ids through d2t.
-                drafts.append(int(draft.draft_to_target(d_logits[0, -1].argmax())))
+                if sampling is not None and sampling.rule == "textbook":
+                    # Textbook: the draft SAMPLES from its own tempered distribution (draft vocab ids).
+                    q = torch.softmax(d_logits[0, -1].float() / sampling.temperature, dim=-1)  # [Dv]
+                    draft_q.append(q)
+                    drafts.append(int(draft.draft_to_target(torch.tensor(_sample(q, generator), device=device))))
+                else:
+                    # Greedy draft token in draft-vocab ids, mapped to target ids through d2t (also the
+                    # engines' proposal under sampling: vLLM 0.32 and SGLang 0.5.14 take the argmax).
+                    drafts.append(int(draft.draft_to_target(d_logits[0, -1].argmax())))
 
         # Verify: ONE target forward over [pending, d_1..d_k_eff] at positions n_ctx..n_ctx+k_eff.
         verify = prompt.new_tensor([[pending] + drafts])                       # [1, k_eff+1]
         logits, aux = target_forward(target, verify, t_cache, capture_points)  # [1,k_eff+1,V]
+        if sampling is not None:
+            a, nxt = _verify_sampled(logits[0], drafts, draft_q, draft, sampling, generator)
+            if commit_round(res, drafts[:a] + [nxt], a, k_eff, eos_ids, max_new_tokens):
+                break
+            crop_target_cache(t_cache, n_ctx + a + 1)   # rollback exactly as in the greedy case below
+            d_cache.crop(n_ctx)
+            feed_hidden = draft.project(aux[:, :a + 1])
+            feed_ids = verify.new_tensor([drafts[:a] + [nxt]])
+            feed_start = n_ctx
+            n_ctx += a + 1
+            pending = nxt
+            continue
         greedy = logits[0].argmax(-1).tolist()
         # Acceptance rule (greedy, exact match). greedy[i] is the target's argmax after the prefix
         # ending in verify[i], i.e. what target-only greedy decoding emits NEXT - but only if
@@ -245,6 +316,56 @@ def speculative_decode(target, draft, prompt_ids: list[int], num_draft_tokens: i
     _sync(device)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _verify_sampled(logits: torch.Tensor, drafts: list[int], draft_q: list[torch.Tensor], draft,
+                    sampling: SamplingParams, generator: torch.Generator) -> tuple[int, int]:
+    """Chain speculative sampling over one verify forward: (accepted drafts a, the round's own token).
+
+    logits [k_eff+1, V]: row i = the target after verify[0..i], i.e. its distribution over the token
+    draft i+1 proposes (row k_eff: over the bonus). p_i = sampling_probs(row i) - tempered and cut to
+    top-p exactly as target-only sampling would, never the raw softmax. Draft i is accepted iff
+    u_i < p_i(d_i) / q_i(d_i), u_i ~ U[0, 1) (vLLM: `target_prob / draft_prob >= uniform_prob`; SGLang:
+    `coin <= prob_acc / threshold_acc` with threshold_acc 1), i.e. with probability min(1, p/q). The first
+    rejected draft is replaced by a sample from norm(max(0, p_i - q_i)); when all are accepted the bonus
+    is a sample from p_{k_eff}. Engine rule: q_i is one-hot at the argmax d_i, so the acceptance
+    probability is p_i(d_i) and the residual is p_i with d_i removed (vLLM's NO_DRAFT_PROBS path, SGLang's
+    `draft_probs[d] = target_probs[d]` before relu(target - draft)). Either way each committed token is
+    distributed as target sampling given its prefix (Leviathan et al. 2023, Theorem 1); under the engine
+    rule a draft is accepted exactly when the committed token equals it.
+    """
+    probs = sampling_probs(logits, sampling.temperature, sampling.top_p)   # [k_eff+1, V]
+    for i, d in enumerate(drafts):
+        if sampling.rule == "textbook":
+            q = torch.zeros_like(probs[i])                                  # [V]: q on target ids
+            q[draft.draft_to_target(torch.arange(draft_q[i].numel(), device=q.device))] = draft_q[i]
+        else:
+            q = torch.zeros_like(probs[i])
+            q[d] = 1.0
+        u = float(torch.rand((), generator=generator, device=probs.device))
+        if u < float(probs[i, d]) / float(q[d]):
+            continue
+        residual = (probs[i] - q).clamp_min(0)
+        return i, _sample(residual / residual.sum(), generator)
+    return len(drafts), _sample(probs[len(drafts)], generator)
+
+
+@torch.no_grad()
+def sample_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
+                  sampling: SamplingParams, generator: torch.Generator) -> list[int]:
+    """Target-only sampling at sampling.temperature / top_p, one token per cached forward (the
+    distribution every sampled speculative loop must reproduce). Seeded by `generator`."""
+    cache = new_target_cache(target)
+    ids = torch.tensor([prompt_ids], device=target.device)
+    out: list[int] = []
+    while True:
+        logits, _ = target_forward(target, ids, cache, None)
+        nxt = _sample(sampling_probs(logits[0, -1], sampling.temperature, sampling.top_p), generator)
+        out.append(nxt)
+        if nxt in eos_ids or len(out) >= max_new_tokens:
+            break
+        ids = torch.tensor([[nxt]], device=target.device)
+    return out
 
 
 def acceptance_stats(results: list[SpecResult], num_draft_tokens: int) -> dict:

@@ -273,8 +273,10 @@ def read_counters(base_url: str, timeout: float = 30.0) -> SpecCounters:
 
 # ---------------------------------------------------------------- requests
 def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tokens: int,
-                    timeout: float, role: str = "vLLM") -> dict:
-    """One greedy streamed completion of token ids: {ttft_s, latency_s, completion_tokens, output_ids,
+                    timeout: float, role: str = "vLLM", sampling: dict | None = None) -> dict:
+    """One streamed completion of token ids, greedy, or sampled with `sampling` = {temperature, top_p,
+    seed} (vLLM's per-request seed drives its sampler and its rejection sampler's uniforms,
+    `v1/sample/rejection_sampler.py` generate_uniform_probs): {ttft_s, latency_s, completion_tokens, output_ids,
     spec_verify_ct, accept_length, per_step_accepted, per_step_drafted, retries} (the spec fields None
     on a server without per-request spec metrics). accept_length = completion_tokens / verify rounds,
     the prefill token included: SGLang's definition, comparable across engines. Retried and timed as
@@ -283,6 +285,9 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
     payload = {"model": model, "prompt": list(input_ids), "max_tokens": int(max_new_tokens), "temperature": 0.0,
                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
                "skip_special_tokens": False}
+    if sampling is not None:
+        payload.update(temperature=float(sampling["temperature"]), top_p=float(sampling["top_p"]),
+                       seed=int(sampling["seed"]))
     got = sse_request(url, payload, timeout, f"{role} server {base_url}: POST /v1/completions")
     ttft, ids, usage, spec, finish = None, [], None, None, None
     for chunk in got["chunks"]:

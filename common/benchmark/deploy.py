@@ -1,0 +1,341 @@
+"""What 05 --mode server tells a user to deploy, from the sweep's own numbers (server_bench.write_report):
+
+- per measured concurrency, the best EAGLE-3 setting with its output tok/s against the fastest baseline
+  and a 95% interval (`ratio_interval`), or the plain statement that no setting beats the baseline;
+- the exact launch line of that setting (the engine's own command, 05's measurement-only parts dropped;
+  `launch_line` refuses one that is not EAGLE3 / eagle3);
+- a cost model fitted from the sweep's timings, which predicts chain depths the sweep did not try.
+  Predictions are labelled as such and are never put in a table of measurements.
+
+The interval is a paired bootstrap over requests: the sweep runs every setting once on the same prompts,
+so there are no repeated runs to take a spread from, but every run answers the SAME prompts, and the
+prompt mix (answer lengths, how well the draft guesses each answer) is what a ratio measured on a few
+prompts depends on most. Resampling prompt indices for the baseline and the setting together keeps the
+pairing. What it leaves out: timing noise between two runs of the same setting (other processes on the
+box); on a shared machine a ratio within a few percent of the interval's edge is not a decision.
+Per-request timing at concurrency c > 1 does not add up to the run's wall time, so the bootstrap moves
+the run's measured ratio by the relative change of the per-request ratio (sum tokens / sum latency).
+
+Cost model (one verify round of a chain of `steps` drafts verifying `n` tokens, n = steps + 1):
+    t_round = c_draft * steps + t_fixed + c_token * n
+fitted by least squares on each EAGLE-3 setting's per-request round time (sum(latency - TTFT) / sum
+rounds, at each concurrency). From chains alone c_draft and c_token are not separable (steps and n move
+together): the fit then reports their sum, which is all a chain prediction needs; a tree setting
+(topk > 1, n != steps + 1) in the sweep separates them. Predicted tok/s of depth d = eta * c * tau(d) /
+t_round(d), with eta (prefill, the batch's tail) fitted on the measured settings at that concurrency;
+tau(d) from 05 reference's per-position acceptance (replay on the held-out prompts) scaled to the sweep's
+measured taus, or, without it, the sweep's own taus (beyond the deepest measured chain: held constant,
+labelled "extrapolated").
+"""
+from __future__ import annotations
+
+import json
+import random
+import shlex
+
+import numpy as np
+
+# What 05 adds for its own measurement, not for serving: the preflight's info document (vLLM dev mode),
+# per-request acceptance, unbuffered logs; and the test box's host/port (a deployment picks its own).
+MEASUREMENT_ENV = ("VLLM_SERVER_DEV_MODE", "TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED")
+MEASUREMENT_FLAGS = {"--host": 1, "--port": 1, "--per-request-spec-decode-metrics": 1}
+
+
+def request_record(result: dict, tag: dict | None) -> dict:
+    """The per-request numbers the report needs (timing, rounds, the prompt's source / thinking)."""
+    rec = {k: result.get(k) for k in ("completion_tokens", "latency_s", "ttft_s", "spec_verify_ct")}
+    return {**rec, **(tag or {})}
+
+
+def _rate(reqs: list[dict], idx) -> float:
+    return sum(reqs[i]["completion_tokens"] for i in idx) / sum(reqs[i]["latency_s"] for i in idx)
+
+
+def ratio_interval(spec: list[dict], base: list[dict], measured: float, num_boot: int = 2000, seed: int = 0,
+                   level: float = 0.95) -> tuple[float, float] | None:
+    """95% paired bootstrap interval of `measured` (setting tok/s / baseline tok/s) over requests: prompt
+    indices resampled for both runs together; None without per-request data for the same prompts."""
+    if not spec or len(spec) != len(base) or any(r["latency_s"] is None or r["latency_s"] <= 0
+                                                 for r in spec + base):
+        return None
+    n, rng = len(spec), random.Random(seed)
+    full = _rate(spec, range(n)) / _rate(base, range(n))
+    stats = []
+    for _ in range(num_boot):
+        idx = [rng.randrange(n) for _ in range(n)]
+        stats.append(measured * (_rate(spec, idx) / _rate(base, idx)) / full)
+    stats.sort()
+    return tuple(stats[min(len(stats) - 1, int(p * len(stats)))] for p in ((1 - level) / 2, (1 + level) / 2))
+
+
+def best_settings(metrics: dict) -> dict:
+    """{concurrency: {baseline, best or None, candidates}} over every graph mode: each EAGLE-3 run is
+    compared with the FASTEST baseline at that concurrency (what one could deploy without speculation),
+    paired over the same prompts; the best is the highest ratio whose interval lies above 1."""
+    runs = metrics["runs"]
+    concs = sorted({c for e in runs.values() for c in e["by_concurrency"]}, key=int)
+    out = {}
+    for c in concs:
+        bases = [(k, e["by_concurrency"][c]) for k, e in runs.items() if e.get("setting") is None
+                 and c in e["by_concurrency"]]
+        if not bases:
+            continue
+        bkey, bsum = max(bases, key=lambda kv: kv[1]["output_tokens_per_s"] or 0)
+        cands = []
+        for key, e in runs.items():
+            s = e["by_concurrency"].get(c)
+            if e.get("setting") is None or s is None or not bsum["output_tokens_per_s"]:
+                continue
+            if "ratio_refused" in s:
+                cands.append({"key": key, "setting": e["setting"], "refused": s["ratio_refused"]})
+                continue
+            ratio = s["output_tokens_per_s"] / bsum["output_tokens_per_s"]
+            ci = ratio_interval(s.get("requests") or [], bsum.get("requests") or [], ratio)
+            cands.append({"key": key, "setting": list(e["setting"]), "tokens_per_s": s["output_tokens_per_s"],
+                          "ratio": ratio, "ratio_ci95": list(ci) if ci else None})
+        winners = [x for x in cands if x.get("ratio_ci95") and x["ratio_ci95"][0] > 1]
+        out[c] = {"baseline": bkey, "baseline_tokens_per_s": bsum["output_tokens_per_s"], "candidates": cands,
+                  "best": max(winners, key=lambda x: x["ratio"]) if winners else None,
+                  # a run without per-request records (a metrics.json from before they were kept) has no
+                  # interval: then nothing is decided either way
+                  "undecided": not winners and any("ratio" in x and x["ratio_ci95"] is None for x in cands)}
+    return out
+
+
+def launch_line(engine: str, command, speculative: bool) -> str:
+    """The command a user types: the engine's argv as 05 ran it, minus 05's measurement-only flags and
+    environment and the test box's --host/--port, the interpreter as `python`. Refuses (ValueError) a
+    speculative command that is not EAGLE-3: SGLang `--speculative-algorithm EAGLE3`, vLLM method `eagle3`."""
+    argv, env = (command["argv"], command.get("env") or {}) if isinstance(command, dict) else (command, {})
+    argv = ["python"] + list(argv[1:])
+    kept, i = [], 0
+    while i < len(argv):
+        if argv[i] in MEASUREMENT_FLAGS:
+            i += 1 + MEASUREMENT_FLAGS[argv[i]]
+            continue
+        kept.append(argv[i])
+        i += 1
+    if speculative:
+        if engine == "sglang":
+            at = [j for j, a in enumerate(kept) if a == "--speculative-algorithm"]
+            if len(at) != 1 or kept[at[0] + 1:at[0] + 2] != ["EAGLE3"]:
+                raise ValueError(f"not an EAGLE3 launch line: {shlex.join(kept)}")
+        else:
+            at = [j for j, a in enumerate(kept) if a == "--speculative-config"]
+            if len(at) != 1 or json.loads(kept[at[0] + 1]).get("method") != "eagle3":
+                raise ValueError(f"not an eagle3 launch line: {shlex.join(kept)}")
+    prefix = [f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in MEASUREMENT_ENV]
+    return " ".join(prefix + [shlex.join(kept)])
+
+
+# ---------------------------------------------------------------- the cost model
+def round_time(reqs: list[dict]) -> float | None:
+    """Seconds per verify round as the requests saw it: decode time (latency - TTFT) over rounds."""
+    rounds = sum(r["spec_verify_ct"] or 0 for r in reqs)
+    if not rounds or any(r["ttft_s"] is None for r in reqs):
+        return None
+    return sum(r["latency_s"] - r["ttft_s"] for r in reqs) / rounds
+
+
+def fit_costs(points: list[tuple[int, int, float]]) -> dict | None:
+    """Least squares of t_round = c_draft * steps + t_fixed + c_token * n over (steps, n, t_round).
+    Chains only (n = steps + 1 everywhere): t = (t_fixed + c_token) + (c_draft + c_token) * steps, and
+    only those two sums are fitted ("separable": False). None with fewer points than unknowns."""
+    x = np.array([[s, 1.0, n] for s, n, _ in points])
+    y = np.array([t for _, _, t in points])
+    if len(points) >= 3 and np.linalg.matrix_rank(x) == 3:
+        (cd, t0, ct), *_ = np.linalg.lstsq(x, y, rcond=None)
+        fit = {"separable": True, "c_draft": cd, "t_fixed": t0, "c_token": ct}
+    elif len({s for s, _, _ in points}) >= 2:
+        (b, a), *_ = np.linalg.lstsq(x[:, :2], y, rcond=None)   # columns: steps, 1
+        fit = {"separable": False, "c_draft_plus_token": b, "t_fixed_plus_token": a}
+    else:
+        return None
+    pred = [predict_round(fit, s, n) for s, n, _ in points]
+    fit["max_relative_residual"] = max(abs(p - t) / t for p, (_, _, t) in zip(pred, points))
+    fit["num_points"], fit["num_unknowns"] = len(points), 3 if fit["separable"] else 2
+    return {k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in fit.items()}
+
+
+def predict_round(fit: dict, steps: int, n: int) -> float:
+    if fit["separable"]:
+        return fit["c_draft"] * steps + fit["t_fixed"] + fit["c_token"] * n
+    assert n == steps + 1, "a chains-only fit predicts chains only"
+    return fit["t_fixed_plus_token"] + fit["c_draft_plus_token"] * steps
+
+
+def chain_tau(per_position: list[float | None], depth: int) -> float:
+    """Expected tokens per round of a depth-d chain from conditional per-position acceptance p_j
+    (replay's `per_position_acceptance`: accepted at j given j-1 accepted): 1 + sum_j prod_{i<=j} p_i.
+    Beyond the measured positions the last p is held (extrapolation)."""
+    p = [x or 0.0 for x in per_position]
+    tau, reach = 1.0, 1.0
+    for j in range(depth):
+        reach *= p[min(j, len(p) - 1)]
+        tau += reach
+    return tau
+
+
+def tau_by_depth(depths: list[int], measured: dict[int, float], reference: dict | None) -> dict[int, dict]:
+    """{depth: {tau, source}}. With 05 reference metrics (replay on the held-out prompts): chain_tau of
+    the deepest k's per-position acceptance, scaled by the mean ratio of the sweep's measured taus to
+    it at the measured depths (the sweep's prompts and tau definition differ from the reference's).
+    Without: the sweep's taus interpolated between measured depths (and tau(0) = 1), held constant
+    beyond the deepest one."""
+    out = {}
+    if reference:
+        ks = sorted(int(k) for k in reference["by_num_draft_tokens"])
+        p = reference["by_num_draft_tokens"][str(ks[-1])]["per_position_acceptance"]
+        scale = (float(np.mean([measured[d] / chain_tau(p, d) for d in measured])) if measured else 1.0)
+        for d in depths:
+            src = "replay per-position acceptance" if d <= ks[-1] else \
+                f"extrapolated (replay's position-{ks[-1]} acceptance held)"
+            out[d] = {"tau": scale * chain_tau(p, d), "source": f"{src}, x{scale:.3f} to the sweep"}
+        return out
+    xs = sorted(measured)
+    for d in depths:
+        if d > xs[-1]:
+            out[d] = {"tau": measured[xs[-1]], "source": f"extrapolated (the sweep's tau at depth {xs[-1]} held)"}
+        else:
+            lo = max([0] + [x for x in xs if x <= d])
+            hi = min(x for x in xs if x >= d)
+            tl, th = (1.0 if lo == 0 else measured[lo]), measured[hi]
+            t = tl if hi == lo else tl + (th - tl) * (d - lo) / (hi - lo)
+            out[d] = {"tau": t, "source": "interpolated from the sweep's taus"}
+    return out
+
+
+def cost_models(metrics: dict, reference: dict | None) -> list[dict]:
+    """One fit per (graph mode, concurrency) with its predictions for untried chain depths."""
+    runs, out = metrics["runs"], []
+    for graph in sorted({bool(e.get("cuda_graph")) for e in runs.values()}):
+        concs = sorted({c for e in runs.values() if bool(e.get("cuda_graph")) == graph for c in e["by_concurrency"]}, key=int)
+        for c in concs:
+            base = next((e["by_concurrency"].get(c) for e in runs.values()
+                         if bool(e.get("cuda_graph")) == graph and e.get("setting") is None), None)
+            pts, measured, eff = [], {}, []
+            for e in runs.values():
+                s = e["by_concurrency"].get(c)
+                if bool(e.get("cuda_graph")) != graph or e.get("setting") is None or not s or not s.get("requests"):
+                    continue
+                steps, topk, n = e["setting"]
+                t = round_time(s["requests"])
+                if t is None or not s.get("accept_length_pooled"):
+                    continue
+                pts.append((steps, n, t))
+                if topk == 1:
+                    measured[steps] = s["accept_length_pooled"]
+                eff.append(s["output_tokens_per_s"] / (int(c) * s["accept_length_pooled"] / t))
+            fit = fit_costs(pts)
+            if fit is None:
+                continue
+            eta = float(np.mean(eff))
+            top = max([s for s, _, _ in pts] + [int(k) for k in (reference or {}).get("by_num_draft_tokens", {})])
+            depths = [d for d in range(1, top + 3) if d not in measured]
+            taus = tau_by_depth(depths, measured, reference) if measured else {}
+            preds = []
+            for d in depths if taus else []:
+                t = predict_round(fit, d, d + 1)
+                tps = eta * int(c) * taus[d]["tau"] / t
+                preds.append({"setting": [d, 1, d + 1], "round_s": t, "tau": taus[d]["tau"],
+                              "tau_source": taus[d]["source"], "tokens_per_s": tps,
+                              "ratio": tps / base["output_tokens_per_s"] if base and base["output_tokens_per_s"] else None})
+            out.append({"cuda_graph": graph, "concurrency": int(c), "fit": fit, "eta": eta,
+                        "points": [list(p) for p in pts], "predicted": preds})
+    return out
+
+
+# ---------------------------------------------------------------- per-request tau by source and thinking
+def tau_by_group(metrics: dict, field: str) -> dict:
+    """{setting key: {group value: (requests, pooled tau)}} at concurrency 1 (greedy tau does not depend on
+    the batch), for `field` = "source" or "thinking" of each request's prompt."""
+    out = {}
+    for key, e in metrics["runs"].items():
+        reqs = [r for r in ((e["by_concurrency"].get("1") or {}).get("requests") or []) if r["spec_verify_ct"]]
+        groups = {}
+        for r in reqs:
+            value = r.get(field)
+            label = {True: "thinking on", False: "thinking off"}.get(value, str(value)) if field == "thinking" \
+                else str(value)
+            groups.setdefault(label, []).append(r)
+        if groups:
+            out[key] = {g: (len(rs), sum(r["completion_tokens"] for r in rs) / sum(r["spec_verify_ct"] for r in rs))
+                        for g, rs in sorted(groups.items())}
+    return out
+
+
+def summary(metrics: dict, reference: dict | None) -> dict:
+    """The report's deploy section as data (metrics.json "deploy")."""
+    best = best_settings(metrics)
+    for rec in best.values():
+        b = rec["best"]
+        key = b["key"] if b else rec["baseline"]
+        if rec["undecided"]:
+            rec["launch"] = None
+            continue
+        rec["launch"] = launch_line(metrics.get("engine", "sglang"), metrics["commands"][key], b is not None) \
+            if key in metrics.get("commands", {}) else None
+    return {"best": best, "cost_models": cost_models(metrics, reference),
+            "tau_by_source": tau_by_group(metrics, "source"), "tau_by_thinking": tau_by_group(metrics, "thinking")}
+
+
+def _f(x, d=2):
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def report_lines(deploy: dict, engine_label: str) -> list[str]:
+    lines = ["", "## What to deploy", "",
+             "Per concurrency: the EAGLE-3 setting with the highest output tok/s against the fastest baseline "
+             "whose 95% interval lies above 1 (paired bootstrap over the same requests; it holds the prompt mix, "
+             "not the timing noise between repeated runs, which the sweep does not measure).", ""]
+    for c, rec in deploy["best"].items():
+        b = rec["best"]
+        if rec.get("undecided"):
+            lines += [f"- concurrency {c}: **undecided**: the sweep kept no per-request timings, so no ratio has an "
+                      "interval (ratios: " + ", ".join(f"{x['key']} x{_f(x['ratio'])}" for x in rec["candidates"]
+                                                        if "ratio" in x) + "); re-run 05 --mode server."]
+            continue
+        if b is None:
+            shown = ", ".join(f"{x['key']} x{_f(x.get('ratio'))} [{_f((x.get('ratio_ci95') or [None])[0])}, "
+                              f"{_f((x.get('ratio_ci95') or [None, None])[1])}]" for x in rec["candidates"])
+            lines += [f"- **concurrency {c}: no setting beats the baseline** ({rec['baseline']}, "
+                      f"{_f(rec['baseline_tokens_per_s'], 1)} tok/s; {shown or 'no EAGLE-3 run'}). "
+                      "Run without speculation:"]
+        else:
+            lo, hi = b["ratio_ci95"]
+            lines += [f"- **concurrency {c}: {b['key']}** (steps, topk, draft tokens = {tuple(b['setting'])}): "
+                      f"{_f(b['tokens_per_s'], 1)} tok/s, **x{_f(b['ratio'])} [{_f(lo)}, {_f(hi)}]** against "
+                      f"{rec['baseline']} ({_f(rec['baseline_tokens_per_s'], 1)} tok/s). {engine_label}:"]
+        if rec.get("launch"):
+            lines += ["", "  ```", f"  {rec['launch']}", "  ```"]
+    if deploy["cost_models"]:
+        lines += ["", "## Predicted, not measured: untried chain depths (cost model)", "",
+                  "t_round = c_draft x steps + t_fixed + c_token x verified tokens, least squares on each setting's "
+                  "per-request round time (sum(latency - TTFT) / rounds); tok/s = eta x concurrency x tau / t_round "
+                  "with eta fitted on the measured settings. **Every row below is a prediction.**", ""]
+        for m in deploy["cost_models"]:
+            f = m["fit"]
+            costs = (f"c_draft {1e3 * f['c_draft']:.2f} ms/step, t_fixed {1e3 * f['t_fixed']:.2f} ms, c_token "
+                     f"{1e3 * f['c_token']:.2f} ms/token" if f["separable"] else
+                     f"c_draft + c_token {1e3 * f['c_draft_plus_token']:.2f} ms per chain step, t_fixed + c_token "
+                     f"{1e3 * f['t_fixed_plus_token']:.2f} ms (chains only: draft and verify cost not separable "
+                     "without a tree setting)")
+            lines += [f"{'graph' if m['cuda_graph'] else 'nograph'}, concurrency {m['concurrency']}: {costs}; eta "
+                      f"{m['eta']:.2f}; {f['num_points']} settings for {f['num_unknowns']} unknowns"
+                      + (f", largest residual {100 * f['max_relative_residual']:.1f}%." if f["num_points"] > f["num_unknowns"]
+                         else " (an exact fit: nothing checks it; more settings would)."),
+                      ""]
+            if m["predicted"]:
+                lines += ["| setting (predicted) | round (ms) | tau | tau from | tok/s (predicted) | x baseline (predicted) |",
+                          "|---|---|---|---|---|---|"]
+                lines += [f"| {','.join(map(str, p['setting']))} | {1e3 * p['round_s']:.1f} | {p['tau']:.2f} | "
+                          f"{p['tau_source']} | {p['tokens_per_s']:.1f} | {_f(p['ratio'])} |" for p in m["predicted"]]
+                lines.append("")
+    for field, title in (("tau_by_source", "source dataset"), ("tau_by_thinking", "thinking on/off")):
+        if deploy[field]:
+            groups = sorted({g for v in deploy[field].values() for g in v})
+            lines += ["", f"## Per-request tau by {title} (concurrency 1, pooled)", "",
+                      "| setting | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
+            lines += [f"| {key} | " + " | ".join(f"{v[g][1]:.2f} (n={v[g][0]})" if g in v else "-" for g in groups)
+                      + " |" for key, v in deploy[field].items()]
+    return lines

@@ -1,0 +1,159 @@
+"""05 server mode's deploy section (common/benchmark/deploy.py) on synthetic sweeps whose right answers
+are known: a generated sweep with known draft and verify costs, one where no setting beats the baseline,
+the launch line of each engine."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.benchmark import deploy
+from common.benchmark.server_bench import write_report
+from common.sglang.server import server_command
+from common.benchmark import vllm
+
+C_DRAFT, T_FIXED, C_TOKEN = 0.004, 0.020, 0.001   # seconds: the costs the generated sweep is made of
+TTFT = 0.05
+
+
+def requests(setting, taus: list[float], tokens: int = 120, costs=(C_DRAFT, T_FIXED, C_TOKEN), sources=None):
+    """Per-request records of a run whose every round costs exactly the model's time."""
+    cd, t0, ct = costs
+    out = []
+    for i, tau in enumerate(taus):
+        if setting is None:   # baseline: one token per decode step of t_fixed + c_token
+            rounds, t = tokens - 1, t0 + ct
+        else:
+            steps, _, n = setting
+            rounds, t = round(tokens / tau), cd * steps + t0 + ct * n
+        out.append({"completion_tokens": tokens, "latency_s": TTFT + rounds * t, "ttft_s": TTFT,
+                    "spec_verify_ct": None if setting is None else rounds,
+                    "source": (sources or ["a"])[i % len(sources or ["a"])], "thinking": i % 2 == 0})
+    return out
+
+
+def run_entry(setting, reqs, graph=False) -> dict:
+    tokens = sum(r["completion_tokens"] for r in reqs)
+    wall = sum(r["latency_s"] for r in reqs)   # concurrency 1: one request after the other
+    rounds = sum(r["spec_verify_ct"] or 0 for r in reqs)
+    s = {"output_tokens_per_s": tokens / wall, "ttft_mean_s": TTFT, "accept_length_mean": None,
+         "accept_length_pooled": tokens / rounds if rounds else None, "server_accept_length": None,
+         "retried_requests": 0, "requests": reqs}
+    return {"cuda_graph": graph, "setting": setting, "by_concurrency": {"1": s}}
+
+
+def sweep(settings_taus: dict, engine="sglang") -> dict:
+    runs = {"baseline/nograph": run_entry(None, requests(None, [1.0] * 8))}
+    commands = {"baseline/nograph": server_command("/m/target", 30010, 1, 0.85, False)}
+    for setting, taus in settings_taus.items():
+        key = "-".join(map(str, setting)) + "/nograph"
+        runs[key] = run_entry(list(setting), requests(setting, taus))
+        commands[key] = server_command("/m/target", 30020, 1, 0.85, False, "/m/draft", setting)
+    base = runs["baseline/nograph"]["by_concurrency"]["1"]["output_tokens_per_s"]
+    for e in runs.values():
+        e["by_concurrency"]["1"]["speed_ratio"] = e["by_concurrency"]["1"]["output_tokens_per_s"] / base
+    return {"engine": engine, "target": "/m/target", "draft": "/m/draft", "num_prompts": 8, "max_new_tokens": 120,
+            "runs": runs, "commands": commands, "preflight": {}}
+
+
+def test_fit_recovers_known_costs_with_a_tree_setting():
+    m = sweep({(3, 1, 4): [2.0, 2.2] * 4, (5, 1, 6): [2.3, 2.5] * 4, (3, 4, 8): [2.6, 2.4] * 4})
+    fit = deploy.cost_models(m, None)[0]["fit"]
+    assert fit["separable"]
+    assert fit["c_draft"] == pytest.approx(C_DRAFT, rel=1e-2)
+    assert fit["t_fixed"] == pytest.approx(T_FIXED, rel=1e-2)
+    assert fit["c_token"] == pytest.approx(C_TOKEN, rel=5e-2)
+
+
+def test_chains_only_fit_reports_the_separable_sums_and_predicts_untried_depths():
+    m = sweep({(3, 1, 4): [2.0] * 8, (5, 1, 6): [2.4] * 8})
+    model = deploy.cost_models(m, None)[0]
+    fit = model["fit"]
+    assert not fit["separable"]
+    assert fit["c_draft_plus_token"] == pytest.approx(C_DRAFT + C_TOKEN, rel=1e-2)
+    assert fit["t_fixed_plus_token"] == pytest.approx(T_FIXED + C_TOKEN, rel=2e-2)
+    pred = {p["setting"][0]: p for p in model["predicted"]}
+    assert 3 not in pred and 5 not in pred and {1, 2, 4, 6, 7} <= set(pred)
+    # depth 4 lies between the measured chains: tau interpolated, round time from the known costs
+    assert pred[4]["tau"] == pytest.approx(2.2, rel=2e-2)
+    assert pred[4]["round_s"] == pytest.approx(4 * C_DRAFT + T_FIXED + 5 * C_TOKEN, rel=1e-2)
+    assert "extrapolated" in pred[7]["tau_source"] and "interpolated" in pred[4]["tau_source"]
+
+
+def test_reference_per_position_acceptance_gives_the_chain_taus():
+    assert deploy.chain_tau([0.5, 0.5], 2) == pytest.approx(1.75)
+    assert deploy.chain_tau([0.5, 0.5], 3) == pytest.approx(1.875)   # position 2's acceptance held
+    ref = {"by_num_draft_tokens": {"3": {"per_position_acceptance": [0.5, 0.5, 0.5]}}}
+    taus = deploy.tau_by_depth([1, 4], {3: 1.875}, ref)
+    assert taus[1]["tau"] == pytest.approx(1.5) and "replay" in taus[1]["source"]
+    assert "extrapolated" in taus[4]["source"]
+
+
+def test_best_setting_needs_its_interval_above_one():
+    m = sweep({(3, 1, 4): [3.0, 2.6, 3.4, 2.8] * 2, (7, 1, 8): [3.2, 3.0] * 4})
+    best = deploy.best_settings(m)["1"]
+    ratio = m["runs"]["3-1-4/nograph"]["by_concurrency"]["1"]["speed_ratio"]
+    assert best["best"]["key"] == "3-1-4/nograph" and best["best"]["ratio"] == pytest.approx(ratio)
+    lo, hi = best["best"]["ratio_ci95"]
+    assert 1 < lo <= ratio <= hi
+
+
+def test_report_says_when_no_setting_beats_the_baseline(tmp_path):
+    m = sweep({(3, 1, 4): [1.05] * 8, (5, 1, 6): [1.1] * 8})   # barely above chance: slower than the baseline
+    assert all(e["by_concurrency"]["1"]["speed_ratio"] < 1 for k, e in m["runs"].items() if k != "baseline/nograph")
+    write_report(tmp_path, m)
+    text = (tmp_path / "report.md").read_text()
+    assert "no setting beats the baseline" in text and "Run without speculation" in text
+    assert "--speculative-algorithm" not in text.split("## What to deploy")[1].split("## Predicted")[0]
+    assert "Predicted, not measured" in text and "(predicted)" in text
+    saved = json.loads(json.dumps(m["deploy"]))     # the deploy section is data in metrics.json too
+    assert saved["best"]["1"]["best"] is None
+
+
+def test_launch_line_is_eagle3_without_the_test_box_noise():
+    cmd = server_command("/m/target", 30020, 8, 0.85, True, "/m/draft", (3, 1, 4), python="/venv/bin/python3")
+    line = deploy.launch_line("sglang", cmd, True)
+    assert line.startswith("python -m sglang.launch_server --model-path /m/target")
+    assert "--speculative-algorithm EAGLE3" in line and "EAGLE " not in line + " "
+    assert "--port" not in line and "--host" not in line and "--speculative-num-steps 3" in line
+    with pytest.raises(ValueError, match="not an EAGLE3"):
+        deploy.launch_line("sglang", [a if a != "EAGLE3" else "EAGLE" for a in cmd], True)
+    settings = vllm.VllmSettings()
+    argv = vllm.server_command("/m/target", 30020, settings, False, "/m/draft", 3)
+    line = deploy.launch_line("vllm", {"argv": argv, "env": vllm.server_env(settings)}, True)
+    assert '"method": "eagle3"' in line and "VLLM_SERVER_DEV_MODE" not in line and "OMP_NUM_THREADS=1" in line
+    assert "--per-request-spec-decode-metrics" not in line and "--port" not in line
+    with pytest.raises(ValueError, match="not an eagle3"):
+        deploy.launch_line("vllm", vllm.server_command("/m/target", 1, settings, False, "/m/draft", 3,
+                                                       method="eagle"), True)
+
+
+def test_report_names_the_best_setting_and_splits_tau_by_source_and_thinking(tmp_path):
+    m = sweep({(3, 1, 4): [3.0, 2.6, 3.4, 2.8] * 2})
+    for r, src in zip(m["runs"]["3-1-4/nograph"]["by_concurrency"]["1"]["requests"], ["x", "y"] * 4):
+        r["source"] = src
+    write_report(tmp_path, m)
+    text = (tmp_path / "report.md").read_text()
+    assert "**concurrency 1: 3-1-4/nograph**" in text and "--speculative-algorithm EAGLE3" in text
+    assert "tau by source dataset" in text and "tau by thinking on/off" in text and "| thinking off | thinking on |" in text
+    by_src = m["deploy"]["tau_by_source"]["3-1-4/nograph"]
+    assert set(by_src) == {"x", "y"} and by_src["x"][0] == 4
+
+
+def test_reference_metrics_only_of_the_same_draft(tmp_path):
+    """The cost model's per-depth tau comes from 05 reference only when it measured THIS draft."""
+    import argparse
+
+    from common.benchmark.server_bench import reference_metrics
+    from common.io import write_json
+    from common.stage import manifest_sha256, write_manifest
+
+    ns = argparse.Namespace()
+    write_manifest(tmp_path / "04_draft", "04_train", ns)
+    ref = tmp_path / "05_benchmark" / "reference"
+    assert reference_metrics(tmp_path) is None                      # reference mode never ran
+    write_json(ref / "metrics.json", {"by_num_draft_tokens": {"3": {"per_position_acceptance": [0.5]}}})
+    write_manifest(ref, "05_benchmark", ns, inputs={"04_draft": manifest_sha256(tmp_path / "04_draft")})
+    assert reference_metrics(tmp_path)["by_num_draft_tokens"]["3"]["per_position_acceptance"] == [0.5]
+    write_manifest(tmp_path / "04_draft", "04_train", argparse.Namespace(retrained=True))  # a new draft
+    assert reference_metrics(tmp_path) is None
