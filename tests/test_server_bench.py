@@ -7,7 +7,7 @@ retries, and the Kimi preset against the plan's server command."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -18,6 +18,7 @@ from common.sglang import server as srv
 from common.draft.export_sglang import export_sglang
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import write_jsonl
+from common.benchmark.engines import SGLangEngine, VllmEngine
 from common.benchmark.server_bench import run_prompts, summarize
 from common.benchmark.sglang_stream import parse_meta
 from common.stage import StageError, target_identity, tokenizer_identity, write_manifest
@@ -72,9 +73,79 @@ def test_cuda_graph_mode_from_cuda_graph_config():
 def test_spec_settings():
     assert srv.parse_spec_setting("3,1,4") == (3, 1, 4)
     assert srv.parse_spec_setting("5,4,8") == (5, 4, 8)
-    for bad in ("3,1,5", "1,4,9", "3,1", "0,1,1"):
+    assert srv.parse_spec_setting("3,1,4,adaptive") == (3, 1, 4, "adaptive")
+    for bad in ("3,1,5", "1,4,9", "3,1", "0,1,1", "3,1,4,5", "3,1,4,adaptiv",
+                "5,1,6,adaptive",  # 5 is not one of 0.5.14's candidate steps: SGLang refuses the start
+                "3,2,7,adaptive"):  # adaptive drafts chains only: SGLang would silently turn it off
         with pytest.raises(StageError):
             srv.parse_spec_setting(bad)
+
+
+def test_adaptive_setting_launched_checked_and_kept_out_of_the_cost_model(tmp_path):
+    """--speculative-adaptive: set by 05 only, refused next to the options under which SGLang only warns
+    and turns it off, read back from the info document, and never fitted as a fixed chain."""
+    from common.benchmark import deploy
+    setting = srv.parse_spec_setting("3,1,4,adaptive")
+    cmd = srv.server_command("/m", 1, 1, 0.8, True, "/d", setting, "py")
+    assert cmd[-1] == "--speculative-adaptive" and cmd[cmd.index("--speculative-num-steps") + 1] == "3"
+    assert "--speculative-adaptive" not in srv.server_command("/m", 1, 1, 0.8, True, "/d", (3, 1, 4), "py")
+    with pytest.raises(StageError, match="turns --speculative-adaptive off"):
+        srv.server_command("/m", 1, 1, 0.8, True, "/d", setting, "py", extra_args=["--enable-dp-attention"])
+    for bad in (["--speculative-adaptive"], ["--speculative-adaptive-config", "x.json"]):
+        with pytest.raises(StageError, match="may not contain"):
+            srv.server_command("/m", 1, 1, 0.8, True, "/d", (3, 1, 4), "py", extra_args=bad)
+    info = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+    assert srv.spec_settings_of({**info, "speculative_adaptive": True}) == setting
+    assert srv.spec_settings_of({**info, "speculative_adaptive": False}) == (3, 1, 4)
+    assert srv.spec_settings_of(info) == (3, 1, 4)  # a release without the field
+    with pytest.raises(StageError, match="vLLM 0.32 has none"):
+        VllmEngine(Path("t"), Path("e"), Path("d"), {}, {}).parse_setting("3,1,4,adaptive")
+    req = [{"latency_s": 1.0, "ttft_s": 0.1, "completion_tokens": 40, "spec_verify_ct": 20}]
+    run = lambda s, t: {"cuda_graph": True, "setting": s, "by_concurrency": {"1": {  # noqa: E731
+        "requests": req, "accept_length_pooled": t, "output_tokens_per_s": 40.0}}}
+    metrics = {"runs": {"3-1-4-adaptive/graph": run(list(setting), 2.0)}}
+    assert deploy.cost_models(metrics, None) == []  # no fixed chain: nothing to fit
+    log = tmp_path / "adaptive.log"
+    log.write_text("WARNING speculative_adaptive disabled: enable_dp_attention=True is not supported. Falling back\n")
+    assert srv.adaptive_disabled_line(log).startswith("WARNING speculative_adaptive disabled: enable_dp")
+    assert srv.adaptive_disabled_line(tmp_path / "none.log") is None
+
+
+def test_a_launched_server_that_dropped_adaptive_is_refused(tmp_path):
+    """SGLang turns --speculative-adaptive off with a warning (topk, DP attention, ...): a launched
+    server whose info document says another setting than 05 asked for is refused, quoting its log."""
+    from common.benchmark.server_bench import run_server_benchmark
+
+    class StubEngine(SGLangEngine):
+        def command(self, port, graph, setting):
+            code = ("import sys; sys.path.insert(0, %r); from tests.sglang_server_stub import *; "
+                    "import http.server as h; print('WARNING speculative_adaptive disabled: enable_pdmux=True "
+                    "is not supported', flush=True); s = StubState(algorithm=%r, draft_path='/d', adaptive=False); "
+                    "h.ThreadingHTTPServer(('127.0.0.1', %d), make_handler(s)).serve_forever()"
+                    % (str(REPO), "EAGLE3" if setting else None, port))
+            return [sys.executable, "-c", code], {}
+
+        def check_baseline(self, url):
+            return srv.cuda_graph_on(srv.get_server_info(url))
+
+        def check_eagle3(self, url):
+            info = srv.get_server_info(url)
+            return srv.cuda_graph_on(info), srv.spec_settings_of(info)
+
+    import socket
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            ports.append(sk.getsockname()[1])
+    args = argparse.Namespace(cuda_graph=["on"], spec_settings=["3,1,4,adaptive"], bench_concurrency=[],
+                              warmup_requests=1, benchmark_max_new_tokens=4, request_timeout=10,
+                              baseline_url=None, eagle3_url=None, baseline_port=ports[0], eagle3_port=ports[1],
+                              server_timeout=60, max_retried_requests=0)
+    engine = StubEngine(Path("t"), Path("e"), {}, {})
+    with pytest.raises(StageError, match=r"runs setting 3-1-4/graph, but 05 launched 3-1-4-adaptive/graph "
+                                         r"\(its log: WARNING speculative_adaptive disabled: enable_pdmux"):
+        run_server_benchmark(args, tmp_path, engine, [[1, 2, 3]])
 
 
 def test_parse_meta_and_summary():
@@ -98,10 +169,7 @@ def test_run_prompts_against_stub():
 
 
 def load_05():
-    spec = importlib.util.spec_from_file_location("_t_05s", REPO / "05_benchmark.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("05_benchmark")
 
 
 def make_work(work: Path, target: Path) -> Path:
@@ -261,11 +329,18 @@ def test_launch_ready_stop(tmp_path):
 
 
 def test_docs_show_the_commands_05_builds():
+    from common.config import load_config
     doc = (REPO / "docs" / "sglang.md").read_text()
     base = srv.server_command("/models/Kimi-K2.5", 30010, 8, 0.85, True, python="python")
+    cfg = load_config(REPO / "configs" / "kimi-k2.5.yaml")  # Kimi-K2.5's INT4 target, the preset's backend
+    kimi = dict(python="python", quantized_target=True, draft_attention_backend=cfg["sglang-draft-attention-backend"])
     spec = srv.server_command("/models/Kimi-K2.5", 30020, 8, 0.85, True, "/data/eagle3/04_draft/export_sglang",
-                              (3, 1, 4), python="python")
-    assert " ".join(base) + "\n" in doc and " ".join(spec) + "\n" in doc
+                              (3, 1, 4), **kimi)
+    adaptive = srv.server_command("/models/Kimi-K2.5", 30020, 8, 0.85, True, "/data/eagle3/04_draft/export_sglang",
+                                  srv.parse_spec_setting("3,1,4,adaptive"), **kimi)
+    for cmd in (base, spec, adaptive):
+        assert " ".join(cmd) + "\n" in doc, " ".join(cmd)
+    assert "3,1,4,adaptive" in cfg["spec-settings"]
 
 
 def test_stop_server_waits_for_the_whole_process_group(tmp_path):
@@ -438,3 +513,19 @@ def test_report_says_what_the_windowed_server_tau_includes(tmp_path):
     write_report(tmp_path, m)
     text = (tmp_path / "report.md").read_text()
     assert "up to 39 decode iterations from before the run" in text and "Per-request tau is exact" in text
+
+
+def test_sampled_agreement_rows_name_an_engine_defect():
+    """The report's sampled agreement: a row that disagrees because the engine build cannot verify sampled
+    drafts says so (with the reason) instead of blaming the draft; one that disagrees otherwise says DISAGREE."""
+    from common.benchmark.server_bench import sampled_agreement_lines
+    x = {"expected": {"engine_tau": 1.0, "replay_tau": 1.43, "difference": -0.43, "ci": [-0.5, -0.36], "agree": False},
+         "top_p": 0.95}
+    lines = sampled_agreement_lines({"3-1-4/nograph": {"sampled": {"1": {**x, "engine_defect": "its expand drops floats"}}},
+                                     "5-1-6/nograph": {"sampled": {"1": {**x, "engine_defect": None}}},
+                                     "7-1-8/nograph": {}})
+    text = "\n".join(lines)
+    assert "| 3-1-4/nograph | 1 | 0.95 | 1.000 | 1.430 | -0.430 [-0.500, -0.360] | engine defect* |" in text
+    assert "| 5-1-6/nograph | 1 | 0.95 | 1.000 | 1.430 | -0.430 [-0.500, -0.360] | DISAGREE |" in text
+    assert text.endswith("*its expand drops floats") and "7-1-8" not in text
+    assert sampled_agreement_lines({"3-1-4/nograph": {"exact": True}}) == []

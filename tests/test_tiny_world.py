@@ -1,5 +1,5 @@
 """00_build_tiny_world: a loadable Kimi-shaped target, a held-out prompt set, caching, determinism."""
-import importlib.util
+import importlib
 import json
 import time
 from pathlib import Path
@@ -8,9 +8,7 @@ import pytest
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("build_tiny_world", REPO / "00_build_tiny_world.py")
-stage = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(stage)
+stage = importlib.import_module("00_build_tiny_world")
 
 from common.worlds import tiny_tasks as tw  # noqa: E402
 

@@ -91,8 +91,8 @@ class AgreementCheck:
 
             target = AutoModelForCausalLM.from_pretrained(str(self.target_dir), dtype=torch.float32).eval()
             draft = load_sglang_export(self.export_dir, target.get_input_embeddings().weight.detach()).eval()
-            fmt = load_target_format(self.target_dir, load_tokenizer(self.target_dir))
-            self._models = (target, draft, set(fmt.stop_ids), [int(p) for p in self.m04["capture_points"]])
+            text_format = load_target_format(self.target_dir, load_tokenizer(self.target_dir))
+            self._models = (target, draft, set(text_format.stop_ids), [int(p) for p in self.m04["capture_points"]])
         return self._models
 
     def __call__(self, url: str, key: str, setting) -> dict:
@@ -129,19 +129,24 @@ class AgreementCheck:
         per temperature; raises when a round differs."""
         from common.benchmark import sampled as smp
 
-        out = {}
+        out, defect = {}, self.engine.sampling_defect()
+        if defect:
+            print(f"[05] agreement {key}: {self.engine.label} cannot verify sampled drafts here: {defect}. Its "
+                  "sampled tau below measures that defect, not the draft")
         for params in self.sampling:
             answers = [self.engine.request(url, ids, self.max_new_tokens, self.timeout, sampling={
                 "temperature": params.temperature, "top_p": params.top_p,
                 "seed": smp.prompt_seed(self.seed, ids, params, "engine") % 2 ** 31}) for ids in self.prompts]
             res = check_sampled_answers(self.models(), self.prompts, answers, k, params, self.max_new_tokens,
                                         self.seed)
+            res["top_p"], res["engine_defect"] = params.top_p, defect
             out[f"{params.temperature:g}"] = res
             x = res["expected"]
+            verdict = "agree" if x["agree"] else ("engine defect" if defect else "DISAGREE")
             print(f"[05] agreement {key} T={params.temperature:g} top-p {params.top_p:g}: {res['exact_prompts']}/"
                   f"{len(self.prompts)} answers' rounds equal replay along them; {self.engine.label} tau "
                   f"{x['engine_tau']:.3f} vs sampled replay {x['replay_tau']:.3f}, difference {x['difference']:+.3f} "
-                  f"[{x['ci'][0]:+.3f}, {x['ci'][1]:+.3f}] ({'agree' if x['agree'] else 'DISAGREE'})")
+                  f"[{x['ci'][0]:+.3f}, {x['ci'][1]:+.3f}] ({verdict})")
             if not res["exact"]:
                 bad = next(r for r in res["per_prompt"] if not r["equal"])
                 raise StageError(f"agreement {key} T={params.temperature:g}: {self.engine.label}'s sampled rounds on "

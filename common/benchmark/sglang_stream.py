@@ -9,9 +9,7 @@ Chunks are SSE lines `data: {json}` ending with `data: [DONE]`; a failed request
 """
 from __future__ import annotations
 
-import json
-import time
-
+from common.sglang.server import sse_request
 from common.stage import StageError
 
 
@@ -24,8 +22,6 @@ def generate_stream(base_url: str, input_ids: list[int], max_new_tokens: int, ti
     (server.sse_request), and timed on its successful attempt alone; an error chunk or an aborted
     request stops with the server's own message.
     """
-    from common.sglang.server import sse_request
-
     url = base_url.rstrip("/") + "/generate"
     payload = {"input_ids": input_ids, "stream": True,
                "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}}

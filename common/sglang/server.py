@@ -62,7 +62,14 @@ GUARDED_OPTIONS = {
     "--enforce-piecewise-cuda-graph": "cuda_graph",
     "--speculative-draft-model-quantization": "speculative_draft_model_quantization",
     "--speculative-draft-attention-backend": "speculative_draft_attention_backend",
+    "--speculative-adaptive": "speculative_adaptive", "--speculative-adaptive-config": "speculative_adaptive",
 }
+# --speculative-adaptive (a `,adaptive` setting): the steps it may start from (the union of the default
+# config's per-batch-size candidate steps, sglang 0.5.14 adaptive_spec_params.py, 0 = no drafting), and
+# the options under which SGLang silently turns it off (adaptive_unsupported_reason), refused with it.
+ADAPTIVE = "adaptive"
+ADAPTIVE_STEPS = (1, 3, 7)
+ADAPTIVE_OFF_WITH = ("--enable-dp-attention", "--enable-multi-layer-eagle", "--enable-pdmux")
 CHANCE_CAUSES = (
     "the server runs --speculative-algorithm EAGLE instead of EAGLE3 (no aux capture: the draft sees "
     "H-wide final states), the draft was trained on other capture points (eagle_config ids must be "
@@ -72,17 +79,28 @@ CHANCE_CAUSES = (
 
 
 # ---------------------------------------------------------------- command construction
-def parse_spec_setting(text: str) -> tuple[int, int, int]:
-    """'steps,topk,num_draft_tokens' -> ints, checked the way SGLang constrains them.
+def parse_spec_setting(text: str) -> tuple:
+    """'steps,topk,num_draft_tokens[,adaptive]' -> (steps, topk, ndt) or (steps, topk, ndt, "adaptive"),
+    checked the way SGLang constrains them.
 
     topk 1 (a chain): SGLang forces num_draft_tokens = steps + 1, so anything else is refused here
     rather than silently changed. topk > 1 (a tree): at most 1 + topk + (steps-1)*topk^2 candidates.
+    `adaptive` = `--speculative-adaptive` starting from that chain (SGLang then moves the steps between
+    ADAPTIVE_STEPS by batch size and an EMA of accept length); its rules are checked here, not left to
+    SGLang, which drops the flag with a warning when they fail (speculative_hook.py
+    `_maybe_disable_adaptive`) or refuses the start.
     """
+    parts = str(text).split(",")
+    adaptive = len(parts) == 4 and parts[3].strip() == ADAPTIVE
     try:
-        steps, topk, ndt = (int(x) for x in str(text).split(","))
+        steps, topk, ndt = (int(x) for x in parts[:3] if len(parts) == 3 or adaptive)
     except ValueError:
-        raise StageError(f"--spec-settings entry {text!r}: expected 'steps,topk,num_draft_tokens', "
-                         "e.g. 3,1,4") from None
+        raise StageError(f"--spec-settings entry {text!r}: expected 'steps,topk,num_draft_tokens' or "
+                         "'steps,1,steps+1,adaptive', e.g. 3,1,4") from None
+    if adaptive and (topk != 1 or steps not in ADAPTIVE_STEPS):
+        raise StageError(f"--spec-settings {text!r}: --speculative-adaptive runs chains only (topk 1) and "
+                         f"starts from one of its candidate steps {list(ADAPTIVE_STEPS)} (sglang 0.5.14 "
+                         "adaptive_spec_params.py DEFAULT_ADAPTIVE_CONFIG)")
     if steps < 1 or topk < 1 or ndt < 2:
         raise StageError(f"--spec-settings {text!r}: steps >= 1, topk >= 1, num_draft_tokens >= 2")
     if topk == 1 and ndt != steps + 1:
@@ -91,7 +109,11 @@ def parse_spec_setting(text: str) -> tuple[int, int, int]:
     if topk > 1 and ndt > 1 + topk + (steps - 1) * topk * topk:
         raise StageError(f"--spec-settings {text!r}: a tree of {steps} steps x topk {topk} has fewer "
                          f"than {ndt - 1} draft tokens")
-    return steps, topk, ndt
+    return (steps, topk, ndt, ADAPTIVE) if adaptive else (steps, topk, ndt)
+
+
+def is_adaptive(setting) -> bool:
+    return setting is not None and len(setting) == 4 and setting[3] == ADAPTIVE
 
 
 def guarded_option(token: str) -> str | None:
@@ -163,10 +185,16 @@ target_quantization says) the draft is loaded
     if not cuda_graph:
         cmd += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
     if draft_dir is not None:
-        steps, topk, ndt = setting
+        steps, topk, ndt = setting[:3]
         cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
                 "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
                 "--speculative-num-draft-tokens", str(ndt)]
+        if is_adaptive(setting):
+            off = [a for a in extra_args or [] if a.split("=", 1)[0] in ADAPTIVE_OFF_WITH]
+            if off:
+                raise StageError(f"--server-extra-args {off[0]!r} turns --speculative-adaptive off (SGLang only "
+                                 "warns): drop it or the ',adaptive' setting")
+            cmd += ["--speculative-adaptive"]
         if quantized_target:
             cmd += ["--speculative-draft-model-quantization", "unquant"]
         if draft_attention_backend:
@@ -383,9 +411,22 @@ def stop_server(proc: subprocess.Popen | None, grace_s: float = 60.0, kill_wait_
 
 
 # ---------------------------------------------------------------- preflight
-def spec_settings_of(info: dict) -> tuple[int, int, int]:
-    return (int(info["speculative_num_steps"]), int(info["speculative_eagle_topk"]),
-            int(info["speculative_num_draft_tokens"]))
+def spec_settings_of(info: dict) -> tuple:
+    """The setting a server runs, as parse_spec_setting writes it (`speculative_adaptive` as SGLang
+    resolved it: False when it turned the flag off)."""
+    chain = (int(info["speculative_num_steps"]), int(info["speculative_eagle_topk"]),
+             int(info["speculative_num_draft_tokens"]))
+    return (*chain, ADAPTIVE) if info.get("speculative_adaptive") else chain
+
+
+def adaptive_disabled_line(log: Path | None) -> str | None:
+    """SGLang's warning when it turned --speculative-adaptive off at start-up (speculative_hook.py
+    `_maybe_disable_adaptive`), from the server's log; None when the log has none."""
+    if log is None or not Path(log).is_file():
+        return None
+    lines = [ln.strip() for ln in Path(log).read_text(errors="replace").splitlines()
+             if "speculative_adaptive disabled" in ln]
+    return lines[-1] if lines else None
 
 
 def cuda_graph_on(info: dict) -> bool:
