@@ -329,6 +329,8 @@ def test_launch_ready_stop(tmp_path):
 
 
 def test_docs_show_the_commands_05_builds():
+    """docs/sglang.md and the plan show exactly what 05 launches for Kimi-K2.5 (its INT4 target, the preset's
+    draft attention backend, the adaptive setting)."""
     from common.config import load_config
     doc = (REPO / "docs" / "sglang.md").read_text()
     base = srv.server_command("/models/Kimi-K2.5", 30010, 8, 0.85, True, python="python")
@@ -338,8 +340,11 @@ def test_docs_show_the_commands_05_builds():
                               (3, 1, 4), **kimi)
     adaptive = srv.server_command("/models/Kimi-K2.5", 30020, 8, 0.85, True, "/data/eagle3/04_draft/export_sglang",
                                   srv.parse_spec_setting("3,1,4,adaptive"), **kimi)
+    plan = (REPO / "train_plan_v4.md").read_text()
     for cmd in (base, spec, adaptive):
         assert " ".join(cmd) + "\n" in doc, " ".join(cmd)
+    for cmd in (base, spec):
+        assert " ".join(cmd) + "\n" in plan, " ".join(cmd)
     assert "3,1,4,adaptive" in cfg["spec-settings"]
 
 
