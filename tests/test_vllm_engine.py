@@ -164,3 +164,14 @@ def test_engine_venv_leaves_the_torch_family_out(monkeypatch):
             'pandas; extra == "bench"', 'six>=1.16.0; python_version > "3.99"']
     monkeypatch.setattr(mod, "requires", lambda dist: fake)
     assert mod.engine_requirements() == ["regex", "transformers<5.20.0,>=5.16.1"]
+
+
+def test_sampling_probe_failure_is_one_line(tmp_path):
+    """The sampled agreement's engine probe (vllm.sampling_defect) in a python without vLLM ends in one
+    line naming that python, not a traceback."""
+    import sys
+
+    from common.benchmark import vllm
+    from common.stage import StageError
+    with pytest.raises(StageError, match=r"the vLLM expand probe failed in .*python.* \(exit 1\): ModuleNotFoundError"):
+        vllm.sampling_defect(vllm.VllmSettings(python=sys.executable))

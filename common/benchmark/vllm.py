@@ -350,7 +350,8 @@ def sampling_defect(settings: VllmSettings, timeout: float = 300.0) -> str | Non
     done = subprocess.run([str(settings.python), "-c", _EXPAND_PROBE], capture_output=True, text=True,
                           timeout=timeout, env=env)
     if done.returncode != 0:
-        raise StageError(f"the vLLM expand probe failed in {python}: {done.stderr.strip().splitlines()[-1:]}")
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise StageError(f"the vLLM expand probe failed in {settings.python} (exit {done.returncode}): {last}")
     got = json.loads(done.stdout.strip().splitlines()[-1])
     if got["int"] != [5, 5, 9]:
         raise StageError(f"the vLLM expand probe's int control gave {got['int']}, not [5, 5, 9]")
