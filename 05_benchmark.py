@@ -238,16 +238,12 @@ def check_fits(target_dir: Path, device: str) -> None:
 def spread_over_sources(rows: list[dict], n: int) -> list[dict]:
     """n rows taken in turn from each source, each source in file order: 01c writes the held-out prompts
     source by source, so the first n alone could leave whole datasets (the tool calls) out."""
-    by_source: dict[str, list[dict]] = {}
+    order, seen, keys = {}, {}, []
     for r in rows:
-        by_source.setdefault(r.get("source"), []).append(r)
-    queues, out = [iter(v) for v in by_source.values()], []
-    while queues and len(out) < n:
-        row = next(queues[0], None)
-        queues = queues[1:] + [queues[0]] if row is not None else queues[1:]
-        if row is not None:
-            out.append(row)
-    return out
+        src = order.setdefault(r.get("source"), len(order))
+        keys.append((seen.get(src, 0), src))
+        seen[src] = seen.get(src, 0) + 1
+    return [rows[i] for i in sorted(range(len(rows)), key=keys.__getitem__)[:n]]
 
 
 def known_answers(args, target_dir: Path, tok, text_format):

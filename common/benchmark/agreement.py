@@ -78,6 +78,7 @@ class AgreementCheck:
 
     def __post_init__(self):
         self._models = None
+        self._defect = ()  # engine.sampling_defect(), probed once (() = not yet)
 
     def models(self):
         """(target, draft, eos ids, capture points), loaded once, float32 on the CPU."""
@@ -129,7 +130,9 @@ class AgreementCheck:
         per temperature; raises when a round differs."""
         from common.benchmark import sampled as smp
 
-        out, defect = {}, self.engine.sampling_defect()
+        if self._defect == ():
+            self._defect = self.engine.sampling_defect()
+        out, defect = {}, self._defect
         if defect:
             print(f"[05] agreement {key}: {self.engine.label} cannot verify sampled drafts here: {defect}. Its "
                   "sampled tau below measures that defect, not the draft")

@@ -36,6 +36,7 @@ import shlex
 import numpy as np
 
 from common.benchmark.formatting import fmt
+from common.sglang.server import is_adaptive
 
 # What 05 adds for its own measurement, not for serving: the preflight's info document (vLLM dev mode),
 # per-request acceptance, unbuffered logs; and the test box's host/port (a deployment picks its own).
@@ -218,7 +219,7 @@ def cost_models(metrics: dict, reference: dict | None) -> list[dict]:
             pts, measured, eff = [], {}, []
             for e in runs.values():
                 s = e["by_concurrency"].get(c)
-                if (bool(e.get("cuda_graph")) != graph or e.get("setting") is None or len(e["setting"]) != 3
+                if (bool(e.get("cuda_graph")) != graph or e.get("setting") is None or is_adaptive(e["setting"])
                         or not s or not s.get("requests")):
                     continue  # the baseline, an adaptive setting (its steps vary), a run without requests
                 steps, topk, n = e["setting"]
@@ -302,7 +303,7 @@ def report_lines(deploy: dict, engine_label: str) -> list[str]:
                       "Run without speculation:"]
         else:
             lo, hi = b["ratio_ci95"]
-            lines += [f"- **concurrency {c}: {b['key']}** (steps, topk, draft tokens = {tuple(b['setting'][:3])}{', adaptive' if len(b['setting']) > 3 else ''}): "
+            lines += [f"- **concurrency {c}: {b['key']}** (steps, topk, draft tokens = {tuple(b['setting'][:3])}{', adaptive' if is_adaptive(b['setting']) else ''}): "
                       f"{fmt(b['tokens_per_s'], 1)} tok/s, **x{fmt(b['ratio'])} [{fmt(lo)}, {fmt(hi)}]** against "
                       f"{rec['baseline']} ({fmt(rec['baseline_tokens_per_s'], 1)} tok/s). {engine_label}:"]
         if rec.get("launch"):

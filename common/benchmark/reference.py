@@ -62,22 +62,26 @@ def greedy_continuations(target, rows: list[dict], max_new_tokens: int, eos: set
 
     cached = {r["prompt_sha256"]: r["continuation"] for r in iter_jsonl(cache_file)} if cache_file.is_file() else {}
     sources = {"response_cache": 0, "replay_cache": 0, "generated": 0}
+    origin = {}  # key -> where its answer came from (for the refusal below)
     for r in rows:
         k = key(r["prompt_ids"])
         if k in cached:
             sources["replay_cache"] += 1
+            origin[k] = str(cache_file)
         elif known is not None and (ids := known(r)) is not None:
             cached[k] = ids
             sources["response_cache"] += 1
+            origin[k] = "--response-cache"
     missing = [r for r in rows if key(r["prompt_ids"]) not in cached]
     sources["generated"] = len(missing)
     for r in tqdm(missing, desc="[05] target greedy answers", unit="prompt", disable=not missing):
         cached[key(r["prompt_ids"])], _ = sd.greedy_decode(target, r["prompt_ids"], max_new_tokens, eos)
     for r in rows:  # replay and the segment split count on it: an answer ends at end of turn or at the budget
-        cont = cached[key(r["prompt_ids"])]
+        k = key(r["prompt_ids"])
+        cont = cached[k]
         if not cont or (cont[-1] not in eos and len(cont) != max_new_tokens) or len(cont) > max_new_tokens:
             raise StageError(f"the target's answer to {r.get('id', '?')} ({len(cont)} tokens, from "
-                             f"{'--response-cache' if known is not None else cache_file}) neither ends at an end-of-turn "
+                             f"{origin.get(k, 'generation')}) neither ends at an end-of-turn "
                              f"token nor fills the budget of {max_new_tokens}: a cache made with other stop tokens or "
                              "another budget; delete that cache")
     if missing or sources["response_cache"]:

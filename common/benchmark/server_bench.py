@@ -165,13 +165,12 @@ def sampled_agreement_lines(agreement: dict) -> list[str]:
     lines = ["", "Sampled (a seed per request): the engine's tau against the sampled replay's prediction on the "
              "same prompts, with its paired 95% interval (reported, not enforced).", "",
              "| setting | T | top-p | engine tau | replay tau | difference [95% CI] | verdict |", "|---|---|---|---|---|---|---|"]
-    defects = []
     for key, t, x in rows:
         e = x["expected"]
         verdict = "agree" if e["agree"] else ("engine defect*" if x.get("engine_defect") else "DISAGREE")
         lines.append(f"| {key} | {t} | {fmt(x.get('top_p'))} | {fmt(e['engine_tau'], 3)} | {fmt(e['replay_tau'], 3)} | "
                      f"{e['difference']:+.3f} [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}] | {verdict} |")
-        defects += [x["engine_defect"]] if x.get("engine_defect") and x["engine_defect"] not in defects else []
+    defects = dict.fromkeys(x["engine_defect"] for _, _, x in rows if x.get("engine_defect"))
     return lines + [f"\n*{d}" for d in defects]
 
 
