@@ -35,10 +35,12 @@ from tqdm import tqdm
 from common.config import base_parser, parse_args
 from common.draft.export_sglang import export_sglang
 from common.draft.export_speculators import export_speculators
+from common.draft.imported import ImportedDraft, check_draft, read_draft
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
 from common.stage import (StageError, check_same_tokenizer, input_manifests, require_complete, resolve_target,
                           stage_dir, start_stage, write_manifest)
+from common.target.capture import sglang_points_reader, target_architecture
 from common.target.head import load_target_head, read_target_text_config
 from common.target.shards import FeatureFormat, list_shards
 from common.training.checkpoints import complete_checkpoints, load_checkpoint, save_checkpoint
@@ -49,14 +51,18 @@ from common.training.distributed import (Ranks, all_max, all_sum, barrier, broad
 from common.training.loss import TTTMeter, ttt_loss
 from common.training.plot import plot_training_curves
 from common.training.precision import choose_bf16
+from common.training.selection import (candidate_steps, choose_candidate, drop_candidates_after, save_candidate,
+                                       selection_tau)
 from common.training.teacher import step_counts, teacher_from_topk, teacher_targets
+from common.training.warm_start import VOCAB_MODES, WarmStart, anchors, init_from, l2sp_penalty
 
 STAGE = "04_train"
 # Flags whose change makes a checkpoint's data cursor, schedule or recipe meaningless: resume refuses them.
 PLAN_KEYS = ("seed", "batch_tokens", "max_samples_per_batch", "max_seq_len", "eval_fraction", "num_epochs",
              "max_steps", "max_train_samples", "ttt_steps", "learning_rate", "warmup_ratio", "adam_betas", "init", "init_std",
              "loss_normalization", "draft_num_attention_heads", "draft_num_key_value_heads",
-             "draft_intermediate_size")
+             "draft_intermediate_size", "init_from", "init_vocab", "l2sp_weight", "candidates_per_epoch",
+             "select_num_draft_tokens", "loss")
 
 
 def build_parser():
@@ -101,6 +107,11 @@ def build_parser():
     g.add_argument("--loss-normalization", choices=("supervised", "batch"), default="supervised",
                    help="divide each TTT step's summed soft-CE by its supervised positions, or by samples x "
                         "padded length of the batch (B*T, as SpecForge)")
+    g.add_argument("--loss", choices=("kl", "lk_alpha", "lk_lambda"), default="kl",
+                   help="per-position TTT objective: kl = soft cross-entropy against the teacher (EAGLE); the LK "
+                        "losses of arXiv 2602.23881 target the acceptance rate alpha = sum_v min(p, q) directly: "
+                        "lk_alpha = -log alpha, lk_lambda = lam*KL + (1-lam)*(1-alpha), lam = exp(-3 * mean "
+                        "alpha) per step (common/training/loss.py)")
     g.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
     g.add_argument("--device", default=None, help="cpu|cuda (default: cuda if available; torchrun: one GPU per rank)")
     g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
@@ -112,6 +123,22 @@ def build_parser():
     g.add_argument("--shard-optimizer", choices=("auto", "on", "off"), default="auto",
                    help="ZeRO-1 AdamW state sharding under torchrun; auto = on when the fp32 weights, grads and "
                         "moments would take > 15%% of one GPU")
+    w = p.add_argument_group("warm start and checkpoint selection (docs/design.md section 12)")
+    w.add_argument("--init-from", type=Path, default=None,
+                   help="fine-tune this EAGLE-3 draft (SGLang layout, e.g. a public Kimi draft or 04's "
+                        "export_sglang/, or the speculators layout); checked against the target and the 02b "
+                        "capture points first; the draft's shape is the imported one's (--draft-* flags unused)")
+    w.add_argument("--init-vocab", choices=VOCAB_MODES, default="keep",
+                   help="with --init-from: keep the imported draft vocab (d2t/t2d), or map its lm_head rows "
+                        "onto 03's draft vocab by target token id (missing rows start as the mean row)")
+    w.add_argument("--l2sp-weight", type=float, default=0.0,
+                   help="with --init-from: loss += weight * sum ||w - w_init||^2 over the trainable weights "
+                        "(L2-SP; 0 = off)")
+    w.add_argument("--candidates-per-epoch", type=int, default=0,
+                   help="keep a candidate this many times per epoch (and at the last step), judge each by "
+                        "replay tau on the held-out selection split and export the best (0 = export the last)")
+    w.add_argument("--select-num-draft-tokens", type=int, default=3,
+                   help="chain length k of the selection's replay tau (the served setting: 3 = SGLang 3,1,4)")
     return p
 
 
@@ -141,7 +168,8 @@ def run_batch(model, lm_head, batch: dict, args, ranks, autocast):
         denominators = (b * all_max(torch.tensor(mask.shape[1], device=mask.device), ranks)).expand(k)
     with autocast():
         hidden = model(batch["aux"], batch["input_ids"], k, start=batch.get("start"))
-        loss, stats = ttt_loss(hidden, core.logits, teach, mask, denominators.float())
+        loss, stats = ttt_loss(hidden, core.logits, teach, mask, denominators.float(),
+                               objective=getattr(args, "loss", "kl"))  # hand-built namespaces: kl
     return loss * ranks.world, stats
 
 
@@ -162,6 +190,22 @@ def evaluate(model, lm_head, data, batches, args, ranks, autocast) -> dict | Non
     return meter.summary()
 
 
+def take_candidate(tr, data, dp, args, step: int, out: Path, log) -> None:
+    """Judge the weights at `step` on the selection split, log it, keep them as a candidate (rank 0)."""
+    tau = selection_tau(unwrap(tr.model), data, dp.eval_batches, args.max_seq_len, args.select_num_draft_tokens,
+                        tr.ranks, tr.autocast)
+    if tau is None:
+        raise StageError("the selection split holds no answer of 2 or more tokens: raise --eval-fraction")
+    ev = evaluate(tr.model, tr.lm_head, data, dp.eval_batches, args, tr.ranks, tr.autocast)
+    if tr.ranks.main:
+        row = {"step": step, "split": "select", "replay_tau": tau, "sim_tau": ev["tau"] if ev else None,
+               "num_draft_tokens": args.select_num_draft_tokens}
+        log.write(row)
+        save_candidate(out, step, unwrap(tr.model), getattr(torch, tr.export_dtype), row)
+        tqdm.write(f"candidate step {step} | replay tau (k={args.select_num_draft_tokens}) {tau:.3f} | "
+                   f"simulated tau {row['sim_tau']:.3f}")
+
+
 def summary_line(summary: dict) -> str:
     return (f"loss {summary['loss'][0]:.3f} | acc " + "/".join(f"{a:.2f}" for a in summary["acc"])
             + f" | tau {summary['tau']:.2f}")
@@ -175,6 +219,7 @@ class Inputs:
     m02b: dict
     m03: dict
     target_path: Path
+    reported_ids: set[str]    # 01c's benchmark prompts (05 reports on them): never in the selection split
 
 
 def load_inputs(args) -> Inputs:
@@ -184,11 +229,14 @@ def load_inputs(args) -> Inputs:
     m03 = require_complete(vocab_dir, "03_build_vocab_mapping")
     check_same_tokenizer(m02b["tokenizer"], m03["tokenizer"], vocab_dir, "03_build_vocab_mapping")
     target_path = resolve_target(args.target_path, m02b, hs_dir, "02b_extract_hidden_states_sglang")
-    return Inputs(hs_dir, vocab_dir, m02b, m03, target_path)
+    bench = stage_dir(args.work_dir, "01c_merge_datasets") / "benchmark_prompts.jsonl"
+    reported = {r["id"] for r in iter_jsonl(bench)} if bench.is_file() else set()
+    return Inputs(hs_dir, vocab_dir, m02b, m03, target_path, reported)
 
 
-def build_draft(args, inputs: Inputs, device, bf16: bool, verbose: bool):
-    """The draft (seeded init, frozen target embedding, d2t/t2d) and the target's lm_head, on `device`.
+def build_draft(args, inputs: Inputs, imported: ImportedDraft | None, device, bf16: bool, verbose: bool):
+    """The draft (seeded init or the imported draft, frozen target embedding, d2t/t2d), the target's
+    lm_head and, with --init-from, the WarmStart, on `device`.
     Refuses when the target, 02b and 03 disagree on hidden size or vocabulary."""
     target_path, m02b = inputs.target_path, inputs.m02b
     tcfg = read_target_text_config(target_path)
@@ -203,22 +251,53 @@ def build_draft(args, inputs: Inputs, device, bf16: bool, verbose: bool):
         raise StageError(f"shapes disagree: 02b hidden {hidden}, target config hidden {tcfg['hidden_size']} "
                          f"vocab {tcfg['vocab_size']}, embedding {tuple(embed.shape)}, t2d {tuple(t2d.shape)}: "
                          "re-run 02b/03 for this target")
-    cfg = draft_config(tcfg, int(inputs.m03["draft_vocab_size"]), args.draft_num_attention_heads,
-                       args.draft_num_key_value_heads, args.draft_intermediate_size)
-    torch.manual_seed(args.seed)
-    model = Eagle3DraftModel(cfg)
-    if args.init == "normal":
-        model.init_normal_(args.init_std)
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(embed.float())
-    model.set_vocab_mapping(d2t, t2d)
+    warm = None
+    if imported is not None:
+        model, warm = warm_start(args, imported, inputs, embed, d2t, t2d)
+        cfg = dict(model.config)
+    else:
+        cfg = draft_config(tcfg, int(inputs.m03["draft_vocab_size"]), args.draft_num_attention_heads,
+                           args.draft_num_key_value_heads, args.draft_intermediate_size)
+        torch.manual_seed(args.seed)
+        model = Eagle3DraftModel(cfg)
+        if args.init == "normal":
+            model.init_normal_(args.init_std)
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(embed.float())
+        model.set_vocab_mapping(d2t, t2d)
     model.to(device)
     if bf16:
         model.embed_tokens.to(torch.bfloat16)  # frozen: no fp32 master copy needed
     if verbose:
         print(f"[04] target {target_path} (hidden {hidden}, vocab {cfg['vocab_size']}, capture points {points}); "
               f"draft {json.dumps(cfg)}; device {device}, {'bf16 autocast' if bf16 else 'fp32'}")
-    return model, (lm_head.to(device) if lm_head is not None else None), cfg
+    return model, (lm_head.to(device) if lm_head is not None else None), cfg, warm
+
+
+def read_init(args, inputs: Inputs) -> ImportedDraft | None:
+    """--init-from read and checked against the target and the 02b capture points, before anything is
+    written (a mismatch stops with one line)."""
+    if args.init_from is None:
+        return None
+    d = read_draft(args.init_from)
+    arch = target_architecture(json.loads((inputs.target_path / "config.json").read_text()))
+    check_draft(d, read_target_text_config(inputs.target_path), sglang_points_reader(arch),
+                [int(p) for p in inputs.m02b["capture_points"]])
+    return d
+
+
+def warm_start(args, d: ImportedDraft, inputs: Inputs, embed, d2t, t2d):
+    """The checked imported draft as the init (its vocab kept or mapped onto 03's)."""
+    counts_file = inputs.vocab_dir / "token_counts.safetensors"
+    counts = load_file(str(counts_file))["counts"] if counts_file.is_file() else None
+    model, warm = init_from(d, args.init_vocab, embed, d2t, t2d,
+                            None if counts is None else counts[torch.arange(len(d2t)) + d2t])
+    cov = warm.coverage
+    print(f"[04] warm start from {d.path} ({d.layout} layout, {d.dtype}, sha256 {d.sha256[:12]}); vocab "
+          f"{args.init_vocab}: {cov['rows_found']}/{cov['rows']} draft rows from the imported lm_head"
+          + (f" ({100 * cov['count_share']:.1f}% of 03's supervised tokens)" if "count_share" in cov else "")
+          + "".join(f"; {n}" for n in d.notes))
+    return model, warm
 
 
 @dataclass
@@ -231,12 +310,17 @@ class DataPlan:
     eval_batches: list[list[int]]
     num_train: int
     num_eval: int
+    candidates: list[int]           # steps at which a selection candidate is taken (empty: selection off)
 
 
-def plan_data(args, hs_dir: Path, verbose: bool) -> DataPlan:
+def plan_data(args, hs_dir: Path, verbose: bool, reported_ids: set[str] = frozenset()) -> DataPlan:
     data = ShardData(list_shards(hs_dir))
     lengths = [e[2] for e in data.entries]
     eval_idx = [i for i, e in enumerate(data.entries) if is_eval(e[3], args.eval_fraction)]
+    seen = sorted({data.entries[i][3] for i in eval_idx} & set(reported_ids))
+    if seen:  # 01c holds its benchmark prompts out of the training records; a mixed-up work dir does not
+        raise StageError(f"the held-out selection split holds {len(seen)} of 05's benchmark prompts ({seen[:3]}): "
+                         "05 would report on prompts the checkpoint was chosen on; re-run 01c and 02b")
     held = set(eval_idx)
     train_idx = [i for i in range(len(data.entries)) if i not in held]
     if args.max_train_samples is not None:  # nested subsets: the first N of one seeded hash order
@@ -247,14 +331,21 @@ def plan_data(args, hs_dir: Path, verbose: bool) -> DataPlan:
     epochs = [make_batches(epoch_order(data.entries, train_idx, args.seed, e), lengths, args.batch_tokens,
                            args.max_seq_len, args.max_samples_per_batch) for e in range(args.num_epochs)]
     total = sum(len(e) for e in epochs)
-    total = min(total, args.max_steps) if args.max_steps else total
+    total = min(total, args.max_steps) if args.max_steps is not None else total
     eval_batches = make_batches(sorted(eval_idx), lengths, args.batch_tokens, args.max_seq_len,
                                 args.max_samples_per_batch)
+    candidates = candidate_steps([len(e) for e in epochs], args.candidates_per_epoch, total,
+                                 with_init=args.init_from is not None) if args.candidates_per_epoch else []
+    if candidates and not eval_batches:
+        raise StageError("--candidates-per-epoch needs a selection split: raise --eval-fraction above 0")
     if verbose:
         print(f"[04] {len(train_idx)} train / {len(eval_idx)} eval samples, {total} steps "
               f"({args.num_epochs} epochs of ~{len(epochs[0])} batches, budget {args.batch_tokens} tokens"
               + (f", <= {args.max_samples_per_batch} samples" if args.max_samples_per_batch else "") + ")")
-    return DataPlan(data, lengths, epochs, total, eval_batches, len(train_idx), len(eval_idx))
+    if verbose and candidates:
+        print(f"[04] selection: a candidate at steps {candidates}, judged by replay tau at k = "
+              f"{args.select_num_draft_tokens} on the {len(eval_idx)} held-out samples")
+    return DataPlan(data, lengths, epochs, total, eval_batches, len(train_idx), len(eval_idx), candidates)
 
 
 def resume(ckpt_root: Path, log_path: Path, plan: dict, model, opt, sched, ranks) -> tuple[int, dict]:
@@ -288,6 +379,8 @@ class Trainer:
     params: list
     ranks: Ranks
     autocast: object
+    anchor: list | None = None      # L2-SP: the init's weights (None = off)
+    export_dtype: str = "bfloat16"  # the exports' and candidates' weight dtype
 
 
 def train_loop(args, tr: Trainer, dp: DataPlan, step: int, cursor: dict, plan: dict,
@@ -309,9 +402,13 @@ def train_loop(args, tr: Trainer, dp: DataPlan, step: int, cursor: dict, plan: d
     bar = tqdm(total=total, initial=step, desc="04 train", unit="step", disable=None if ranks.main else True)
     log = JsonlAppender(log_path) if ranks.main else contextlib.nullcontext()
     with log, batches:
+        if step == 0 and 0 in dp.candidates:      # the imported draft itself, before any update
+            take_candidate(tr, data, dp, args, 0, out, log)
         for (epoch, bi), batch in batches:
             idx = epochs[epoch][bi]
             loss, stats = run_batch(model, lm_head, to_device(batch, ranks.device), args, ranks, autocast)
+            if tr.anchor is not None:   # identical on every rank: DDP's average keeps it as is
+                loss = loss + args.l2sp_weight * l2sp_penalty(params, tr.anchor)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
@@ -340,6 +437,8 @@ def train_loop(args, tr: Trainer, dp: DataPlan, step: int, cursor: dict, plan: d
                 if ev and ranks.main:
                     log.write({"step": step, "split": "eval", **ev})
                     tqdm.write(f"eval step {step} | {summary_line(ev)}")
+            if step in dp.candidates:
+                take_candidate(tr, data, dp, args, step, out, log)
             if step % args.save_every == 0 or step == stop_at:
                 opt_state = optimizer_state(opt, ranks)    # collective when the optimizer is sharded
                 if ranks.main:
@@ -357,20 +456,25 @@ def train_loop(args, tr: Trainer, dp: DataPlan, step: int, cursor: dict, plan: d
 
 
 def export(args, model, cfg: dict, inputs: Inputs, dp: DataPlan, final_eval: dict | None, out: Path,
-           run: dict) -> None:
-    """The SGLang and speculators folders and the training curves, then the manifest (last: it marks
-    the stage complete)."""
+           run: dict, warm: WarmStart | None, export_dtype: str) -> None:
+    """The best candidate (when selecting), the SGLang and speculators folders and the training curves,
+    then the manifest (last: it marks the stage complete)."""
     m02b, target_path = inputs.m02b, inputs.target_path
     points = [int(p) for p in m02b["capture_points"]]
-    export_dir = export_sglang(model, out / "export_sglang", points)
+    selection = choose_candidate(out, model)
+    export_dir = export_sglang(model, out / "export_sglang", points, torch_dtype=export_dtype)
     spec_dir = export_speculators(export_dir, out / "export_speculators", points, target_path,
                                   json.loads((Path(target_path) / "config.json").read_text()).get("architectures", []))
-    curves = plot_training_curves(out / "train_log.jsonl", out / "train_curves.png")
+    trained = any(r["split"] == "train" for r in iter_jsonl(out / "train_log.jsonl")) \
+        if (out / "train_log.jsonl").exists() else False
+    curves = plot_training_curves(out / "train_log.jsonl", out / "train_curves.png",
+                                  selection and selection["chosen_step"]) if trained else None
     write_manifest(out, STAGE, args, draft_config=cfg, capture_points=points,
                    draft_vocab_size=cfg["draft_vocab_size"], vocab_size=cfg["vocab_size"],
                    num_steps=dp.total, num_train_samples=dp.num_train, num_eval_samples=dp.num_eval,
                    final_eval=final_eval, export_dir=str(export_dir), export_speculators_dir=str(spec_dir),
-                   train_curves=str(curves), **run, tokenizer=m02b["tokenizer"], target=m02b["target"],
+                   train_curves=None if curves is None else str(curves), **run, selection=selection,
+                   init=None if warm is None else warm.identity(), tokenizer=m02b["tokenizer"], target=m02b["target"],
                    inputs=input_manifests(args.work_dir, inputs.hs_dir, inputs.vocab_dir))
     print(f"[04] exported {export_dir}")
 
@@ -381,6 +485,10 @@ def main(argv=None):
         raise StageError("--keep-checkpoints must be >= 2 (never overwrite the only good checkpoint)")
     if args.max_samples_per_batch is not None and args.max_samples_per_batch < 1:
         raise StageError("--max-samples-per-batch must be >= 1")
+    if args.l2sp_weight and args.init_from is None:
+        raise StageError("--l2sp-weight pulls toward an imported draft: give --init-from")
+    if args.candidates_per_epoch < 0 or args.select_num_draft_tokens < 1:
+        raise StageError("--candidates-per-epoch must be >= 0 and --select-num-draft-tokens >= 1")
     ranks = setup(args.device)
     try:
         train(args, ranks)
@@ -392,6 +500,7 @@ def main(argv=None):
 def train(args, ranks) -> None:
     out = stage_dir(args.work_dir, STAGE)
     inputs = load_inputs(args)
+    imported = read_init(args, inputs)
     go = True
     if ranks.main:
         if args.overwrite and out.exists() and not (out / "manifest.json").exists():
@@ -406,8 +515,8 @@ def train(args, ranks) -> None:
     autocast = ((lambda: torch.autocast(ranks.device.type, dtype=torch.bfloat16)) if bf16
                 else contextlib.nullcontext)
 
-    core, lm_head, cfg = build_draft(args, inputs, ranks.device, bf16, ranks.main)
-    dp = plan_data(args, inputs.hs_dir, ranks.main)
+    core, lm_head, cfg, warm = build_draft(args, inputs, imported, ranks.device, bf16, ranks.main)
+    dp = plan_data(args, inputs.hs_dir, ranks.main, inputs.reported_ids)
     params = [p for p in core.parameters() if p.requires_grad]
     shard = shard_optimizer_wanted(args.shard_optimizer, params, ranks)
     model = wrap_model(core, ranks)
@@ -415,14 +524,19 @@ def train(args, ranks) -> None:
     warmup = max(1, round(args.warmup_ratio * dp.total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_with_warmup(warmup, dp.total))
     plan = {k: getattr(args, k) for k in PLAN_KEYS}
+    plan["init_from"] = None if warm is None else {"path": str(args.init_from), "sha256": warm.draft.sha256}
     if ranks.main and ranks.world > 1:
         small = sum(len(b) < ranks.world for e in dp.epochs for b in e)
         print(f"[04] {ranks.world} ranks (DDP{', ZeRO-1 optimizer' if shard else ''}); "
               + (f"{small} batches hold fewer samples than ranks (idle ranks compute a zero-weight copy): "
                  "raise --batch-tokens or --max-samples-per-batch" if small else "every batch feeds every rank"))
 
+    anchor = anchors(params) if warm is not None and args.l2sp_weight > 0 else None
     step, cursor = resume(out / "checkpoints", out / "train_log.jsonl", plan, core, opt, sched, ranks)
-    trainer = Trainer(model, lm_head, opt, sched, params, ranks, autocast)
+    if ranks.main:
+        drop_candidates_after(out, step)
+    export_dtype = warm.draft.dtype if warm is not None else "bfloat16"   # zero steps = the imported bytes
+    trainer = Trainer(model, lm_head, opt, sched, params, ranks, autocast, anchor, export_dtype)
     step, final_eval = train_loop(args, trainer, dp, step, cursor, plan, out)
     if step < dp.total:
         if ranks.main:
@@ -430,7 +544,8 @@ def train(args, ranks) -> None:
         return
     if ranks.main:
         export(args, unwrap(model), cfg, inputs, dp, final_eval, out,
-               {"world_size": ranks.world, "precision": "bf16" if bf16 else "fp32", "optimizer_sharded": shard})
+               {"world_size": ranks.world, "precision": "bf16" if bf16 else "fp32", "optimizer_sharded": shard},
+               warm, export_dtype)
 
 
 if __name__ == "__main__":

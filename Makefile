@@ -1,4 +1,5 @@
-# make demo: the whole chain on the tiny Kimi-shaped world (CPU). make test: the test suite.
+# make demo: the whole chain on the tiny Kimi-shaped world (CPU). make test: the test suite (what CI runs).
+# make test-fast: the suite without the real-engine tier (no engine venv needed), for the edit-test loop.
 # make bench-real: the whole chain on SmolLM2-135M-Instruct, the real small target (CPU, ~45 min).
 # make engine: the serving engine's own venv (vLLM's CPU build, build/vllm-venv); make test needs it.
 # make bench-serve: after bench-real, vLLM baseline vs EAGLE-3 at k = 3, 5, 7 (tok/s, agreement).
@@ -24,7 +25,7 @@ COMPAT_STAMP := $(COMPAT_VENV)/.installed
 CORE_TESTS := tests/test_05_benchmark.py tests/test_replay.py tests/test_eagle3.py tests/test_02b_extract.py \
               tests/test_feature_formats.py
 
-.PHONY: demo test setup engine clean-demo bench-real bench-serve
+.PHONY: demo test test-fast setup engine clean-demo bench-real bench-serve
 
 setup: $(STAMP)
 
@@ -67,6 +68,10 @@ test: $(STAMP) $(SMOLLM2) $(ENGINE_STAMP) $(COMPAT_STAMP)
 	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS)
 	@echo "== core tests under transformers $$($(ENGINE_VENV)/bin/python -c 'import transformers; print(transformers.__version__)') ($(ENGINE_VENV))"
 	OMP_NUM_THREADS=1 $(ENGINE_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS)
+
+# The edit-test loop: everything that needs no engine venv (tests marked `engine` are left out), main venv only.
+test-fast: $(STAMP) $(SMOLLM2)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=8 -m "not engine" tests
 
 clean-demo:
 	rm -rf $(WORK)

@@ -106,7 +106,8 @@ class Stage04Eval:
         bf16, why = choose_bf16(self.args.precision, self.device)   # as 04 chose when it trained
         print(f"[tau3] 04 eval precision: {'bf16 autocast' if bf16 else 'fp32'} ({why})", flush=True)
         self.autocast = ((lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext)
-        self.initial, self.lm_head, self.cfg = self.m.build_draft(self.args, self.inputs, self.device, bf16, False)
+        self.initial, self.lm_head, self.cfg, _ = self.m.build_draft(self.args, self.inputs, None, self.device, bf16,
+                                                                     False)
         self.plan = self.m.plan_data(self.args, self.inputs.hs_dir, False)
         self.points = [int(p) for p in self.inputs.m02b["capture_points"]]
 

@@ -11,6 +11,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "engine: needs the serving engine's venv (build/vllm-venv); "
+                            "`make test-fast` deselects these")
+
+
 def stdlib_texts(limit: int) -> list[str]:
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:limit]
     return [f.read_text(encoding="utf-8", errors="replace") for f in files]

@@ -1,10 +1,8 @@
 """04_train: training on micro-target hidden states, export, resume, upstream checks, data plan,
 the recipe flags, data-parallel training (2 processes, gloo) and the training-curve plot."""
-import argparse
 import importlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,77 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from common.training import data as train_data
-from common.target.shards import shard_name, write_shard
-from common.stage import StageError, is_complete, target_identity, tokenizer_identity, write_manifest
+from common.stage import StageError, is_complete
+from tests.train_helpers import DV, FLAGS, POINTS, fresh_work, make_upstream
 
 train = importlib.import_module("04_train")
-POINTS = [2, 4, 5]
-DV = 300
 
 
 @pytest.fixture(scope="module")
 def upstream(micro_target, tmp_path_factory):
-    """A work dir holding 02b shards and a 03 vocab mapping, made from the micro target.
-
-    aux = the micro target's real states at the capture points. The random target's own next-token
-    distribution is almost uniform (nothing to learn), so the stored final state is built by hand to
-    make the target confident of the true next token, on sequences that follow a fixed permutation
-    chain (next = perm[current]): a draft can learn that, so a working trainer must show progress.
-    """
-    from transformers import AutoModelForCausalLM
-    work = tmp_path_factory.mktemp("work")
-    model = AutoModelForCausalLM.from_pretrained(str(micro_target)).eval()
-    cfg = model.config
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(200, generator=g)
-    head = model.lm_head.weight.detach()                             # [V, H]
-    hs_dir = work / "02b_hidden_states"
-    samples, counts = [], torch.zeros(cfg.vocab_size)
-    with torch.no_grad():
-        for i in range(24):
-            t = int(torch.randint(12, 40, (1,), generator=g))
-            ids = [int(torch.randint(0, 200, (1,), generator=g))]
-            for _ in range(t - 1):
-                ids.append(int(perm[ids[-1]]))
-            ids = torch.tensor(ids)
-            hs = model(ids[None], output_hidden_states=True).hidden_states
-            nxt = torch.cat([ids[1:], ids[:1]])                      # the token after each position
-            final = head[nxt] / head[nxt].norm(dim=-1, keepdim=True) * 200.0
-            mask = torch.zeros(t, dtype=torch.bool)
-            mask[t // 3:] = True
-            counts.index_add_(0, ids[mask], torch.ones(int(mask.sum())))
-            samples.append({"id": f"micro/{i}", "input_ids": ids, "loss_mask": mask,
-                            "aux": torch.cat([hs[p][0] for p in POINTS], -1), "final": final})
-    for s in range(3):
-        write_shard(hs_dir / shard_name(s), samples[s * 8:(s + 1) * 8])
-    ident = {"tokenizer": tokenizer_identity(micro_target), "target": target_identity(micro_target)}
-    write_manifest(hs_dir, "02b_extract_hidden_states_sglang", argparse.Namespace(),
-                   capture_points=POINTS, hidden_size=cfg.hidden_size, num_hidden_layers=8,
-                   vocab_size=cfg.vocab_size, **ident)
-    used = counts.argsort(descending=True)[:DV].sort().values
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[used] = True
-    vocab_dir = work / "03_vocab"
-    vocab_dir.mkdir()
-    save_file({"d2t": used - torch.arange(DV), "t2d": t2d}, str(vocab_dir / "vocab_mapping.safetensors"))
-    write_manifest(vocab_dir, "03_build_vocab_mapping", argparse.Namespace(), draft_vocab_size=DV,
-                   vocab_size=cfg.vocab_size, **ident)
-    return work
-
-
-def fresh_work(upstream, tmp_path):
-    work = tmp_path / "w"
-    for d in ("02b_hidden_states", "03_vocab"):
-        shutil.copytree(upstream / d, work / d)
-    return work
-
-
-FLAGS = ["--ttt-steps", "3", "--batch-tokens", "96", "--max-seq-len", "48", "--eval-fraction", "0.15",
-         "--learning-rate", "3e-3", "--log-every", "5", "--device", "cpu", "--warmup-ratio", "0.1",
-         "--precision", "fp32"]  # exact comparisons; auto may pick bf16 on a CPU with fast bf16
+    return make_upstream(micro_target, tmp_path_factory.mktemp("work"))
 
 
 def test_train_end_to_end_improves_and_exports(upstream, tmp_path, micro_target):

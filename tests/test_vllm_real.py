@@ -28,6 +28,8 @@ from common.benchmark import vllm
 from common.sglang import server as srv
 from common.stage import StageError
 
+pytestmark = pytest.mark.engine   # the real-engine tier: `make test` runs it, `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_PY = REPO / "build" / "vllm-venv" / "bin" / "python"
 WORLD = REPO / "build" / "smollm2"

@@ -111,6 +111,18 @@ def sglang_captured_points(layer_ids: list[int], rule: str) -> list[int]:
     return list(layer_ids)
 
 
+def sglang_points_reader(architecture: str):
+    """ids -> the h_i SGLang captures on this architecture from a draft config's eagle_config ids (for
+    reading a draft made elsewhere); an architecture missing from the table is refused when called."""
+    def read(layer_ids: list[int]) -> list[int]:
+        rule = SGLANG_LAYER_ID_RULES.get(architecture)
+        if rule is None:
+            raise StageError(f"target architecture {architecture!r} is not in SGLANG_LAYER_ID_RULES "
+                             "(common/target/capture.py): unknown how SGLang reads a draft's eagle_config ids")
+        return sglang_captured_points(list(layer_ids), rule)
+    return read
+
+
 def sglang_layer_ids(points: list[int], architecture: str, allow_unknown: bool = False) -> list[int]:
     """The draft-config ids (points - 1) after checking SGLang captures exactly h_{points} from them.
 

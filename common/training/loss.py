@@ -4,6 +4,21 @@ simulated tau.
 Only supervised positions (loss_mask: tokens the target generated) are labels, so the draft's lm_head and the soft cross-entropy are computed for those rows alone; prompt rows cost
 nothing past the decoder layer. The soft cross-entropy is one autograd function that keeps only the
 logits and one log-sum-exp per row for its backward (no float32 copies of [rows, Dv]).
+
+Objectives (ttt_loss `objective`, 04 `--loss`): "kl" is the EAGLE soft cross-entropy (forward KL up to the
+teacher's entropy, a constant). "lk_alpha" and "lk_lambda" are the LK losses of Samarin et al., "LK Losses:
+Direct Acceptance Rate Optimization for Speculative Decoding" (arXiv 2602.23881), which target the
+speculative-sampling acceptance rate of a position directly: alpha = sum_v min(p_v, q_v) = 1 - TV(p, q)
+(p the teacher's distribution over the draft vocab, q the draft's softmax).
+  lk_alpha:  -log(alpha) per supervised position (the paper's LK^alpha)
+  lk_lambda: lam * KL + (1 - lam) * (1 - alpha) per position, lam = exp(-LK_ETA * mean alpha) with the
+             mean taken over the step's supervised rows on this rank and detached (the paper's LK^lambda:
+             KL while the draft is poor, the acceptance itself as it improves).
+Both use the same per-step decay, valid rows and denominators as "kl". Form and defaults as in the
+authors' SpecForge implementation (sgl-project/SpecForge PR #492, specforge/core/lk_loss.py: the mean of
+-log alpha over positions; kl_weight = exp(-decay * batch-mean alpha), detached) and NVIDIA Model-Optimizer's
+masked_lk_lambda_loss (eta = 3, "sections 4.2 and 4.4"). The KL term here is the soft-CE, whose gradient
+is the KL's. The logged loss_sum stays the soft-CE under every objective, so logs remain comparable.
 """
 from __future__ import annotations
 
@@ -16,6 +31,10 @@ NORMALIZATIONS = ("supervised", "batch")
 # rows x vocab per chunk of the soft-CE's float32 temporaries: on a CPU small enough to stay in cache
 # across the passes over a chunk (measured 2-3x faster than 64 MB chunks), on a GPU large (fewer launches)
 CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 26}
+OBJECTIVES = ("kl", "lk_alpha", "lk_lambda")
+LK_ETA = 3.0           # lk_lambda: lam = exp(-LK_ETA * mean alpha) (Model-Optimizer's eta default; SpecForge's is 1)
+LK_ALPHA_FLOOR = 1e-12  # lk_alpha: -log(max(alpha, floor)); a row of zero overlap (e.g. a top-k teacher row
+                        # with no draftable entry: never a valid row) stays finite and gets no gradient
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
@@ -54,6 +73,61 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return grad, None, None
 
 
+class _SoftCrossEntropyAcceptance(torch.autograd.Function):
+    """(ce [N], alpha [N], argmax [N]) of logits [N, Dv] against p[r] = target_p[rows[r]]: the soft-CE
+    (as _SoftCrossEntropy) and the acceptance rate alpha[r] = sum_v min(p[r, v], q[r, v]), q = softmax(
+    logits[r]). Both differentiable:
+      d ce / d logits    = q - p
+      d alpha / d logits = q * (m - sum_v m_v q_v),  m_v = [q_v < p_v]  (d min(p, q)/dq = 1 where q < p)
+    The backward rebuilds q chunk by chunk from the logits and the saved log-sum-exp (no [N, Dv] tensor
+    is kept between passes); an output that nothing used gets no work. Computes in float32, or in the
+    logits' dtype when wider (float64: gradcheck)."""
+
+    @staticmethod
+    def forward(ctx, logits, target_p, rows):
+        n = logits.shape[0]
+        dt = torch.promote_types(logits.dtype, torch.float32)
+        ce = torch.empty(n, dtype=dt, device=logits.device)
+        lse, alpha = torch.empty_like(ce), torch.empty_like(ce)
+        arg = torch.empty(n, dtype=torch.int64, device=logits.device)
+        step, labels = _chunk_rows(logits), _label_rows(target_p, rows)
+        with torch.autocast(logits.device.type, enabled=False):
+            for a in range(0, n, step):
+                z, p = logits[a:a + step].to(dt), labels(a, a + step).to(dt)      # [c, Dv]
+                top, arg[a:a + step] = z.max(-1)
+                q = (z - top.unsqueeze(-1)).exp_()
+                s = q.sum(-1)
+                lse[a:a + step] = top + s.log()
+                ce[a:a + step] = lse[a:a + step] - torch.linalg.vecdot(p, z)
+                q.div_(s.unsqueeze(-1))                                        # softmax
+                alpha[a:a + step] = torch.minimum(q, p, out=q).sum(-1)
+        ctx.save_for_backward(logits, target_p, rows, lse)
+        ctx.mark_non_differentiable(arg)
+        ctx.set_materialize_grads(False)
+        return ce, alpha, arg
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_alpha, _grad_arg):
+        if grad_ce is None and grad_alpha is None:
+            return None, None, None
+        logits, target_p, rows, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        step, labels = _chunk_rows(logits), _label_rows(target_p, rows)
+        with torch.autocast(logits.device.type, enabled=False):
+            for a in range(0, logits.shape[0], step):
+                b = a + step
+                q = (logits[a:b].to(lse.dtype) - lse[a:b, None]).exp_()          # softmax
+                p, g = labels(a, b), None
+                if grad_alpha is not None:
+                    g = torch.where(q < p, q, 0.0)                              # m * q
+                    g.addcmul_(q, g.sum(-1, keepdim=True), value=-1.0).mul_(grad_alpha[a:b, None])
+                if grad_ce is not None:
+                    q.sub_(p).mul_(grad_ce[a:b, None])                          # (q - p) * grad_ce
+                    g = q if g is None else g.add_(q)
+                grad[a:b] = g
+        return grad, None, None
+
+
 def _label_rows(target_p, rows):
     """(a, b) -> target_p[rows[a:b]]: a view when the rows are one contiguous range (one sample with a
     contiguous supervised span, the common case), a gather otherwise."""
@@ -72,7 +146,14 @@ def soft_cross_entropy(logits, target_p, rows):
     return _SoftCrossEntropy.apply(logits, target_p, rows)
 
 
-def ttt_loss(step_hidden: list, head, teacher: dict, loss_mask, denominators, decay: float = STEP_DECAY):
+def soft_cross_entropy_acceptance(logits, target_p, rows):
+    """(ce [N], alpha [N] acceptance rate, argmax [N]) of logits [N, Dv] against the rows `rows` [N] of
+    target_p [M, Dv]; ce and alpha are differentiable."""
+    return _SoftCrossEntropyAcceptance.apply(logits, target_p, rows)
+
+
+def ttt_loss(step_hidden: list, head, teacher: dict, loss_mask, denominators, decay: float = STEP_DECAY,
+             objective: str = "kl"):
     """Total loss and per-step counts of a TTT unroll.
 
     step_hidden: per step k, the draft's pre-norm output [B, T, H]; head: pre-norm output [N, H] ->
@@ -84,9 +165,14 @@ def ttt_loss(step_hidden: list, head, teacher: dict, loss_mask, denominators, de
     ranks). acc_k counts draft argmax == target argmax (as a draft id) over positions with
     loss_mask[s]; an out-of-vocab target argmax counts as a miss (the draft can never propose it), as
     in the official EAGLE accuracy.
+    objective (OBJECTIVES): "kl" as above; "lk_alpha" / "lk_lambda" replace the per-position soft-CE in
+    loss_k by the LK losses (module docstring: -log alpha, or lam * soft-CE + (1 - lam) * (1 - alpha)),
+    same rows, decay and denominators. stats' loss_sum is the summed soft-CE under every objective.
     Returns (total = sum_k decay^k loss_k, stats dict of per-step lists of scalar tensors:
     loss_sum, num_loss, correct, num_acc).
     """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r} is not one of {OBJECTIVES}")
     total = 0.0
     stats = {"loss_sum": [], "num_loss": [], "correct": [], "num_acc": []}
     for k, hidden in enumerate(step_hidden):
@@ -94,9 +180,21 @@ def ttt_loss(step_hidden: list, head, teacher: dict, loss_mask, denominators, de
         bi, ti = loss_mask[:, s:].nonzero(as_tuple=True)                     # queries with a label
         label = (bi, ti + s)
         valid = teacher["in_vocab"][label]                                   # [N]
-        ce, arg = soft_cross_entropy(head(hidden[bi, ti]), teacher["target_p"], teacher["row"][label])
-        loss_sum = (ce * valid).sum()
-        total = total + decay ** k * loss_sum / denominators[k]
+        if objective == "kl":
+            ce, arg = soft_cross_entropy(head(hidden[bi, ti]), teacher["target_p"], teacher["row"][label])
+            loss_sum = (ce * valid).sum()
+            objective_sum = loss_sum
+        else:
+            ce, alpha, arg = soft_cross_entropy_acceptance(head(hidden[bi, ti]), teacher["target_p"],
+                                                           teacher["row"][label])
+            loss_sum = (ce * valid).sum()
+            if objective == "lk_alpha":
+                objective_sum = torch.where(valid, -alpha.clamp_min(LK_ALPHA_FLOOR).log(), 0.0).sum()
+            else:  # lk_lambda; lam from this step's mean acceptance on this rank, detached
+                mean_alpha = (alpha.detach() * valid).sum() / valid.sum().clamp(min=1)
+                lam = torch.exp(-LK_ETA * mean_alpha)
+                objective_sum = lam * loss_sum + (1 - lam) * ((1 - alpha) * valid).sum()
+        total = total + decay ** k * objective_sum / denominators[k]
         stats["loss_sum"].append(loss_sum.detach())
         stats["num_loss"].append(valid.sum())
         stats["correct"].append(((arg == teacher["target_arg"][label]) & valid).sum())

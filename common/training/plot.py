@@ -1,5 +1,6 @@
 """The training curves of 04 as a PNG: per-TTT-step loss and accuracy and the simulated acceptance
-length, train (lines, one point per log interval) and held-out eval (markers), from train_log.jsonl."""
+length, train (lines, one point per log interval) and held-out eval (markers), from train_log.jsonl;
+with checkpoint selection, the candidates' replay tau on the selection split and the chosen one."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 from common.io import atomic_path, iter_jsonl
 
 
-def plot_training_curves(log_path: str | Path, out_png: str | Path) -> Path:
+def plot_training_curves(log_path: str | Path, out_png: str | Path, chosen_step: int | None = None) -> Path:
     """Write `out_png` from 04's train log; returns its path. Needs at least one train row."""
     import matplotlib
 
@@ -17,6 +18,7 @@ def plot_training_curves(log_path: str | Path, out_png: str | Path) -> Path:
     rows = list(iter_jsonl(log_path))
     train = [r for r in rows if r["split"] == "train"]
     evals = [r for r in rows if r["split"] == "eval"]
+    select = [r for r in rows if r["split"] == "select"]
     assert train, f"{log_path} has no train rows"
     num_steps = len(train[0]["acc"])
     colors = plt.get_cmap("viridis")([k / max(num_steps - 1, 1) for k in range(num_steps)])
@@ -37,7 +39,15 @@ def plot_training_curves(log_path: str | Path, out_png: str | Path) -> Path:
     axes[2].plot([r["step"] for r in train], [r["tau"] for r in train], color="tab:blue", label="train")
     if evals:
         axes[2].plot([r["step"] for r in evals], [r["tau"] for r in evals], "o-", color="tab:orange", label="eval")
-    axes[2].set_title("simulated acceptance length 1 + sum_k prod acc_j")
+    if select:  # over-training shows here: replay tau falls while the simulated one still rises
+        k = select[0]["num_draft_tokens"]
+        axes[2].plot([r["step"] for r in select], [r["replay_tau"] for r in select], "s--", color="tab:green",
+                     label=f"replay tau, selection split (k={k})")
+        chosen = [r for r in select if r["step"] == chosen_step]
+        if chosen:
+            axes[2].plot([chosen[0]["step"]], [chosen[0]["replay_tau"]], "*", color="red", ms=14,
+                         label=f"exported: step {chosen_step}")
+    axes[2].set_title("acceptance length: simulated 1 + sum_k prod acc_j" + (", replay" if select else ""))
     axes[2].set_xlabel("optimizer step")
     axes[2].grid(alpha=0.3)
     axes[2].legend()

@@ -1,0 +1,184 @@
+"""04 --init-from (warm start: vocab kept or mapped, L2-SP, identity in manifest and resume) and
+checkpoint selection by replay tau on the held-out selection split."""
+import importlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.draft.export_sglang import export_sglang
+from common.draft.imported import read_draft
+from common.draft.model import Eagle3DraftModel, draft_config
+from common.io import write_jsonl
+from common.stage import StageError
+from common.target.head import read_target_text_config
+from common.training.selection import accept_lengths, candidate_steps, walk_rounds
+from common.training.warm_start import anchors, l2sp_penalty
+from tests.train_helpers import DV, FLAGS, POINTS, fresh_work, make_upstream
+
+train = importlib.import_module("04_train")
+
+
+@pytest.fixture(scope="module")
+def upstream(micro_target, tmp_path_factory):
+    return make_upstream(micro_target, tmp_path_factory.mktemp("work"))
+
+
+@pytest.fixture(scope="module")
+def trained(upstream, tmp_path_factory):
+    """A draft 04 trained briefly on the upstream (its export is the 'public draft' of these tests)."""
+    work = fresh_work(upstream, tmp_path_factory.mktemp("pre"))
+    train.main(["--work-dir", str(work), *FLAGS, "--num-epochs", "2", "--save-every", "1000"])
+    return work / "04_draft" / "export_sglang"
+
+
+def run(work, *extra):
+    train.main(["--work-dir", str(work), *FLAGS, "--save-every", "1000", *extra])
+    return json.loads((work / "04_draft" / "manifest.json").read_text())
+
+
+def test_zero_steps_export_the_imported_draft_exactly(upstream, trained, tmp_path):
+    man = run(fresh_work(upstream, tmp_path), "--init-from", str(trained), "--max-steps", "0")
+    got = load_file(str(tmp_path / "w" / "04_draft" / "export_sglang" / "model.safetensors"))
+    want = load_file(str(trained / "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert man["init"]["sha256"] == read_draft(trained).sha256 and man["init"]["vocab"] == "keep"
+    assert man["num_steps"] == 0 and man["train_curves"] is None
+
+
+def test_warm_start_trains_resumes_and_refuses_another_init(upstream, trained, tmp_path):
+    work = fresh_work(upstream, tmp_path)
+    argv = ["--init-from", str(trained), "--num-epochs", "2", "--l2sp-weight", "0.01"]
+    train.main(["--work-dir", str(work), *FLAGS, "--save-every", "4", "--stop-at-step", "4", *argv])
+    d = read_draft(trained)
+    fresh = Eagle3DraftModel(d.config)
+    fresh.set_vocab_mapping(d.state["d2t"], d.state["t2d"])
+    other = export_sglang(fresh, tmp_path / "other", POINTS)
+    with pytest.raises(StageError, match="other settings .*init_from"):
+        train.main(["--work-dir", str(work), *FLAGS, "--save-every", "4", "--init-from", str(other),
+                    "--num-epochs", "2", "--l2sp-weight", "0.01"])
+    man = run(work, *argv)
+    assert man["init"]["path"] == str(trained) and man["final_eval"]["tau"] > 1.0
+
+
+def test_init_vocab_map_moves_rows_by_target_id_and_reports_coverage(upstream, micro_target, tmp_path):
+    """An imported draft that covers half of 03's vocab: those rows are its rows of the same target
+    token, the others the mean imported row."""
+    tcfg = read_target_text_config(micro_target)
+    d2t03 = load_file(str(upstream / "03_vocab" / "vocab_mapping.safetensors"))["d2t"]
+    ours = torch.arange(DV) + d2t03                                   # 03's target ids
+    kept = torch.cat([ours[::2], torch.tensor([v for v in range(600) if v not in set(ours.tolist())][:50])]).sort().values
+    torch.manual_seed(1)
+    model = Eagle3DraftModel(draft_config(tcfg, len(kept)))
+    t2d = torch.zeros(600, dtype=torch.bool)
+    t2d[kept] = True
+    model.set_vocab_mapping(kept - torch.arange(len(kept)), t2d)
+    imp = export_sglang(model, tmp_path / "imp", POINTS)
+    man = run(fresh_work(upstream, tmp_path), "--init-from", str(imp), "--init-vocab", "map", "--max-steps", "0")
+    cov = man["init"]["coverage"]
+    assert (cov["rows"], cov["rows_found"]) == (DV, DV // 2) and man["draft_vocab_size"] == DV
+    got = load_file(str(tmp_path / "w" / "04_draft" / "export_sglang" / "model.safetensors"))
+    src = load_file(str(imp / "model.safetensors"))["lm_head.weight"]
+    row_of = {int(t): i for i, t in enumerate(kept)}
+    for j in (0, 2, 1, 3):
+        want = src[row_of[int(ours[j])]] if j % 2 == 0 else src.float().mean(0).to(src.dtype)
+        assert torch.equal(got["lm_head.weight"][j], want)
+    assert torch.equal(got["d2t"], d2t03)
+
+
+def test_init_refused_before_anything_is_written(upstream, trained, tmp_path):
+    work = fresh_work(upstream, tmp_path)
+    cfg = json.loads((trained / "config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((trained / "model.safetensors").read_bytes())
+    (bad / "config.json").write_text(json.dumps({**cfg, "eagle_aux_hidden_state_layer_ids": [2, 4, 6],
+                                                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}}))
+    with pytest.raises(StageError, match=r"capture points is h\[2, 4, 6\], expected h\[2, 4, 5\]"):
+        run(work, "--init-from", str(bad))
+    assert not (work / "04_draft").exists()
+    with pytest.raises(StageError, match="--l2sp-weight pulls toward an imported draft"):
+        run(work, "--l2sp-weight", "1")
+
+
+def test_l2sp_gradient_is_twice_the_distance():
+    w = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    a = anchors(w)
+    with torch.no_grad():
+        for p in w:
+            p.add_(torch.randn(p.shape))
+    pen = l2sp_penalty(w, a)
+    pen.backward()
+    assert torch.allclose(pen, sum(((p - q) ** 2).sum() for p, q in zip(w, a)))
+    for p, q in zip(w, a):
+        assert torch.allclose(p.grad, 2 * (p.detach() - q))
+
+
+def test_l2sp_keeps_the_fine_tune_near_the_init(upstream, trained, tmp_path):
+    init = load_file(str(trained / "model.safetensors"))
+
+    def distance(weight):
+        work = fresh_work(upstream, tmp_path / f"l{weight}")
+        run(work, "--init-from", str(trained), "--num-epochs", "2", "--l2sp-weight", str(weight))
+        got = load_file(str(work / "04_draft" / "export_sglang" / "model.safetensors"))
+        return sum(float(((got[k].float() - init[k].float()) ** 2).sum()) for k in init if init[k].is_floating_point())
+    assert distance(100.0) < 0.1 * distance(0.0)
+
+
+def test_replay_walk_counts_rounds_like_the_decoding_loop():
+    """Stored tokens 0..9, supervised from 3; the draft proposes the right token except at anchor 5."""
+    ids = torch.arange(10)[None]
+    pred = torch.stack([ids + 2 + j for j in range(3)])                # perfect: token t+2+j
+    pred[:, 0, 5] = -1                                                  # anchor 5: first proposal wrong
+    acc = accept_lengths(pred, ids)[0].tolist()
+    assert acc == [3, 3, 3, 3, 3, 0, 2, 1, 0, 0]          # proposals past the end never match
+    mask = [False] * 3 + [True] * 7
+    # pending 3 -> anchor 2 accepts 3 (4,5,6) + 7; pending 7 -> anchor 6: k_eff = min(3, 10-7-2) = 1, accepts
+    # 1 (8) + 9. Rounds: 2, tokens committed: 4 + 2.
+    assert walk_rounds(acc, mask, 3) == (6, 2)
+    pred[:, 0, 2] = -1                                                  # anchor 2 wrong too
+    acc = accept_lengths(pred, ids)[0].tolist()
+    # pending 3 -> 0 accepted + 4; pending 4 -> anchor 3: 3 (5,6,7) + 8; pending 8 -> anchor 7: k_eff 0, + 9
+    assert walk_rounds(acc, mask, 3) == (6, 3)
+
+
+def test_candidate_steps_per_epoch():
+    assert candidate_steps([10, 10, 10], 1, 30) == [10, 20, 30]
+    assert candidate_steps([10, 10], 2, 15) == [5, 10, 15]
+    assert candidate_steps([10, 10], 1, 0, with_init=True) == [0]
+
+
+def test_zero_steps_with_selection_measure_the_imported_draft(upstream, trained, tmp_path):
+    """Step 0 of the Kimi path: the public draft's replay tau on the user's own held-out split."""
+    man = run(fresh_work(upstream, tmp_path), "--init-from", str(trained), "--max-steps", "0",
+              "--candidates-per-epoch", "1")
+    assert [c["step"] for c in man["selection"]["candidates"]] == [0] and man["selection"]["chosen_replay_tau"] >= 1.0
+
+
+def test_selection_exports_the_best_candidate_and_shows_the_curve(upstream, tmp_path):
+    work = fresh_work(upstream, tmp_path)
+    man = run(work, "--num-epochs", "3", "--candidates-per-epoch", "1")
+    sel = man["selection"]
+    taus = {c["step"]: c["replay_tau"] for c in sel["candidates"]}
+    assert len(taus) == 3 and 0 not in taus and sel["chosen_replay_tau"] == max(taus.values()) and all(t >= 1.0 for t in taus.values())
+    cand = torch.load(work / "04_draft" / "candidates" / f"step_{sel['chosen_step']:06d}" / "model.pt")
+    got = load_file(str(work / "04_draft" / "export_sglang" / "model.safetensors"))
+    assert all(torch.equal(got[k], cand[k].to(got[k].dtype)) for k in cand)
+    rows = [json.loads(r) for r in (work / "04_draft" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "select"] == sorted(taus)
+
+
+def test_selection_never_holds_the_reported_prompts(upstream, tmp_path):
+    """05 reports on 01c's benchmark prompts; a work dir whose selection split holds one is refused."""
+    work = fresh_work(upstream, tmp_path)
+    args = train.parse_args(train.build_parser(), ["--work-dir", str(work), *FLAGS])
+    held = train.plan_data(args, work / "02b_hidden_states", False)
+    ids = [e[3] for e in held.data.entries]
+    selection = {ids[i] for b in held.eval_batches for i in b}
+    (work / "01c_merged").mkdir()
+    write_jsonl(work / "01c_merged" / "benchmark_prompts.jsonl", [{"id": "other/1"}])
+    train.plan_data(args, work / "02b_hidden_states", False, train.load_inputs(args).reported_ids)
+    write_jsonl(work / "01c_merged" / "benchmark_prompts.jsonl", [{"id": sorted(selection)[0]}])
+    with pytest.raises(StageError, match="selection split holds 1 of 05's benchmark prompts"):
+        run(work, "--candidates-per-epoch", "1")
