@@ -1,7 +1,8 @@
 """Benchmark the exported EAGLE-3 draft: acceptance length (tau), speed, and losslessness.
 
 Reads:  <work-dir>/04_draft/export_sglang/{config.json,model.safetensors} (+ 04_draft/manifest.json),
-        <work-dir>/01c_merged/benchmark_prompts.jsonl (+ manifest.json), the target from the manifests
+        <work-dir>/01c_merged/benchmark_prompts.jsonl (+ manifest.json), the target from the manifests;
+        reference mode: every --draft NAME=PATH (an EAGLE-3 folder, SGLang or speculators layout)
 Writes: <work-dir>/05_benchmark/reference/{metrics.json,report.md,acceptance.png,tau_by_position.png,
         manifest.json}
         <work-dir>/05_benchmark/server/{metrics.json,report.md,tokens_per_s.png,accept_length.png,
@@ -16,7 +17,9 @@ export as an engine does; tau by replay against the target's greedy continuation
 sampling at --acceptance-temperatures (common/benchmark/sampled.py), with 95% bootstrap intervals, split
 by segment, output position and source (common/benchmark/segments.py); real speculative decoding on
 --loop-prompts prompts must equal target-only decoding and its statistics the replay's. Float32; a
-target too large for this machine is refused. Mode `server` (common/benchmark/, docs/serving.md,
+target too large for this machine is refused. Each --draft is checked against the target before anything
+is written and measured next to 04's on the same prompts (common/benchmark/compare.py): tau per k and
+temperature, paired intervals for every pair, the draft to deploy. Mode `server` (common/benchmark/, docs/serving.md,
 docs/sglang.md): baseline and EAGLE-3 servers of --engine (SGLang or vLLM) per --spec-settings, each
 EAGLE-3 server preflighted (EAGLE3 / eagle3, our draft and target, aux layers, warm-up tau), checked
 against replay (--agreement-prompts); reports tok/s, TTFT, tau and the ratio to the baseline per
@@ -24,6 +27,7 @@ against replay (--agreement-prompts); reports tok/s, TTFT, tau and the ratio to 
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -31,6 +35,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.benchmark import compare as cmp
 from common.benchmark import reference as rb
 from common.benchmark.engines import ENGINES
 from common.benchmark.formatting import fmt, fmt_ci
@@ -54,6 +59,16 @@ STAGE = "05_benchmark"
 MODES = ("reference", "server")
 
 
+class Repeated(argparse.Action):
+    """A list flag that may be given more than once (`--draft a=X --draft b=Y`, or `--draft a=X b=Y`); its
+    first use on the command line replaces a preset's list instead of adding to it (the command line wins)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        fresh = current is self.default or not isinstance(current, list)   # the default or parse_args' marker
+        setattr(namespace, self.dest, ([] if fresh else current) + list(values))
+
+
 def build_parser():
     p = base_parser(__doc__)
     g = p.add_argument_group("benchmark")
@@ -62,6 +77,10 @@ def build_parser():
     g.add_argument("--num-draft-tokens", type=int, nargs="+", default=[5],
                    help="tokens k the draft proposes per verify round (several values = a sweep); "
                         "SGLang topk 1: --speculative-num-steps k, --speculative-num-draft-tokens k+1")
+    g.add_argument("--draft", nargs="+", action=Repeated, default=[], metavar="NAME=PATH",
+                   help="reference: another EAGLE-3 draft folder (SGLang or speculators layout: a public Kimi "
+                        "draft, SpecForge output, an earlier 04 export) measured next to 04's on the same "
+                        "prompts; repeatable; a preset gives a list of NAME=PATH strings")
     g.add_argument("--benchmark-max-new-tokens", type=int, default=256,
                    help="generation cap per benchmark response (tokens)")
     g.add_argument("--num-prompts", type=int, default=None,
@@ -273,9 +292,15 @@ def main(argv=None):
         args.acceptance_temperatures = [args.acceptance_temperatures]
     if any(t < 0 for t in args.acceptance_temperatures) or not 0 < args.acceptance_top_p <= 1:
         raise StageError("--acceptance-temperatures must be >= 0 and --acceptance-top-p in (0, 1]")
+    if isinstance(args.draft, str):  # a YAML scalar instead of a list
+        args.draft = [args.draft]
+    specs = cmp.parse_specs(args.draft)
+    if specs and args.mode == "server":
+        raise StageError("--draft compares drafts in reference mode; the server sweep serves 04's export only")
     out = stage_dir(args.work_dir, STAGE) / args.mode
     export_dir, m04, rows = load_inputs(args)
     target_dir = resolve_target(args.target_path, m04, stage_dir(args.work_dir, "04_train"), "04_train")
+    checked = cmp.check_drafts(specs, target_dir)  # a draft that does not fit stops 05 before it writes
     if not start_stage(out, args.overwrite, STAGE):
         return
     if args.mode == "server":
@@ -307,13 +332,16 @@ def main(argv=None):
           f"capture points {points}; {len(rows)} prompts (loop on {'all' if args.loop_prompts is None else args.loop_prompts}); "
           f"k {args.num_draft_tokens}; max {args.benchmark_max_new_tokens} new tokens; {device}")
     target, trained, untrained = load_models(target_dir, export_dir, device, args.seed)
+    extra, compared = cmp.build_drafts(checked, target.get_input_embeddings().weight.detach().cpu(), device)
+    if extra:  # 04's own draft joins the comparison under its identity as the importer reads it
+        compared = {"trained": cmp.identity(export_dir, points), **compared}
     tok = load_tokenizer(target_dir)
     text_format = load_target_format(target_dir, tok)
     eos = set(text_format.stop_ids)  # the target's end of turn and its generation config's eos ids
     cache_file = rb.replay_cache_file(args.replay_cache_dir, target_dir, args.benchmark_max_new_tokens, eos)
-    metrics, mismatches = rb.run_reference(args, target, {"trained": trained, "untrained": untrained},
+    metrics, mismatches = rb.run_reference(args, target, {"trained": trained, "untrained": untrained, **extra},
                                            rows, points, eos, cache_file, known_answers(args, target_dir, tok, text_format),
-                                           tok=tok)
+                                           tok=tok, compared=compared or None)
     write_json(out / "metrics.json", metrics)
     rb.write_report(out, metrics, {"target": target_dir, "export": export_dir,
                                    "draft_vocab_size": export_cfg["draft_vocab_size"]})
@@ -333,6 +361,8 @@ def main(argv=None):
                     f"difference {fmt_ci(e['loop_minus_replay_ci95'])} "
                     f"({'agree' if e['loop_agrees'] else 'DISAGREE'})" if "loop_tau" in e else "")
             print(f"[05] T={t} k={k}: tau {fmt(e['tau'])} {fmt_ci(e['tau_ci95'])}{loop}")
+    for line in cmp.summary_lines(metrics) if extra else []:
+        print(line)
     if mismatches:
         write_json(out / "mismatches.json", mismatches)
         raise LosslessError(f"{len(mismatches)} speculative outputs differ from target-only greedy "
@@ -346,7 +376,9 @@ def main(argv=None):
                    tau={k: e["tau"] for k, e in metrics["by_num_draft_tokens"].items()},
                    tau_ci95={k: e["tau_ci95"] for k, e in metrics["by_num_draft_tokens"].items()},
                    untrained_tau={k: e["untrained_tau"] for k, e in metrics["by_num_draft_tokens"].items()},
-                   **({"tau_by_temperature": sampled_tau} if sampled_tau else {}))
+                   **({"tau_by_temperature": sampled_tau} if sampled_tau else {}),
+                   **({"drafts": {n: {key: compared[n][key] for key in ("path", "layout", "sha256")} for n in extra},
+                       "deploy": metrics["deploy"]["draft"]} if extra else {}))
     print(f"[05] wrote {out}")
 
 

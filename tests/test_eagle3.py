@@ -389,3 +389,27 @@ def test_target_head_of_micro_target(micro_target):
     cfg = read_target_text_config(micro_target)
     assert e.shape == hd.shape == (cfg["vocab_size"], cfg["hidden_size"])
     assert not torch.equal(e, hd)
+
+
+def test_ttt_attention_float32_matmul_path_equals_the_flash_path(monkeypatch):
+    """CUDA in float32 (05's replay, the GPU exactness checks) has no flash kernel: the causal block then
+    runs in float32 matmuls with the same joint-normaliser backward. Forced here on the CPU, it gives
+    the flash path's output and gradients, grouped heads included."""
+    from common.draft import ttt_attention as ta
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 9, 8, requires_grad=True)
+    keys = [torch.randn(2, 2, 9, 8, requires_grad=True) for _ in range(3)]
+    values = [torch.randn(2, 2, 9, 8, requires_grad=True) for _ in range(3)]
+    leaves = [q, *keys, *values]
+
+    def run():
+        out = ta.ttt_attention(q, keys, values)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), leaves)
+        return out.detach(), grads
+
+    ref_out, ref_grads = run()
+    monkeypatch.setattr(ta, "_causal_forward", ta._causal_forward_math)
+    out, grads = run()
+    assert torch.allclose(out, ref_out, atol=1e-5)
+    assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(grads, ref_grads))

@@ -20,6 +20,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from common.benchmark import compare as cmp
 from common.benchmark import replay as rp
 from common.benchmark import sampled as smp
 from common.benchmark import segments as sg
@@ -111,7 +112,7 @@ class ReplaySet:
                  cache_file: Path, known=None, desc: str = "[05] target features"):
         from tqdm import tqdm
 
-        self.rows, self.max_new_tokens, self.eos = rows, max_new_tokens, eos
+        self.rows, self.points, self.max_new_tokens, self.eos = rows, list(points), max_new_tokens, eos
         self.conts, self.sources = greedy_continuations(target, rows, max_new_tokens, eos, cache_file, known)
         self.seqs, self.aux = [], []
         self.inconsistent = 0  # answer tokens the teacher-forced forward would not pick (float near-ties)
@@ -122,10 +123,12 @@ class ReplaySet:
             self.seqs.append(seq)
             self.aux.append(aux)
 
-    def replay(self, draft, ks: list[int]) -> dict[int, list[sd.SpecResult]]:
-        """{k: one SpecResult per prompt} for `draft` (one TTT forward per prompt covers every k)."""
+    def replay(self, draft, ks: list[int], points: list[int] | None = None) -> dict[int, list[sd.SpecResult]]:
+        """{k: one SpecResult per prompt} for `draft` (one TTT forward per prompt covers every k), fed the
+        features at `points` (a subset of the set's; default: all of them)."""
         out = {k: [] for k in ks}
         for row, seq, aux in zip(self.rows, self.seqs, self.aux):
+            aux = rp.select_points(aux, self.points, self.points if points is None else points)
             pred = rp.draft_predictions(draft, aux, seq, max(ks))
             for k in ks:
                 out[k].append(rp.replay(pred, seq, len(row["prompt_ids"]), k, self.max_new_tokens, self.eos))
@@ -133,18 +136,24 @@ class ReplaySet:
 
 
 def run_reference(args, target, drafts: dict, rows: list[dict], points: list[int], eos: set[int],
-                  cache_file: Path, known=None, tok=None) -> tuple[dict, list[dict]]:
-    """Returns (metrics, mismatches). drafts: {"trained": ..., "untrained": ...}; known: see
-    greedy_continuations; tok: the target's tokenizer, which also splits the trained draft's tau by
-    segment, output position and source (common/benchmark/segments.py)."""
+                  cache_file: Path, known=None, tok=None, compared: dict | None = None) -> tuple[dict, list[dict]]:
+    """Returns (metrics, mismatches). drafts: {"trained": ..., "untrained": ..., more by name}; points: the
+    capture points of trained and untrained; known: see greedy_continuations; tok: the target's tokenizer,
+    which also splits the trained draft's tau by segment, output position and source (segments.py).
+    compared: {name: identity with "capture_points"} of the drafts beyond trained/untrained (05 --draft):
+    each is replayed on features at its own points (one target forward per prompt at the union), and
+    metrics gets their side-by-side comparison with 04's (common/benchmark/compare.py)."""
     import torch
     from tqdm import tqdm
 
     ks = sorted(set(args.num_draft_tokens))
-    rs = ReplaySet(target, rows, points, args.benchmark_max_new_tokens, eos, cache_file, known)
+    draft_points = {n: c["capture_points"] for n, c in (compared or {}).items()}
+    union = rp.union_points(points, draft_points)
+    rs = ReplaySet(target, rows, union, args.benchmark_max_new_tokens, eos, cache_file, known)
     conts, sources, inconsistent = rs.conts, rs.sources, rs.inconsistent
     labels, segments = sg.label_continuations(tok, rows, conts) if tok is not None else (None, None)
-    replayed = {(name, k): results for name, draft in drafts.items() for k, results in rs.replay(draft, ks).items()}
+    replayed = {(name, k): results for name, draft in drafts.items()
+                for k, results in rs.replay(draft, ks, draft_points.get(name, points)).items()}
     del rs
     loop_rows = rows if args.loop_prompts is None else rows[:args.loop_prompts]
     loop_drafts = {n: d for n, d in drafts.items() if n == "trained" or args.loop_untrained}
@@ -195,6 +204,7 @@ def run_reference(args, target, drafts: dict, rows: list[dict], points: list[int
         "mode": "reference", "device": str(target.device), "dtype": "float32", "num_prompts": len(rows),
         "prompt_ids": [r["id"] for r in rows], "max_new_tokens": args.benchmark_max_new_tokens,
         "capture_points": points, "num_draft_tokens": ks,
+        **({"feature_capture_points": union} if union != points else {}),
         "num_continuation_tokens": sum(len(c) for c in conts), "continuation_sources": sources,
         "continuation_tokens_not_teacher_forced_argmax": inconsistent,
         "loop_prompts": len(loop_rows), "lossless": not mismatches if loop_rows else None,
@@ -205,8 +215,12 @@ def run_reference(args, target, drafts: dict, rows: list[dict], points: list[int
     }
     if segments is not None:
         metrics["segments"] = segments
+    sampled_totals = {}  # temperature -> name -> k -> per-prompt totals (the comparison's, not metrics')
     if any(t > 0 for t in args.acceptance_temperatures):  # acceptance under sampling (sampled.py)
-        metrics["sampled"] = smp.run_sampled(args, target, drafts, rows, points, eos, cache_file)
+        metrics["sampled"] = smp.run_sampled(args, target, drafts, rows, points, eos, cache_file, draft_points)
+        sampled_totals = {t: bt.pop("prompt_totals") for t, bt in metrics["sampled"]["by_temperature"].items()}
+    if compared:
+        metrics.update(cmp.compare_drafts(args, replayed, sampled_totals, compared, labels, rows))
     return metrics, mismatches
 
 
@@ -272,6 +286,8 @@ def write_report(out: Path, metrics: dict, info: dict) -> None:
         lines += smp.report_lines(m)
     if "segments" in m:
         lines += sg.report_lines(m)
+    if "drafts" in m:
+        lines += cmp.report_lines(m)
     with atomic_path(out / "report.md") as tmp:
         tmp.write_text("\n".join(lines))
 

@@ -31,6 +31,20 @@ def target_features(target, seq: list[int], capture_points: list[int]) -> tuple[
     return aux, logits[0].argmax(-1).tolist()
 
 
+def union_points(points: list[int], draft_points: dict | None) -> list[int]:
+    """The points to capture once so every draft finds its own: `points` and each of `draft_points`'
+    values ({name: points}, drafts that read others), ascending."""
+    return sorted(set(points).union(*(draft_points or {}).values()))
+
+
+def select_points(aux: torch.Tensor, have: list[int], want: list[int]) -> torch.Tensor:
+    """aux [.., len(have) * H] captured at `have` -> the columns of `want` (a subset), in want's order:
+    the features a draft reading `want` gets from one forward at the union of every draft's points."""
+    if list(want) == list(have):
+        return aux
+    return aux.unflatten(-1, (len(have), -1))[..., [have.index(p) for p in want], :].flatten(-2)
+
+
 @torch.no_grad()
 def draft_predictions(draft, aux: torch.Tensor, seq: list[int], num_steps: int) -> torch.Tensor:
     """[K, L] target ids: row j, column t = the draft's greedy proposal for token t+2+j at anchor t,

@@ -204,23 +204,30 @@ def expected_stats(results: list[Expected], k: int) -> dict:
 
 
 def replay_prompt(target, drafts: dict, seq: list[int], num_prompt: int, points: list[int],
-                  params: sd.SamplingParams, ks: list[int], max_new_tokens: int, eos: set[int]):
-    """({draft name: {k: Expected}}, off-support tokens) for one prompt + continuation: one target forward,
-    one TTT forward per draft."""
-    aux, probs = target_probs(target, seq, points, params)
+                  params: sd.SamplingParams, ks: list[int], max_new_tokens: int, eos: set[int],
+                  draft_points: dict | None = None):
+    """({draft name: {k: Expected}}, off-support tokens) for one prompt + continuation: one target forward
+    (at the union of `points` and `draft_points`), one TTT forward per draft (fed its own points from
+    draft_points, else `points`)."""
+    draft_points = draft_points or {}
+    union = rp.union_points(points, draft_points)
+    aux, probs = target_probs(target, seq, union, params)
     out = {}
     for name, draft in drafts.items():
-        accept, alpha = acceptance_tables(draft, aux, seq, probs, params, max(ks))
+        own = rp.select_points(aux, union, draft_points.get(name, points))
+        accept, alpha = acceptance_tables(draft, own, seq, probs, params, max(ks))
         accept, alpha = accept.tolist(), alpha.tolist()
         out[name] = {k: expected_rounds(accept, alpha, seq, num_prompt, k, max_new_tokens, eos) for k in ks}
     return out, off_support(probs, seq, num_prompt)
 
 
 def run_sampled(args, target, drafts: dict, rows: list[dict], points: list[int], eos: set[int],
-                greedy_cache_file: Path) -> dict:
+                greedy_cache_file: Path, draft_points: dict | None = None) -> dict:
     """05's reference block for every temperature > 0 in --acceptance-temperatures: replay tau (trained,
     untrained) with a bootstrap interval over prompts, and the sampled loop on the first
-    --acceptance-loop-prompts prompts against the replay's prediction on the same prompts."""
+    --acceptance-loop-prompts prompts against the replay's prediction on the same prompts. Every draft in
+    `drafts` is replayed (draft_points: see replay_prompt; the loop runs trained at `points`); each
+    temperature's "prompt_totals" holds {name: {k: (per-prompt emitted, per-prompt rounds)}} of all."""
     from tqdm import tqdm
 
     ks = sorted(set(args.num_draft_tokens))
@@ -237,16 +244,17 @@ def run_sampled(args, target, drafts: dict, rows: list[dict], points: list[int],
         off_support = 0
         for row, cont in tqdm(list(zip(rows, conts)), desc=f"[05] sampled replay T={temp:g}", unit="prompt"):
             res, off = replay_prompt(target, drafts, row["prompt_ids"] + cont, len(row["prompt_ids"]), points,
-                                     params, ks, max_new, eos)
+                                     params, ks, max_new, eos, draft_points)
             off_support += off
             for name in drafts:
                 for k in ks:
                     per[name][k].append(res[name][k])
+        totals = {name: {k: ([r.emitted for r in per[name][k]], [r.rounds for r in per[name][k]]) for k in ks}
+                  for name in drafts}
         by_k = {}
         for k in ks:
             t, u = expected_stats(per["trained"][k], k), expected_stats(per["untrained"][k], k)
-            num, den = [r.emitted for r in per["trained"][k]], [r.rounds for r in per["trained"][k]]
-            unum, uden = [r.emitted for r in per["untrained"][k]], [r.rounds for r in per["untrained"][k]]
+            (num, den), (unum, uden) = totals["trained"][k], totals["untrained"][k]
             by_k[str(k)] = {"tau": t["tau"], "tau_ci95": list(rp.bootstrap_ratio(num, den, seed=args.seed)),
                             "untrained_tau": u["tau"],
                             "untrained_tau_ci95": list(rp.bootstrap_ratio(unum, uden, seed=args.seed)),
@@ -259,7 +267,8 @@ def run_sampled(args, target, drafts: dict, rows: list[dict], points: list[int],
                                                params, k, points, max_new, eos, args.seed))
         out["by_temperature"][f"{temp:g}"] = {
             "num_continuation_tokens": sum(len(c) for c in conts),
-            "continuation_tokens_off_replay_top_p": off_support, "by_num_draft_tokens": by_k}
+            "continuation_tokens_off_replay_top_p": off_support, "by_num_draft_tokens": by_k,
+            "prompt_totals": totals}
     return out
 
 

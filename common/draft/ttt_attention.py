@@ -56,23 +56,56 @@ def _causal_forward(q, k, v, scale: float):
     native_functions.yaml / derivatives.yaml (`_scaled_dot_product_flash_attention[_for_cpu]`)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-        return out, lse, ()
+        return out, lse, ()                  # () = the flash kernel made it; None = the float32 matmuls
     if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
         out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, True, False, scale=scale)
         return out, lse, (cum_q, cum_k, max_q, max_k, rng, unused)
-    raise ValueError(f"TTT attention runs on CPU, or on CUDA in bf16/fp16; got {q.device.type} {q.dtype} "
-                     "(use --precision bf16 on CUDA)")
+    return _causal_forward_math(q, k, v, scale)
+
+
+def _causal_forward_math(q, k, v, scale: float):
+    """The same in plain float32 matmuls, for what the flash kernels do not take (CUDA in float32: 05's
+    reference replay and the exactness checks on a GPU). It holds [B, nh, T, T] scores: fine for checks
+    and batch-1 replay, not for training at long T (04 trains in bf16 on CUDA)."""
+    s = _causal_scores(q, k, scale)                                                    # [B, nh, T, T]
+    lse = s.logsumexp(-1)
+    out = (s - lse.unsqueeze(-1)).exp_() @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).float()
+    return out.to(q.dtype), lse, None
+
+
+def _causal_scores(q, k, scale: float):
+    rep = q.shape[1] // k.shape[1]
+    s = (q.float() @ k.repeat_interleave(rep, dim=1).float().transpose(-1, -2)) * scale
+    t = q.shape[2]
+    return s.masked_fill_(~torch.ones(t, t, dtype=torch.bool, device=q.device).tril(), float("-inf"))
 
 
 def _causal_backward(dout, q, k, v, out, lse, extra, scale: float):
     """(dq, dk, dv) of causal attention for the given softmax normaliser `lse` and output `out`."""
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and extra is not None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, True, scale=scale)
+    if extra is None:
+        return _causal_backward_math(dout, q, k, v, out, lse, scale)
     cum_q, cum_k, max_q, max_k, rng, unused = extra
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale)
+
+
+def _causal_backward_math(dout, q, k, v, out, lse, scale: float):
+    """_causal_backward in float32 matmuls: P = exp(S - lse), dS = P (dout . v^T - rowsum(dout * out)),
+    the same formula the flash backward applies to the joint `out` and `lse`; grouped heads summed back."""
+    b, nkv, t, d = k.shape
+    rep = q.shape[1] // nkv
+    p = (_causal_scores(q, k, scale) - lse.unsqueeze(-1)).exp_()                        # [B, nh, T, T]
+    g = dout.float()
+    ds = p * (g @ v.repeat_interleave(rep, dim=1).float().transpose(-1, -2)
+              - torch.linalg.vecdot(g, out.float()).unsqueeze(-1))
+    dq = ds @ k.repeat_interleave(rep, dim=1).float() * scale
+    dk = (ds.transpose(-1, -2) @ q.float() * scale).view(b, nkv, rep, t, d).sum(2)
+    dv = (p.transpose(-1, -2) @ g).view(b, nkv, rep, t, d).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _CausalPlusDiagonal(torch.autograd.Function):
