@@ -104,6 +104,15 @@ def legacy_ttt_loss(step_logits, teacher, loss_mask, decay=0.8):
 
 # ---- part 1: one variant in this process ----
 
+def random_vocab_mapping(vocab: int, draft_vocab: int, generator=None):
+    """(d2t [Dv], t2d [V]) of a draft vocab of `draft_vocab` random target ids, as 03 stores them."""
+    import torch
+    used = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    return used - torch.arange(draft_vocab), t2d
+
+
 def intermediate_of(args) -> int:
     return args.intermediate_size or max(128, round(18432 / 7168 * args.hidden / 128) * 128)
 
@@ -123,10 +132,9 @@ def make_step(args, seq_len: int, variant: str):
            "intermediate_size": intermediate_of(args), "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
            "max_position_embeddings": 32768, "vocab_size": args.vocab, "draft_vocab_size": args.draft_vocab}
     model = Eagle3DraftModel(cfg)
-    used = torch.randperm(args.vocab)[:args.draft_vocab].sort().values
-    t2d = torch.zeros(args.vocab, dtype=torch.bool)
-    t2d[used] = True
-    model.set_vocab_mapping(used - torch.arange(args.draft_vocab), t2d)
+    d2t, t2d = random_vocab_mapping(args.vocab, args.draft_vocab)
+    used = torch.arange(args.draft_vocab) + d2t
+    model.set_vocab_mapping(d2t, t2d)
     model.to(device).train()
     bf16 = variant in ("bf16", "topk") or (variant == "today" and device.type == "cuda")  # today: autocast on CUDA
     if bf16:
@@ -233,43 +241,70 @@ def child_flags(args) -> list[str]:
 # ---- part 2: the 04 stage on synthetic upstream folders ----
 
 def synthetic_work_dir(args, seq_len: int, num_samples: int, root: Path) -> Path:
-    """02b shards (random bf16 features), a 03 mapping and a target folder holding only what 04 reads
-    (config.json, a tokenizer file, embed_tokens and lm_head), with manifests as 02b and 03 write them."""
+    """A target folder holding only what 04 reads and 02b/03 folders of random bf16 features (the bench's
+    shape: a DeepSeek-V3-like config of args' sizes)."""
+    target = synthetic_target(root / "target", {
+        "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": args.hidden, "num_attention_heads": args.heads,
+        "intermediate_size": intermediate_of(args), "vocab_size": args.vocab, "rope_theta": 50000.0,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "num_hidden_layers": 8, "tie_word_embeddings": False})
+    return synthetic_upstream(root / "work", target, seq_len, num_samples, args.draft_vocab, args.supervised_share)
+
+
+def synthetic_target(target: Path, config: dict, prefix: str = "", device: str = "cpu") -> Path:
+    """A target folder holding only what 04 reads: `config` as config.json (text fields at its top level
+    or under text_config, as Kimi-K2.5 has them), a tokenizer file, and random bf16 embed_tokens and
+    lm_head under `prefix` (Kimi-K2.5: "language_model."), drawn on `device` (fast on a GPU)."""
     import torch
     from safetensors.torch import save_file
 
-    from common.target.shards import shard_name, write_shard
-    from common.stage import target_identity, tokenizer_identity, write_manifest
-    target, work = root / "target", root / "work"
+    from common.target.head import EMBED_NAME, HEAD_NAME
+    text = config.get("text_config") or config
+    h, v = text["hidden_size"], text["vocab_size"]
     target.mkdir(parents=True)
-    h, v, dv = args.hidden, args.vocab, args.draft_vocab
-    (target / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": h, "num_attention_heads": args.heads,
-        "intermediate_size": intermediate_of(args), "vocab_size": v, "rope_theta": 50000.0, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 32768, "tie_word_embeddings": False}))
+    (target / "config.json").write_text(json.dumps(config))
     (target / "tokenizer_config.json").write_text("{}\n")
-    g = torch.Generator().manual_seed(0)
-    save_file({"model.embed_tokens.weight": torch.randn(v, h, generator=g).to(torch.bfloat16),
-               "lm_head.weight": (torch.randn(v, h, generator=g) / h ** 0.5 * 4).to(torch.bfloat16)},
-              str(target / "model.safetensors"))
+    g = torch.Generator(device).manual_seed(0)
+    embed = torch.randn(v, h, generator=g, device=device).to(torch.bfloat16).cpu()
+    head = (torch.randn(v, h, generator=g, device=device) / h ** 0.5 * 4).to(torch.bfloat16).cpu()
+    save_file({prefix + EMBED_NAME: embed, prefix + HEAD_NAME: head}, str(target / "model.safetensors"))
+    return target
+
+
+def synthetic_upstream(work: Path, target: Path, seq_len: int, num_samples: int, draft_vocab: int,
+                       supervised_share: float, features=None, device: str = "cpu") -> Path:
+    """02b shards of `num_samples` random samples of `seq_len` tokens (the last `supervised_share` of each
+    supervised) in feature format `features` (default bf16 + final), and a 03 mapping of `draft_vocab`
+    random ids, with manifests as 02b and 03 write them, for `target`. A top-k teacher is computed from
+    the random final states by the target's lm_head on `device`, as 02b does."""
+    import torch
+    from safetensors.torch import save_file
+
+    from common.stage import target_identity, tokenizer_identity, write_manifest
+    from common.target.capture import default_capture_points
+    from common.target.head import load_target_head, read_target_text_config
+    from common.target.shards import FeatureFormat, shard_name, write_shard
+    text = read_target_text_config(target)
+    h, v, layers = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
+    features = features or FeatureFormat()
+    lm_head = (load_target_head(target, torch.bfloat16, device)[1] if features.teacher == "topk" else None)
     ident = {"tokenizer": tokenizer_identity(target), "target": target_identity(target)}
-    hs = work / "02b_hidden_states"
+    hs, g = work / "02b_hidden_states", torch.Generator(device).manual_seed(1)
     per_shard = 4
     for s in range(0, num_samples, per_shard):
-        samples = [{"id": f"bench/{i}", "input_ids": torch.randint(0, v, (seq_len,), generator=g),
-                    "loss_mask": torch.arange(seq_len) >= round((1 - args.supervised_share) * seq_len),
-                    "aux": torch.randn(seq_len, 3 * h, generator=g), "final": torch.randn(seq_len, h, generator=g)}
+        samples = [{"id": f"bench/{i}", "input_ids": torch.randint(0, v, (seq_len,), generator=g, device=device).cpu(),
+                    "loss_mask": torch.arange(seq_len) >= round((1 - supervised_share) * seq_len),
+                    "aux": torch.randn(seq_len, 3 * h, generator=g, device=device).cpu(),
+                    "final": torch.randn(seq_len, h, generator=g, device=device).cpu()}
                    for i in range(s, min(s + per_shard, num_samples))]
-        write_shard(hs / shard_name(s // per_shard), samples)
-    write_manifest(hs, "02b_extract_hidden_states_sglang", argparse.Namespace(), capture_points=[2, 4, 5],
-                   hidden_size=h, num_hidden_layers=8, vocab_size=v, **ident)
-    used = torch.randperm(v, generator=g)[:dv].sort().values
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[used] = True
+        write_shard(hs / shard_name(s // per_shard), samples, features=features, lm_head=lm_head)
+    write_manifest(hs, "02b_extract_hidden_states_sglang", argparse.Namespace(),
+                   capture_points=default_capture_points(layers), hidden_size=h, num_hidden_layers=layers,
+                   vocab_size=v, feature_format=features.as_dict(), **ident)
+    d2t, t2d = random_vocab_mapping(v, draft_vocab, torch.Generator().manual_seed(2))
     vocab_dir = work / "03_vocab"
     vocab_dir.mkdir()
-    save_file({"d2t": used - torch.arange(dv), "t2d": t2d}, str(vocab_dir / "vocab_mapping.safetensors"))
-    write_manifest(vocab_dir, "03_build_vocab_mapping", argparse.Namespace(), draft_vocab_size=dv,
+    save_file({"d2t": d2t, "t2d": t2d}, str(vocab_dir / "vocab_mapping.safetensors"))
+    write_manifest(vocab_dir, "03_build_vocab_mapping", argparse.Namespace(), draft_vocab_size=draft_vocab,
                    vocab_size=v, **ident)
     return work
 
