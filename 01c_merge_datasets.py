@@ -31,6 +31,7 @@ from common.config import base_parser, parse_args
 from common.io import iter_jsonl, write_json, write_jsonl
 from common.stage import (StageError, check_same_tokenizer, input_manifests, require_complete, resolve_target,
                           stage_dir, start_stage, tokenizer_identity, write_manifest)
+from common.text.repetition import loop_period
 from common.text.tokenizer import load_tokenizer
 
 STAGE, UPSTREAM = "01c_merge_datasets", "01b_generate_synthetic"
@@ -291,6 +292,9 @@ def training_samples(selected: list[tuple], ids_at: dict, tok, batch_size: int, 
                 s["num_prompt_tokens"] += n_p
                 s["num_response_tokens"] += n_c
                 s["max_seq_len"] = max(s["max_seq_len"], n_p + n_c)
+                looped = loop_period(c) > 0  # a tail that repeats one stretch (common/text/repetition.py)
+                s["repetition_loops"] += looped
+                s["repetition_loops_at_the_cap"] += looped and r.get("finish_reason") == "length"
                 lengths.append(n_p + n_c)
                 yield {"id": r["id"], "source": r["source"], "input_ids": p + c,
                        "loss_mask": [0] * n_p + [1] * n_c, "seq_len": n_p + n_c,
@@ -337,7 +341,7 @@ def main(argv=None):
                   "emitted_ids_differ_from_retokenized": emitted_differ[name],
                   "benchmark_prompts": sum(r["source"] == name for r in bench)} for name in names}
     totals = {k: sum(stats[n][k] for n in names)
-              for k in ("num_samples", "num_tokens", "num_prompt_tokens", "num_response_tokens")}
+              for k in ("num_samples", "num_tokens", "num_prompt_tokens", "num_response_tokens", "repetition_loops")}
     result = {**totals, "num_input_rows": len(rows), "num_benchmark_prompts": len(bench_out),
               "dropped": dict(sum((dropped[n] for n in names), Counter())), "seconds": round(time.time() - t0, 2)}
     write_json(out / "stats.json", {"totals": result, "per_source": per,

@@ -128,8 +128,8 @@ def test_resume_with_other_settings_is_refused(prepared, micro_target, tmp_path)
         gen.main(args(work, server))
         tok_sha = read_json(work / "01_prepared" / "manifest.json")["tokenizer"]["sha256"]
         settings = {"backend": "openai", "model": "micro-target", "max_new_tokens": 40, "temperature": 0.0,
-                    "seed": None, "tokenizer_sha256": tok_sha, "stop": ["<|im_end|>"], "max_context": 200,
-                    "long_context": None}
+                    "seed": None, "top_p": None, "tokenizer_sha256": tok_sha, "stop": ["<|im_end|>"],
+                    "max_context": 200, "long_context": None}
         assert all(r["settings"] == settings for r in rows(work))  # in every record...
         assert read_json(folder(work) / "manifest.json")["settings"] == [settings]  # ...and the manifest
         reopen(work, 8)
@@ -178,3 +178,15 @@ def test_settings_conflicts_unit():
     assert settings_conflicts([{**now, "model": "k2"}], now, skip=("model",)) == []
     assert settings_conflicts([{"tokenizer_sha256": "u"}], now) == ["tokenizer_sha256 'u' (now 't')"]
     assert settings_conflicts([None], now) == ["records without settings (written by an older 01b)"]
+
+
+def test_sampled_requests_pin_top_p_and_seed():
+    """A sampled request names its top-p (a server's generation_config default would apply otherwise);
+    a greedy one sends neither top-p nor seed."""
+    from common.generation.server_pool import ServerPool
+
+    pool = ServerPool(["http://127.0.0.1:9/v1"], "m", temperature=1.0, seed=7, top_p=0.95)
+    body = pool.completion_body("hi", 8)
+    assert (body["temperature"], body["top_p"], body["seed"]) == (1.0, 0.95, 7)
+    greedy = pool.completion_body("hi", 8, temperature=0.0)
+    assert "top_p" not in greedy and "seed" not in greedy

@@ -188,3 +188,14 @@ def test_refusals(generated, other_micro_target, tmp_path):
     (work / "01b_generated" / "manifest.json").unlink()
     with pytest.raises(StageError, match="incomplete"):
         merge.main(["--work-dir", str(work)])
+
+
+def test_repetition_loop_period():
+    from common.text.repetition import loop_period
+
+    prose = list(range(200))
+    assert loop_period(prose) == 0
+    assert loop_period(prose + [7, 8, 9] * 30) == 3                 # a 3-token stretch, 90 tokens long
+    assert loop_period(prose + [7, 8, 9] * 10) == 0                 # 30 tokens: too short a tail to call a loop
+    assert loop_period(prose + list(range(40)) * 4) == 40           # a repeated 40-token line
+    assert loop_period([5] * 70) == 1 and loop_period([5] * 40) == 0

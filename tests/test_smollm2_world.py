@@ -37,6 +37,25 @@ def test_prompt_asset_is_what_the_generator_makes():
     assert make_prompts() == shipped
 
 
+def test_stand_in_prompts_are_another_larger_distribution():
+    """The stand-in's prompts (a public draft's data, on the CPU): general chat, at least twice the in-domain
+    training set, no prompt shared with the in-domain sets, none of the in-domain held-out families, and
+    held-out subjects never in its own training prompts."""
+    from common.worlds import smollm2_general_prompts as general
+    from common.worlds.smollm2_prompts import HELD_OUT_FAMILIES, TRAIN_FAMILIES
+
+    _, shipped = builder.read_prompts_asset(builder.PROMPTS_ASSET)
+    made = general.make_prompts()
+    text = lambda rows: {r["messages"][0]["content"] for r in rows}  # noqa: E731
+    # >= 2 x the 1,508 training samples 01c keeps of the 1,600 in-domain prompts (configs/smollm2.yaml)
+    assert len(made["train"]) >= 2 * 1508 and len(made["heldout"]) == 120
+    assert not (text(made["train"]) | text(made["heldout"])) & (text(shipped["train"]) | text(shipped["held_out"]))
+    assert not text(made["train"]) & text(made["heldout"]) and len(text(made["train"])) == len(made["train"])
+    assert not set(general.FAMILIES) & (set(HELD_OUT_FAMILIES) | set(TRAIN_FAMILIES))
+    assert {r["family"] for r in made["heldout"]} <= set(general.FAMILIES) and len({r["family"] for r in made["heldout"]}) >= 8
+    assert made == general.make_prompts()                     # deterministic
+
+
 @needs_world
 def test_world_conversion_was_checked_and_files_are_split():
     m = json.loads((WORLD / "manifest.json").read_text())

@@ -16,7 +16,7 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model_path, tokenizer, stop_ids, device: str = "cpu", temperature: float = 0.0,
-                 seed: int = 0):
+                 seed: int = 0, top_p: float = 1.0):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -24,7 +24,7 @@ class HFBackend:
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         self.generator = hf_generator(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
-        self.temperature, self.seed = temperature, seed
+        self.temperature, self.seed, self.top_p = temperature, seed, top_p
         self.stop_ids = [int(i) for i in stop_ids]
         assert self.stop_ids, "HFBackend needs at least one stop id"
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
@@ -46,7 +46,7 @@ class HFBackend:
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
                 max_new_tokens=max(max_new_tokens), do_sample=sample,
-                temperature=self.temperature if sample else None, top_p=None, top_k=None,
+                temperature=self.temperature if sample else None, top_p=self.top_p if sample else None, top_k=None,
                 eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
         gen = out[:, width:].tolist()                                                  # [B, new]
         stops = set(self.stop_ids)

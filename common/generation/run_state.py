@@ -11,7 +11,7 @@ generation settings, and totals over all runs.
   drop_duplicate_ids(path)   repair a generated.jsonl that holds an id twice (first record wins).
   generation_settings(...)   what decides a record's text: backend, the model the server reported,
                              --max-new-tokens, --max-context, --long-context (they cap every request),
-                             --temperature, --seed (sampling only), the tokenizer and
+                             --temperature, --top-p and --seed (sampling only), the tokenizer and
                              chat template (their hash) and the stop strings. Stored in every record
                              and the manifest; `settings_conflicts` finds records made otherwise, and
                              01b refuses such a resume unless --allow-mixed-settings.
@@ -106,12 +106,13 @@ def drop_duplicate_ids(path: str | Path) -> int:
 
 def generation_settings(backend: str, model: str | None, max_new_tokens: int, temperature: float, seed: int,
                         tokenizer_sha256: str, stop: Iterable[str] = (), max_context: int | None = None,
-                        long_context: int | None = None) -> dict:
+                        long_context: int | None = None, top_p: float = 1.0) -> dict:
     """The settings that decide a generated record's text (see the module doc). max_context and
     long_context belong here: a request's cap is min(max_new_tokens, context - prompt tokens), so a
     resume with another context silently changes every later answer's length."""
     return {"backend": backend, "model": model, "max_new_tokens": max_new_tokens, "temperature": temperature,
-            "seed": seed if temperature > 0 else None, "tokenizer_sha256": tokenizer_sha256, "stop": list(stop),
+            "seed": seed if temperature > 0 else None, "top_p": top_p if temperature > 0 else None,
+            "tokenizer_sha256": tokenizer_sha256, "stop": list(stop),
             "max_context": max_context, "long_context": long_context}
 
 

@@ -87,11 +87,12 @@ class ServerPool:
                  temperature: float = 0.0, seed: int | None = None, special_tokens: dict[int, str] | None = None,
                  request_timeout: float = 1800.0, max_retries: int = 3, retry_base_delay: float = 1.0,
                  retry_max_delay: float = 60.0, health_interval: float = 5.0, health_timeout: float = 30.0,
-                 server_down_timeout: float = 3600.0, stop: list[str] | None = None):
+                 server_down_timeout: float = 3600.0, stop: list[str] | None = None, top_p: float = 1.0):
         self.servers = [Server(u) for u in urls]
         # The target's end-of-turn string(s) (common/text/target_format.py); Kimi's <|im_end|> by default.
         self.stop = list(stop) if stop else [IM_END]
         self.model, self.api_key, self.temperature, self.seed = model, api_key, temperature, seed
+        self.top_p = top_p
         self.special_tokens = special_tokens or {}
         self.request_timeout, self.max_retries = request_timeout, max_retries
         self.retry_base_delay, self.retry_max_delay = retry_base_delay, retry_max_delay
@@ -224,8 +225,10 @@ class ServerPool:
                 # vLLM (>= 0.10.2): also return the emitted ids as choices[0].token_ids. SGLang 0.5.14's
                 # /v1/completions has no such field (only its native /generate returns output_ids).
                 "return_token_ids": True}
-        if self.seed is not None and temperature > 0:
-            body["seed"] = self.seed
+        if temperature > 0:   # pinned: a server's generation_config default would apply otherwise
+            body["top_p"] = self.top_p
+            if self.seed is not None:
+                body["seed"] = self.seed
         return body
 
     async def generate(self, prompt_text: str, max_new_tokens: int, errors: Counter | None = None) -> dict:

@@ -1,0 +1,217 @@
+"""Warm start from a public draft, on the CPU: does fine-tuning a draft trained on other, larger data beat
+training from zero on the user's own, and what does it forget?
+
+SmolLM2-135M stands in for Kimi-K2.5; a stand-in for the public draft is trained on general chat
+(common/worlds/smollm2_general_prompts.py: 3,080 samples, twice the in-domain set, disjoint prompts, no
+in-domain family; SmolLM2's answers shipped in assets/smollm2/general_responses.jsonl.gz). Then, at each
+--shares of the in-domain coding set (the base work dir of `make bench-real`), three drafts are trained:
+  scratch     04 from a random init (the preset's recipe)
+  warm        04 --init-from the stand-in (vocab mapped onto the in-domain 03 vocab)
+  warm_l2sp   the same with --l2sp-weight
+each with --candidates-per-epoch 1 (the export is the selected candidate; for warm starts the stand-in
+itself is candidate 0). --epochs-curve N adds scratch and warm at the full size for N epochs: their
+selection rows give replay tau per epoch on 04's held-out split, and the chosen epoch.
+Every draft, the stand-in included, is measured by 05 reference mode side by side (`--draft`): on the
+in-domain held-out prompts (four families never trained on) and on the stand-in's own held-out prompts
+(forgetting), greedy and at T 1.0 / top-p 0.95, k = 3, 5, 7, with paired 95% intervals.
+
+Each stage and row is a work dir under --out that is skipped when complete, so the study resumes after a
+kill and can be spread over several sessions (`--only standin`, `--only rows`, `--only eval`). Costs on
+a 2-core AVX2 CPU in fp32: 02b of the stand-in ~0.5 h, its 04 ~1.5 h at one sample per step, each row
+~0.25-1 h; pass --train-flags max-samples-per-batch=8 batch-tokens=2048 to trade some tau for ~2x speed
+(docs/results.md says which was used).
+
+  python benchmarks/warm_start_study.py --base runs/smollm2 --out runs/warm_start_study
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import draft_rows as dr  # noqa: E402
+
+WORLD_DATA = REPO / "build" / "smollm2" / "data"
+GENERAL_RESPONSES = REPO / "assets" / "smollm2" / "general_responses.jsonl.gz"
+GENERAL_HELDOUT = REPO / "assets" / "smollm2" / "general_heldout_responses.jsonl.gz"
+VARIANTS = ("scratch", "warm", "warm_l2sp")
+UPSTREAM = ("01c_merged", "02b_hidden_states", "03_vocab")
+
+
+def stage(name: str):
+    return importlib.import_module(name)
+
+
+def build_standin_base(work: Path, config: Path) -> None:
+    """01 -> 03 on the general set: its answers come from the shipped cache (01b's openai backend is never
+    asked: every prompt is a cache hit), its held-out prompts are benchmark-only."""
+    for name in ("general_train.jsonl", "general_heldout.jsonl"):
+        if not (WORLD_DATA / name).is_file():
+            raise SystemExit(f"{WORLD_DATA / name} is missing: rebuild the world with "
+                             "`python 00_build_smollm2_world.py --config configs/smollm2.yaml --overwrite`")
+    datasets = json.dumps([
+        {"name": "general", "adapter": "messages", "path": str(WORLD_DATA / "general_train.jsonl")},
+        {"name": "general_heldout", "adapter": "messages", "path": str(WORLD_DATA / "general_heldout.jsonl"),
+         "benchmark-only": True}])
+    common = ["--config", str(config), "--work-dir", str(work)]
+    stage("01_prepare_datasets").main([*common, "--datasets", datasets, "--max-new-tokens", "160"])
+    stage("01b_generate_synthetic").main([*common, "--datasets", datasets, "--max-new-tokens", "160",
+                                          "--generation-backend", "openai", "--response-cache", str(GENERAL_RESPONSES),
+                                          "--server-url", "http://127.0.0.1:9/v1", "--served-model-name", "smollm2"])
+    stage("01c_merge_datasets").main(common)
+    stage("02b_extract_hidden_states_sglang").main([*common, "--capture-backend", "hf", "--device", "cpu"])
+    stage("03_build_vocab_mapping").main(common)
+
+
+def num_train(work: Path, config: Path) -> int:
+    """Training samples of a work dir: all 02b samples but 04's held-out split (by id hash)."""
+    m = stage("04_train")
+    args = m.parse_args(m.build_parser(), ["--config", str(config), "--work-dir", str(work)])
+    return m.plan_data(args, work / "02b_hidden_states", False).num_train
+
+
+def row_flags(variant: str, share_samples: int | None, standin: Path, args) -> dict:
+    flags = {"seed": args.seed, "candidates-per-epoch": 1, **dict(f.split("=", 1) for f in args.train_flags)}
+    if share_samples is not None:
+        flags["max-train-samples"] = share_samples
+    if variant != "scratch":
+        flags.update({"init-from": str(standin), "init-vocab": "map"})
+    if variant == "warm_l2sp":
+        flags["l2sp-weight"] = args.l2sp_weight
+    return flags
+
+
+def rows(args, standin: Path) -> dict[str, dict]:
+    """{row name: 04 flags} of every in-domain row."""
+    total = num_train(args.base, args.config)
+    out = {f"{v}_{share:g}": row_flags(v, max(1, round(share * total)), standin, args)
+           for share in sorted(args.shares) for v in VARIANTS}
+    if args.epochs_curve:
+        for v in ("scratch", "warm"):
+            out[f"{v}_epochs{args.epochs_curve}"] = {**row_flags(v, None, standin, args),
+                                                     "num-epochs": args.epochs_curve}
+    return out
+
+
+def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], args, response_cache: Path) -> dict:
+    """05 reference in `eval_dir` (base's 01c, `ours` as 04) with every other draft side by side."""
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    dr.link(base, eval_dir, ("01c_merged",))
+    if not (eval_dir / "04_draft").exists():
+        os.symlink(ours.resolve(), eval_dir / "04_draft")
+    specs = [f"{n}={p}" for n, p in drafts.items()]
+    stage("05_benchmark").main([
+        "--config", str(args.config), "--work-dir", str(eval_dir), "--overwrite", "--loop-prompts", "0",
+        "--acceptance-loop-prompts", "0", "--num-draft-tokens", *map(str, args.num_draft_tokens),
+        "--response-cache", str(response_cache), "--cpu-threads", str(args.threads), "--draft", *specs])
+    return json.loads((eval_dir / "05_benchmark" / "reference" / "metrics.json").read_text())
+
+
+def main(argv=None):
+    p = dr.parser(__doc__, "in-domain work dir with 01c, 02b, 03 complete (make bench-real's runs/smollm2)")
+    p.add_argument("--shares", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="in-domain shares")
+    p.add_argument("--l2sp-weight", type=float, default=0.01, help="the warm_l2sp rows' --l2sp-weight")
+    p.add_argument("--epochs-curve", type=int, default=6, help="epochs of the full-size curve rows (0: none)")
+    p.add_argument("--train-flags", nargs="*", default=[], metavar="FLAG=VALUE", help="extra 04 flags, every row")
+    p.add_argument("--only", choices=("standin", "rows", "eval"), default=None, help="do one part and stop")
+    args = p.parse_args(argv)
+    standin_work = args.out / "standin"
+    if args.only in (None, "standin"):
+        build_standin_base(standin_work, args.config)
+        dr.train(standin_work, args.config, {"seed": args.seed, **dict(f.split("=", 1) for f in args.train_flags)})
+    standin = standin_work / "04_draft" / "export_sglang"
+    todo = rows(args, standin)
+    if args.only in (None, "rows"):
+        for name, flags in todo.items():
+            work = args.out / "rows" / name
+            dr.link(args.base, work, UPSTREAM)
+            print(f"[study] row {name}: {' '.join(dr.argv_of(flags))}", flush=True)
+            dr.train(work, args.config, flags)
+    if args.only == "standin" or args.only == "rows":
+        return
+    drafts = {"standin": standin, **{n: args.out / "rows" / n / "04_draft" / "export_sglang" for n in todo}}
+    ours = args.out / "rows" / f"scratch_{max(args.shares):g}" / "04_draft"
+    in_domain = evaluate(args.out / "eval_in_domain", args.base, ours, drafts, args,
+                         REPO / "assets" / "smollm2" / "responses.jsonl.gz")
+    general = evaluate(args.out / "eval_general", standin_work, ours, drafts, args, GENERAL_HELDOUT)
+    results = {"rows": todo, "in_domain": pick(in_domain), "general": pick(general),
+               "selection": {n: selection(args.out / "rows" / n) for n in todo}}
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    table = report(results, args)
+    (args.out / "table.md").write_text(table)
+    print(table)
+
+
+def pick(metrics: dict) -> dict:
+    return {"num_prompts": metrics["num_prompts"], "drafts": metrics["drafts"], "pairs": metrics["pairs"],
+            "deploy": metrics["deploy"]}
+
+
+def selection(work: Path) -> dict:
+    """The selection record of a row's 04 manifest (candidates with replay tau, the chosen step)."""
+    return json.loads((work / "04_draft" / "manifest.json").read_text()).get("selection") or {}
+
+
+def cell(drafts: dict, name: str, t: str, k: str) -> str:
+    c = drafts[name]["tau"][t][k]
+    return f"{c['tau']:.3f} [{c['tau_ci95'][0]:.2f}, {c['tau_ci95'][1]:.2f}]"
+
+
+def relative(part: dict, a: str, b: str, t: str, k: str) -> str:
+    """(tau_a / tau_b - 1) in % with its paired interval, from the stored pair."""
+    from common.benchmark.compare import difference
+
+    d = difference(part["pairs"], a, b, t, k)
+    base = part["drafts"][b]["tau"][t][k]["tau"]
+    return (f"{100 * d['difference'] / base:+.1f}% [{100 * d['ci'][0] / base:+.1f}, "
+            f"{100 * d['ci'][1] / base:+.1f}]")
+
+
+def report(results: dict, args) -> str:
+    """table.md: tau per row (in-domain, general) at each k and temperature; warm vs scratch and vs the
+    stand-in, and forgetting (general tau vs the stand-in's), paired; the epochs curves."""
+    ind, gen = results["in_domain"], results["general"]
+    temps = sorted(ind["drafts"]["standin"]["tau"], key=float)
+    names = ["standin"] + [n for n in results["rows"]]
+    lines = ["# Warm start from a stand-in public draft (SmolLM2-135M, CPU)", "",
+             f"tau by replay, {ind['num_prompts']} in-domain held-out prompts and {gen['num_prompts']} of the "
+             "stand-in's own held-out prompts, [95% CI]; `04` = the scratch row at the full size.", ""]
+    for t in temps:
+        head = "| draft | " + " | ".join(f"in-domain k={k}" for k in args.num_draft_tokens) + " | " + \
+               " | ".join(f"general k={k}" for k in args.num_draft_tokens) + " |"
+        lines += [f"## T = {t}", "", head, "|---" * (1 + 2 * len(args.num_draft_tokens)) + "|"]
+        for n in names:
+            shown = "04" if n == f"scratch_{max(args.shares):g}" else n
+            lines.append(f"| {n} | " + " | ".join(cell(ind["drafts"], shown, t, str(k)) for k in args.num_draft_tokens)
+                         + " | " + " | ".join(cell(gen["drafts"], shown, t, str(k)) for k in args.num_draft_tokens) + " |")
+        lines.append("")
+    k = "5" if 5 in args.num_draft_tokens else str(args.num_draft_tokens[0])
+    lines += [f"## Paired at k = {k}", "", "| share | T | warm vs scratch | warm_l2sp vs scratch | warm vs stand-in "
+              "(in-domain) | forgetting: warm vs stand-in (general) | warm_l2sp vs stand-in (general) |",
+              "|---|---|---|---|---|---|---|"]
+    for share in sorted(args.shares):
+        s = f"{share:g}"
+        scratch = "04" if share == max(args.shares) else f"scratch_{s}"
+        for t in temps:
+            lines.append(f"| {s} | {t} | {relative(ind, f'warm_{s}', scratch, t, k)} | "
+                         f"{relative(ind, f'warm_l2sp_{s}', scratch, t, k)} | {relative(ind, f'warm_{s}', 'standin', t, k)} | "
+                         f"{relative(gen, f'warm_{s}', 'standin', t, k)} | {relative(gen, f'warm_l2sp_{s}', 'standin', t, k)} |")
+    curves = {n: v for n, v in results["selection"].items() if "epochs" in n and v}
+    if curves:
+        lines += ["", "## Epochs: replay tau on 04's held-out split per candidate (k = "
+                  f"{next(iter(curves.values()))['num_draft_tokens']}), chosen in bold", ""]
+        for n, sel in curves.items():
+            pts = ", ".join((f"**{c['step']}: {c['replay_tau']:.3f}**" if c["step"] == sel["chosen_step"]
+                             else f"{c['step']}: {c['replay_tau']:.3f}") for c in sel["candidates"])
+            lines.append(f"- {n}: {pts}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
