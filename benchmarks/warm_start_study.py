@@ -11,6 +11,7 @@ in-domain family; SmolLM2's answers shipped in assets/smollm2/general_responses.
 each with --candidates-per-epoch 1 (the export is the selected candidate; for warm starts the stand-in
 itself is candidate 0). --epochs-curve N adds scratch and warm at the full size for N epochs: their
 selection rows give replay tau per epoch on 04's held-out split, and the chosen epoch.
+--warm-learning-rates adds warm rows at the full size with other learning rates (the fine-tune recipe).
 Every draft, the stand-in included, is measured by 05 reference mode side by side (`--draft`): on the
 in-domain held-out prompts (four families never trained on) and on the stand-in's own held-out prompts
 (forgetting), greedy and at T 1.0 / top-p 0.95, k = 3, 5, 7, with paired 95% intervals.
@@ -92,6 +93,9 @@ def rows(args, standin: Path) -> dict[str, dict]:
     total = num_train(args.base, args.config)
     out = {f"{v}_{share:g}": row_flags(v, max(1, round(share * total)), standin, args)
            for share in sorted(args.shares) for v in VARIANTS}
+    for lr in args.warm_learning_rates:   # the fine-tune recipe, at the full size
+        out[f"warm_lr{lr:g}_{max(args.shares):g}"] = {**row_flags("warm", round(max(args.shares) * total), standin, args),
+                                                     "learning-rate": lr}
     if args.epochs_curve:
         for v in ("scratch", "warm"):
             out[f"{v}_epochs{args.epochs_curve}"] = {**row_flags(v, None, standin, args),
@@ -118,6 +122,8 @@ def main(argv=None):
     p.add_argument("--shares", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="in-domain shares")
     p.add_argument("--l2sp-weight", type=float, default=0.01, help="the warm_l2sp rows' --l2sp-weight")
     p.add_argument("--epochs-curve", type=int, default=6, help="epochs of the full-size curve rows (0: none)")
+    p.add_argument("--warm-learning-rates", type=float, nargs="*", default=[],
+                   help="extra warm rows at the full size with these learning rates (the preset's is the warm row)")
     p.add_argument("--train-flags", nargs="*", default=[], metavar="FLAG=VALUE", help="extra 04 flags, every row")
     p.add_argument("--only", choices=("standin", "rows", "eval"), default=None, help="do one part and stop")
     args = p.parse_args(argv)

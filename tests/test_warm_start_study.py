@@ -9,7 +9,7 @@ study = importlib.import_module("benchmarks.warm_start_study")
 
 def args(**kw):
     base = dict(seed=0, train_flags=["batch-tokens=2048"], l2sp_weight=0.01, shares=[0.25, 1.0],
-                epochs_curve=3, num_draft_tokens=[3, 5])
+                epochs_curve=3, num_draft_tokens=[3, 5], warm_learning_rates=[1e-4])
     return argparse.Namespace(**{**base, **kw})
 
 
