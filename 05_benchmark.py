@@ -2,7 +2,8 @@
 
 Reads:  <work-dir>/04_draft/export_sglang/{config.json,model.safetensors} (+ 04_draft/manifest.json),
         <work-dir>/01c_merged/benchmark_prompts.jsonl (+ manifest.json), the target from the manifests;
-        reference mode: every --draft NAME=PATH (an EAGLE-3 folder, SGLang or speculators layout)
+        every --draft NAME=PATH (an EAGLE-3 folder, SGLang or speculators layout; server mode: the one the
+        engine loads)
 Writes: <work-dir>/05_benchmark/reference/{metrics.json,report.md,acceptance.png,tau_by_position.png,
         manifest.json}
         <work-dir>/05_benchmark/server/{metrics.json,report.md,tokens_per_s.png,accept_length.png,
@@ -17,13 +18,13 @@ export as an engine does; tau by replay against the target's greedy continuation
 sampling at --acceptance-temperatures (common/benchmark/sampled.py), with 95% bootstrap intervals, split
 by segment, output position and source (common/benchmark/segments.py); real speculative decoding on
 --loop-prompts prompts must equal target-only decoding and its statistics the replay's. Float32; a
-target too large for this machine is refused. Each --draft is checked against the target before anything
-is written and measured next to 04's on the same prompts (common/benchmark/compare.py): tau per k and
-temperature, paired intervals for every pair, the draft to deploy. Mode `server` (common/benchmark/, docs/serving.md,
-docs/sglang.md): baseline and EAGLE-3 servers of --engine (SGLang or vLLM) per --spec-settings, each
-EAGLE-3 server preflighted (EAGLE3 / eagle3, our draft and target, aux layers, warm-up tau), checked
-against replay (--agreement-prompts); reports tok/s, TTFT, tau and the ratio to the baseline per
---bench-concurrency, and the setting to deploy with its launch line (common/benchmark/deploy.py).
+target too large for this machine is refused. Each --draft is checked against the target (and in server
+mode the engine) before anything is written, and measured next to 04's on the same prompts: tau per k and
+temperature with paired intervals (compare.py), or served. Mode `server` (docs/serving.md, docs/sglang.md):
+a baseline and, per draft (04's, every --draft) and --spec-settings, an EAGLE-3 server of --engine (SGLang,
+vLLM), preflighted (EAGLE3 / eagle3, its draft by content, our target, aux layers, warm-up tau), 04's
+checked against replay (--agreement-prompts); tok/s, TTFT, tau and the ratio to the baseline per draft and
+--bench-concurrency, and the draft and setting to deploy with its launch line (common/benchmark/deploy.py).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from transformers import AutoModelForCausalLM
 
 from common.benchmark import compare as cmp
 from common.benchmark import reference as rb
-from common.benchmark.engines import ENGINES
+from common.benchmark.engines import ENGINES, check_servable
 from common.benchmark.formatting import fmt, fmt_ci
 from common.benchmark.segments import plot_tau_by_position
 from common.benchmark.server_bench import server_main
@@ -78,9 +79,10 @@ def build_parser():
                    help="tokens k the draft proposes per verify round (several values = a sweep); "
                         "SGLang topk 1: --speculative-num-steps k, --speculative-num-draft-tokens k+1")
     g.add_argument("--draft", nargs="+", action=Repeated, default=[], metavar="NAME=PATH",
-                   help="reference: another EAGLE-3 draft folder (SGLang or speculators layout: a public Kimi "
-                        "draft, SpecForge output, an earlier 04 export) measured next to 04's on the same "
-                        "prompts; repeatable; a preset gives a list of NAME=PATH strings")
+                   help="another EAGLE-3 draft folder (SGLang or speculators layout: a public Kimi draft, SpecForge "
+                        "output, an earlier 04 export) measured next to 04's on the same prompts: replayed "
+                        "(reference) or served at every setting against the same baseline (server; SGLang loads "
+                        "the SGLang layout only); repeatable; a preset gives a list of NAME=PATH strings")
     g.add_argument("--benchmark-max-new-tokens", type=int, default=256,
                    help="generation cap per benchmark response (tokens)")
     g.add_argument("--num-prompts", type=int, default=None,
@@ -127,9 +129,9 @@ def build_parser():
                    help="vllm: which of 04's exports the EAGLE-3 server loads (export_sglang/ or "
                         "export_speculators/); SGLang always loads export_sglang/")
     s.add_argument("--agreement-prompts", type=int, default=0,
-                   help="vllm: the first N prompts answered one at a time on every EAGLE-3 server and their "
-                        "per-round acceptance compared with replay of the same draft on the same tokens "
-                        "(0: off; needs the target in float32 on this machine)")
+                   help="vllm: the first N prompts answered one at a time on every EAGLE-3 server of 04's draft "
+                        "and their per-round acceptance compared with replay of the same draft on the same tokens "
+                        "(0: off; needs the target in float32 on this machine; --draft ones are not checked)")
     s.add_argument("--agreement-tolerance", type=float, default=0.0,
                    help="largest relative tau difference the agreement check allows (0: every round equal, "
                         "as float32 gives)")
@@ -282,6 +284,11 @@ def known_answers(args, target_dir: Path, tok, text_format):
     return lookup
 
 
+def drafts_identity(checked: dict) -> dict:
+    """The manifest's record of the --draft folders: {name: {path, layout, sha256}}."""
+    return {n: {key: d.identity()[key] for key in ("path", "layout", "sha256")} for n, (d, _) in checked.items()}
+
+
 def main(argv=None):
     args = parse_args(build_parser(), argv)
     if isinstance(args.num_draft_tokens, int):  # a YAML scalar instead of a list
@@ -295,20 +302,21 @@ def main(argv=None):
     if isinstance(args.draft, str):  # a YAML scalar instead of a list
         args.draft = [args.draft]
     specs = cmp.parse_specs(args.draft)
-    if specs and args.mode == "server":
-        raise StageError("--draft compares drafts in reference mode; the server sweep serves 04's export only")
     out = stage_dir(args.work_dir, STAGE) / args.mode
     export_dir, m04, rows = load_inputs(args)
     target_dir = resolve_target(args.target_path, m04, stage_dir(args.work_dir, "04_train"), "04_train")
     checked = cmp.check_drafts(specs, target_dir)  # a draft that does not fit stops 05 before it writes
+    # ... and one the engine cannot serve as checked stops it before any server launches
+    served = check_servable(args.engine, checked, target_dir) if args.mode == "server" else []
     if not start_stage(out, args.overwrite, STAGE):
         return
     if args.mode == "server":
-        metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir)
+        metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir, served)
         write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
                        inputs={"04_draft": manifest_sha256(stage_dir(args.work_dir, "04_train"))},
                        counts={"num_prompts": len(rows)}, preflight=metrics["preflight"],
                        runs=list(metrics["runs"]), engine=args.engine,
+                       **({"drafts": drafts_identity(checked)} if checked else {}),
                        agreement={key: {"exact": a["exact"], "engine_tau": a["engine"]["tau"],
                                         "replay_tau": a["replay"]["tau"]}
                                   for key, a in metrics["agreement"].items()})
@@ -377,8 +385,7 @@ def main(argv=None):
                    tau_ci95={k: e["tau_ci95"] for k, e in metrics["by_num_draft_tokens"].items()},
                    untrained_tau={k: e["untrained_tau"] for k, e in metrics["by_num_draft_tokens"].items()},
                    **({"tau_by_temperature": sampled_tau} if sampled_tau else {}),
-                   **({"drafts": {n: {key: compared[n][key] for key in ("path", "layout", "sha256")} for n in extra},
-                       "deploy": metrics["deploy"]["draft"]} if extra else {}))
+                   **({"drafts": drafts_identity(checked), "deploy": metrics["deploy"]["draft"]} if extra else {}))
     print(f"[05] wrote {out}")
 
 

@@ -157,3 +157,29 @@ def test_reference_metrics_only_of_the_same_draft(tmp_path):
     assert reference_metrics(tmp_path)["by_num_draft_tokens"]["3"]["per_position_acceptance"] == [0.5]
     write_manifest(tmp_path / "04_draft", "04_train", argparse.Namespace(retrained=True))  # a new draft
     assert reference_metrics(tmp_path) is None
+
+
+def test_deploy_can_pick_a_declared_draft_and_names_it_in_its_launch_line(tmp_path):
+    """A sweep that served 04's draft and a declared one (--draft public=PATH): every (draft, setting) is a
+    candidate against the same baseline, the winner's draft is named with its path and its launch line loads
+    it, and each draft gets a cost model of its own (its costs and tau are its own)."""
+    m = sweep({(3, 1, 4): [1.05] * 8, (5, 1, 6): [1.1] * 8})   # 04's draft: barely above chance
+    public = "/models/kimi-k2.5-eagle3"
+    for setting, taus in (((3, 1, 4), [3.0, 2.6, 3.4, 2.8] * 2), ((5, 1, 6), [3.2, 3.0] * 4)):
+        key = "public/" + "-".join(map(str, setting)) + "/nograph"
+        m["runs"][key] = {**run_entry(list(setting), requests(setting, taus)), "draft": "public"}
+        m["commands"][key] = server_command("/m/target", 30020, 1, 0.85, False, public, setting)
+    for key, e in m["runs"].items():
+        e["draft"] = e.get("draft", "04") if e["setting"] is not None else None
+    m["drafts"] = {"04": "/m/draft", "public": public}
+    write_report(tmp_path, m)
+    best = m["deploy"]["best"]["1"]["best"]
+    assert (best["key"], best["draft"]) == ("public/3-1-4/nograph", "public")
+    assert {x["draft"] for x in m["deploy"]["best"]["1"]["candidates"]} == {"04", "public"}
+    text = (tmp_path / "report.md").read_text()
+    section = text.split("## What to deploy")[1].split("## Predicted")[0]
+    assert f"**concurrency 1: public/3-1-4/nograph** (draft public, `{public}`; steps, topk" in section
+    assert f"--speculative-draft-model-path {public} --speculative-num-steps 3" in section
+    assert "| public | 3-1-4/nograph | 1 |" in text and "| 04 | 5-1-6/nograph | 1 |" in text
+    assert [(c["draft"], c["cuda_graph"]) for c in m["deploy"]["cost_models"]] == [("04", False), ("public", False)]
+    assert "public, nograph, concurrency 1:" in text

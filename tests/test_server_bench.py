@@ -117,7 +117,7 @@ def test_a_launched_server_that_dropped_adaptive_is_refused(tmp_path):
     from common.benchmark.server_bench import run_server_benchmark
 
     class StubEngine(SGLangEngine):
-        def command(self, port, graph, setting):
+        def command(self, port, graph, setting, draft=None):
             code = ("import sys; sys.path.insert(0, %r); from tests.sglang_server_stub import *; "
                     "import http.server as h; print('WARNING speculative_adaptive disabled: enable_pdmux=True "
                     "is not supported', flush=True); s = StubState(algorithm=%r, draft_path='/d', adaptive=False); "
@@ -128,9 +128,9 @@ def test_a_launched_server_that_dropped_adaptive_is_refused(tmp_path):
         def check_baseline(self, url):
             return srv.cuda_graph_on(srv.get_server_info(url))
 
-        def check_eagle3(self, url):
+        def check_eagle3(self, url, drafts=None):
             info = srv.get_server_info(url)
-            return srv.cuda_graph_on(info), srv.spec_settings_of(info)
+            return srv.cuda_graph_on(info), srv.spec_settings_of(info), self.drafts[0]
 
     import socket
     ports = []
@@ -534,3 +534,192 @@ def test_sampled_agreement_rows_name_an_engine_defect():
     assert "| 5-1-6/nograph | 1 | 0.95 | 1.000 | 1.430 | -0.430 [-0.500, -0.360] | DISAGREE |" in text
     assert text.endswith("*its expand drops floats") and "7-1-8" not in text
     assert sampled_agreement_lines({"3-1-4/nograph": {"exact": True}}) == []
+
+
+# ---------------------------------------------------------------- declared drafts (--draft NAME=PATH) served
+def other_draft(work: Path, target: Path, name: str, seed: int) -> Path:
+    """Another EAGLE-3 draft for the target (SGLang layout, 04's shape, other weights; draft ids = the first
+    64 target ids)."""
+    return random_draft(json.loads((target / "config.json").read_text()), work / name, seed)
+
+
+def random_draft(target_cfg: dict, out: Path, seed: int) -> Path:
+    import torch
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(draft_config(target_cfg, draft_vocab_size=64))
+    t2d = torch.zeros(model.t2d.shape[0], dtype=torch.bool)
+    t2d[:64] = True
+    model.set_vocab_mapping(torch.zeros(64, dtype=torch.int64), t2d)
+    return export_sglang(model, out, POINTS, "float32")
+
+
+class FakeProc:
+    def __init__(self, httpd):
+        self.httpd = httpd
+
+    def poll(self):
+        return None
+
+
+class FakeLaunches:
+    """Stand-ins for srv.launch_server / stop_server: each launched SGLang argv starts an in-process stub
+    server on its --port serving what the argv asks for (target, draft, setting, graph mode), with
+    `accept[draft path]` as its acceptance and `serve[draft path]` as the draft it reports instead (a server
+    that loaded another folder). Records every (argv, StubState)."""
+
+    def __init__(self, accept=None, serve=None):
+        self.accept, self.serve, self.launched = accept or {}, serve or {}, []
+
+    def launch(self, cmd, log_path, env=None):
+        import threading
+        from http.server import ThreadingHTTPServer
+        from tests.sglang_server_stub import make_handler
+
+        def arg(flag):
+            return cmd[cmd.index(flag) + 1] if flag in cmd else None
+        draft = arg("--speculative-draft-model-path")
+        setting = tuple(int(arg(f"--speculative-{f}")) for f in ("num-steps", "eagle-topk", "num-draft-tokens")) \
+            if draft else (3, 1, 4)
+        state = StubState(algorithm="EAGLE3" if draft else None, draft_path=self.serve.get(draft, draft),
+                          model_path=arg("--model-path"), setting=setting, accept_length=self.accept.get(draft, 3.0),
+                          decode_graph="disabled" if arg("--cuda-graph-backend-decode") == "disabled" else "full")
+        httpd = ThreadingHTTPServer(("127.0.0.1", int(arg("--port"))), make_handler(state))
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        self.launched.append((cmd, state))
+        return FakeProc(httpd)
+
+    def stop(self, proc, *a, **k):
+        proc.httpd.shutdown()
+        proc.httpd.server_close()
+
+
+def free_ports(n: int) -> list[str]:
+    import socket
+    ports = []
+    for _ in range(n):
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            ports.append(str(sk.getsockname()[1]))
+    return ports
+
+
+@pytest.fixture
+def fake_launches(monkeypatch):
+    def make(**kw):
+        fake = FakeLaunches(**kw)
+        monkeypatch.setattr(srv, "launch_server", fake.launch)
+        monkeypatch.setattr(srv, "stop_server", fake.stop)
+        return fake
+    return make
+
+
+def sweep_05(work, *extra):
+    base, spec = free_ports(2)
+    run_05(work, "--baseline-port", base, "--eagle3-port", spec, "--spec-settings", "3,1,4", "5,1,6",
+           "--cuda-graph", "on", "off", *extra)
+
+
+def test_a_declared_draft_is_served_at_every_setting_like_04s(tmp_path, micro_target, fake_launches):
+    """--draft public=PATH in server mode: one EAGLE-3 server per (draft, setting, graph mode) next to the one
+    baseline per graph mode, launched with the same command but the draft path, asked the same requests; the
+    report and metrics say which draft each run served, every ratio against the same baseline."""
+    export = make_work(tmp_path, micro_target)
+    public = other_draft(tmp_path, micro_target, "public", seed=1)
+    fake = fake_launches()
+    sweep_05(tmp_path, "--draft", f"public={public}")
+    served = [(s.server_args["speculative_draft_model_path"], s.server_args["speculative_num_steps"],
+               s.server_args["cuda_graph_config"]["decode"]["backend"]) for _, s in fake.launched]
+    assert served == [(None, None, "full"), (str(export), 3, "full"), (str(export), 5, "full"),
+                      (str(public), 3, "full"), (str(public), 5, "full"),
+                      (None, None, "disabled"), (str(export), 3, "disabled"), (str(export), 5, "disabled"),
+                      (str(public), 3, "disabled"), (str(public), 5, "disabled")]
+    by_draft = {}
+    for cmd, state in fake.launched:
+        draft = state.server_args["speculative_draft_model_path"]
+        if draft is not None:  # the same argv but the draft path; the same requests in the same order
+            argv = [str(export) if a == draft else a for a in cmd]
+            by_draft.setdefault(draft, []).append((argv, [json.dumps(r, sort_keys=True) for r in state.requests]))
+    assert by_draft[str(export)] == by_draft[str(public)] and len(by_draft[str(public)]) == 4
+    out = tmp_path / "05_benchmark" / "server"
+    m = json.loads((out / "metrics.json").read_text())
+    assert list(m["runs"]) == ["baseline/graph", "3-1-4/graph", "5-1-6/graph", "public/3-1-4/graph",
+                               "public/5-1-6/graph", "baseline/nograph", "3-1-4/nograph", "5-1-6/nograph",
+                               "public/3-1-4/nograph", "public/5-1-6/nograph"]
+    run = m["runs"]["public/5-1-6/nograph"]
+    assert run["draft"] == "public" and run["preflight"]["draft_name"] == "public"
+    assert run["preflight"]["draft_sha256"] == srv.folder_fingerprint(public, srv.DRAFT_FILES)
+    assert run["by_concurrency"]["1"]["speed_ratio"] is not None and m["runs"]["3-1-4/graph"]["draft"] == "04"
+    assert m["preflight"]["draft"] == str(export) and m["drafts"] == {"04": str(export), "public": str(public)}
+    cmd = json.loads((out / "commands.json").read_text())["public/3-1-4/graph"]
+    assert cmd[cmd.index("--speculative-draft-model-path") + 1] == str(public)
+    report = (out / "report.md").read_text()
+    assert "| draft | setting | concurrency |" in report and "| public | 5-1-6/nograph | 1 |" in report
+    assert "| 04 | 3-1-4/graph | 1 |" in report and "| - | baseline/graph | 1 |" in report
+    assert f"drafts 04 `{export}`, public `{public}`" in report
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["drafts"]["public"]["path"] == str(public) and "public/3-1-4/graph" in man["runs"]
+
+
+def test_the_warmup_floor_and_the_launched_draft_hold_for_a_declared_draft(tmp_path, micro_target, fake_launches):
+    make_work(tmp_path, micro_target)
+    public = other_draft(tmp_path, micro_target, "public", seed=1)
+    fake_launches(accept={str(public): 1.0})  # the declared draft's server accepts at chance
+    with pytest.raises(StageError, match=r"warm-up \(per-request\): acceptance length 1.000 is at chance"):
+        sweep_05(tmp_path, "--draft", f"public={public}")
+    undeclared = other_draft(tmp_path, micro_target, "undeclared", seed=2)
+    fake_launches(serve={str(public): str(undeclared)})  # launched with public, serving another folder
+    with pytest.raises(StageError, match=rf"draft is '{undeclared}', not the draft public {public} \(neither"):
+        sweep_05(tmp_path, "--draft", f"public={public}", "--overwrite")
+
+
+def test_an_attached_server_serves_04s_or_a_declared_draft_by_content(tmp_path, micro_target):
+    """The preflight identifies an attached server's draft among 04's and the declared ones by content,
+    the report names it, and a server whose draft is none of them is refused naming every candidate."""
+    import shutil
+    export = make_work(tmp_path, micro_target)
+    public = other_draft(tmp_path, micro_target, "public", seed=1)
+    copy = tmp_path / "mnt" / "public"
+    shutil.copytree(public, copy)
+    with StubServer(StubState(algorithm="EAGLE3", draft_path=str(copy), model_path=str(micro_target))) as e:
+        run_05(tmp_path, "--eagle3-url", e, "--draft", f"public={public}")
+    m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    assert list(m["runs"]) == ["public/3-1-4/graph"] and m["runs"]["public/3-1-4/graph"]["draft"] == "public"
+    assert m["preflight"]["server_draft_path"] == str(copy) and m["preflight"]["draft_name"] == "public"
+    undeclared = other_draft(tmp_path, micro_target, "undeclared", seed=2)
+    state = StubState(algorithm="EAGLE3", draft_path=str(undeclared), model_path=str(micro_target))
+    with StubServer(state) as e:
+        with pytest.raises(StageError, match=rf"draft is '{undeclared}', none of 05's drafts \(04 {export}, "
+                                             rf"public {public}\)"):
+            run_05(tmp_path, "--eagle3-url", e, "--draft", f"public={public}", "--overwrite")
+    assert state.requests == []
+
+
+def test_a_draft_an_engine_cannot_serve_is_refused_before_any_launch(tmp_path, micro_target, other_micro_target,
+                                                                     fake_launches):
+    """Checked against the target (common/draft/imported.py) and against the engine's reading of its layout
+    and capture points, with one line, before anything launches or is written."""
+    from common.benchmark import compare as cmp
+    from common.benchmark.engines import check_servable
+    from common.draft.export_speculators import export_speculators
+    make_work(tmp_path, micro_target)
+    public = other_draft(tmp_path, micro_target, "public", seed=1)
+    wrong = random_draft(json.loads((other_micro_target / "config.json").read_text()), tmp_path / "wrong", 3)
+    spec = export_speculators(public, tmp_path / "spec", POINTS, micro_target, ["DeepseekV3ForCausalLM"])
+    fake = fake_launches()
+    for bad, message in ((wrong, r"vocab_size is 700, expected 600 \(the target's\)"),
+                         (spec, r"SGLang loads EAGLE-3 drafts in its own layout .* the speculators layout")):
+        with pytest.raises(StageError, match=message) as e:
+            sweep_05(tmp_path, "--draft", f"public={public}", f"bad={bad}")
+        assert "\n" not in str(e.value) and str(bad) in str(e.value)
+    assert fake.launched == [] and not (tmp_path / "05_benchmark").exists()
+    # vLLM reads eagle_config's ids as the points without the top-level ones: [1, 3, 4] are h[2, 4, 5] to
+    # SGLang on DeepSeek (first id 1: +1), so vLLM would feed other layers; SGLang serves it as is
+    cfg = json.loads((public / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    del cfg["eagle_aux_hidden_state_layer_ids"]
+    (public / "config.json").write_text(json.dumps(cfg))
+    checked = cmp.check_drafts({"public": public}, micro_target)
+    assert [d.points for d in check_servable("sglang", checked, micro_target)] == [tuple(POINTS)]
+    with pytest.raises(StageError, match=r"--draft public .*: vLLM would feed it h\[1, 3, 4\] .* but it reads "
+                                         r"h\[2, 4, 5\]: add top-level eagle_aux_hidden_state_layer_ids \[2, 4, 5\]"):
+        check_servable("vllm", checked, micro_target)

@@ -93,6 +93,24 @@ def test_foreign_draft_target_quantization_and_missing_metrics_refused(folders, 
         vllm.check_eagle3_info(plain, draft, target, "u")
 
 
+def test_a_declared_draft_is_identified_by_content_and_an_undeclared_one_refused(folders, tmp_path):
+    """05 --mode server --draft public=PATH: the server's draft must be 04's or a declared one, by content."""
+    from common.sglang.server import served_draft
+    target, draft = folders
+    public, copy, other = tmp_path / "public", tmp_path / "mnt" / "public", tmp_path / "other"
+    for folder, weights in ((public, b"public weights"), (other, b"other weights")):
+        shutil.copytree(draft, folder)
+        (folder / "model.safetensors").write_bytes(weights)
+    shutil.copytree(public, copy)
+    drafts = {"04": draft, "public": public}
+    assert vllm.check_eagle3_info(info_doc("server_info_eagle3.json", copy, target), drafts, target, "u") == 3
+    assert served_draft(str(copy), drafts) == "public" and served_draft(str(draft), drafts) == "04"
+    with pytest.raises(StageError, match=rf"serves the draft '{other}', none of 05's drafts \(04 {draft}, public "):
+        vllm.check_eagle3_info(info_doc("server_info_eagle3.json", other, target), drafts, target, "u")
+    with pytest.raises(StageError, match=rf"serves the draft '{copy}', not the draft other {other} \(neither"):
+        vllm.check_eagle3_info(info_doc("server_info_eagle3.json", copy, target), {"other": other}, target, "u")
+
+
 def test_aux_layers_read_from_the_engine_log(tmp_path):
     log = tmp_path / "server.log"
     shutil.copy(FIX / "aux_layers.log", log)

@@ -1,4 +1,5 @@
-"""05 reference mode, `--draft NAME=PATH`: other EAGLE-3 drafts measured next to 04's on the same prompts.
+"""05 `--draft NAME=PATH`: other EAGLE-3 drafts measured next to 04's on the same prompts (reference mode
+here; server mode serves them next to 04's at every setting: server_bench.py, engines.check_servable).
 
 A draft is any EAGLE-3 folder in the SGLang layout (public Kimi drafts, SpecForge output, 04's own
 export) or the speculators layout, read and checked against the target by common/draft/imported.py
@@ -24,12 +25,12 @@ from common.benchmark import segments as sg
 from common.benchmark.formatting import fmt, fmt_ci
 from common.draft.imported import build_model, check_draft, read_draft
 from common.io import read_json
+from common.sglang.server import OURS  # how 04's draft ("trained" inside 05) is named in the comparison
 from common.stage import StageError
 from common.target.capture import sglang_points_reader, target_architecture
 from common.target.head import read_target_text_config
 
-OURS = "04"                      # how 04's draft ("trained" inside 05) is named in the comparison
-RESERVED = (OURS, "trained", "untrained")
+RESERVED = (OURS, "trained", "untrained", "baseline")   # 05's own drafts, and server mode's baseline runs
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 GREEDY = "0"                     # the temperature key of greedy replay
 
@@ -43,7 +44,7 @@ def parse_specs(specs) -> dict[str, Path]:
             raise StageError(f"--draft {spec!r}: expected NAME=PATH, NAME of letters, digits, '_', '.', '-'")
         if name in RESERVED or name in out:
             raise StageError(f"--draft {name}: the name is {'used twice' if name in out else 'reserved'} "
-                             f"({', '.join(RESERVED)} name 05's own drafts); pick another")
+                             f"({', '.join(RESERVED)} name 05's own drafts and runs); pick another")
         out[name] = Path(path)
     return out
 

@@ -1,10 +1,11 @@
 """What 05 --mode server tells a user to deploy, from the sweep's own numbers (server_bench.write_report):
 
-- per measured concurrency, the best EAGLE-3 setting with its output tok/s against the fastest baseline
-  and a 95% interval (`ratio_interval`), or the plain statement that no setting beats the baseline;
+- per measured concurrency, the best EAGLE-3 setting - of every draft served (04's and each declared
+  --draft) - with its output tok/s against the fastest baseline and a 95% interval (`ratio_interval`),
+  or the plain statement that no setting beats the baseline;
 - the exact launch line of that setting (the engine's own command, 05's measurement-only parts dropped;
-  `launch_line` refuses one that is not EAGLE3 / eagle3);
-- a cost model fitted from the sweep's timings, which predicts chain depths the sweep did not try.
+  `launch_line` refuses one that is not EAGLE3 / eagle3), with the draft named when several were served;
+- a cost model per draft fitted from the sweep's timings, which predicts chain depths the sweep did not try.
   Predictions are labelled as such and are never put in a table of measurements.
 
 The interval is a paired bootstrap over requests: the sweep runs every setting once on the same prompts,
@@ -36,7 +37,7 @@ import shlex
 import numpy as np
 
 from common.benchmark.formatting import fmt
-from common.sglang.server import is_adaptive
+from common.sglang.server import OURS, is_adaptive
 
 # What 05 adds for its own measurement, not for serving: the preflight's info document (vLLM dev mode),
 # per-request acceptance, unbuffered logs; and the test box's host/port (a deployment picks its own).
@@ -72,9 +73,10 @@ def ratio_interval(spec: list[dict], base: list[dict], measured: float, num_boot
 
 
 def best_settings(metrics: dict) -> dict:
-    """{concurrency: {baseline, best or None, candidates}} over every graph mode: each EAGLE-3 run is
-    compared with the FASTEST baseline at that concurrency (what one could deploy without speculation),
-    paired over the same prompts; the best is the highest ratio whose interval lies above 1."""
+    """{concurrency: {baseline, best or None, candidates}} over every graph mode and draft (04's and each
+    declared --draft): each EAGLE-3 run is compared with the FASTEST baseline at that concurrency (what one
+    could deploy without speculation), paired over the same prompts; the best is the highest ratio whose
+    interval lies above 1."""
     runs = metrics["runs"]
     concs = sorted({c for e in runs.values() for c in e["by_concurrency"]}, key=int)
     out = {}
@@ -89,13 +91,14 @@ def best_settings(metrics: dict) -> dict:
             s = e["by_concurrency"].get(c)
             if e.get("setting") is None or s is None or not bsum["output_tokens_per_s"]:
                 continue
+            draft = e.get("draft", OURS)
             if "ratio_refused" in s:
-                cands.append({"key": key, "setting": e["setting"], "refused": s["ratio_refused"]})
+                cands.append({"key": key, "draft": draft, "setting": e["setting"], "refused": s["ratio_refused"]})
                 continue
             ratio = s["output_tokens_per_s"] / bsum["output_tokens_per_s"]
             ci = ratio_interval(s.get("requests") or [], bsum.get("requests") or [], ratio)
-            cands.append({"key": key, "setting": list(e["setting"]), "tokens_per_s": s["output_tokens_per_s"],
-                          "ratio": ratio, "ratio_ci95": list(ci) if ci else None})
+            cands.append({"key": key, "draft": draft, "setting": list(e["setting"]),
+                          "tokens_per_s": s["output_tokens_per_s"], "ratio": ratio, "ratio_ci95": list(ci) if ci else None})
         winners = [x for x in cands if x.get("ratio_ci95") and x["ratio_ci95"][0] > 1]
         out[c] = {"baseline": bkey, "baseline_tokens_per_s": bsum["output_tokens_per_s"], "candidates": cands,
                   "best": max(winners, key=lambda x: x["ratio"]) if winners else None,
@@ -209,7 +212,14 @@ def tau_by_depth(depths: list[int], measured: dict[int, float], reference: dict 
 
 
 def cost_models(metrics: dict, reference: dict | None) -> list[dict]:
-    """One fit per (graph mode, concurrency) with its predictions for untried chain depths."""
+    """One fit per (draft, graph mode, concurrency) with its predictions for untried chain depths; a draft's
+    cost and tau are its own, and `reference` (05 reference of 04's draft) serves 04's alone."""
+    names = dict.fromkeys(e.get("draft", OURS) for e in metrics["runs"].values() if e.get("setting") is not None)
+    return [m for name in names for m in draft_cost_models(metrics, name, reference if name == OURS else None)]
+
+
+def draft_cost_models(metrics: dict, draft: str, reference: dict | None) -> list[dict]:
+    """cost_models for one draft's runs (each against the baseline of its graph mode)."""
     runs, out = metrics["runs"], []
     for graph in sorted({bool(e.get("cuda_graph")) for e in runs.values()}):
         concs = sorted({c for e in runs.values() if bool(e.get("cuda_graph")) == graph for c in e["by_concurrency"]}, key=int)
@@ -220,8 +230,8 @@ def cost_models(metrics: dict, reference: dict | None) -> list[dict]:
             for e in runs.values():
                 s = e["by_concurrency"].get(c)
                 if (bool(e.get("cuda_graph")) != graph or e.get("setting") is None or is_adaptive(e["setting"])
-                        or not s or not s.get("requests")):
-                    continue  # the baseline, an adaptive setting (its steps vary), a run without requests
+                        or e.get("draft", OURS) != draft or not s or not s.get("requests")):
+                    continue  # the baseline, an adaptive setting (its steps vary), another draft, no requests
                 steps, topk, n = e["setting"]
                 t = round_time(s["requests"])
                 if t is None or not s.get("accept_length_pooled"):
@@ -244,7 +254,7 @@ def cost_models(metrics: dict, reference: dict | None) -> list[dict]:
                 preds.append({"setting": [d, 1, d + 1], "round_s": t, "tau": taus[d]["tau"],
                               "tau_source": taus[d]["source"], "tokens_per_s": tps,
                               "ratio": tps / base["output_tokens_per_s"] if base and base["output_tokens_per_s"] else None})
-            out.append({"cuda_graph": graph, "concurrency": int(c), "fit": fit, "eta": eta,
+            out.append({"draft": draft, "cuda_graph": graph, "concurrency": int(c), "fit": fit, "eta": eta,
                         "points": [list(p) for p in pts], "predicted": preds})
     return out
 
@@ -279,13 +289,15 @@ def summary(metrics: dict, reference: dict | None) -> dict:
             continue
         rec["launch"] = launch_line(metrics.get("engine", "sglang"), metrics["commands"][key], b is not None) \
             if key in metrics.get("commands", {}) else None
-    return {"best": best, "cost_models": cost_models(metrics, reference),
+    return {"best": best, "drafts": metrics.get("drafts") or {}, "cost_models": cost_models(metrics, reference),
             "tau_by_source": tau_by_group(metrics, "source"), "tau_by_thinking": tau_by_group(metrics, "thinking")}
 
 
 def report_lines(deploy: dict, engine_label: str) -> list[str]:
+    drafts = deploy.get("drafts") or {}
     lines = ["", "## What to deploy", "",
-             "Per concurrency: the EAGLE-3 setting with the highest output tok/s against the fastest baseline "
+             "Per concurrency: the EAGLE-3 setting" + (" (draft and setting)" if len(drafts) > 1 else "")
+             + " with the highest output tok/s against the fastest baseline "
              "whose 95% interval lies above 1 (paired bootstrap over the same requests; it holds the prompt mix, "
              "not the timing noise between repeated runs, which the sweep does not measure).", ""]
     for c, rec in deploy["best"].items():
@@ -303,7 +315,8 @@ def report_lines(deploy: dict, engine_label: str) -> list[str]:
                       "Run without speculation:"]
         else:
             lo, hi = b["ratio_ci95"]
-            lines += [f"- **concurrency {c}: {b['key']}** (steps, topk, draft tokens = {tuple(b['setting'][:3])}{', adaptive' if is_adaptive(b['setting']) else ''}): "
+            named = f"draft {b['draft']}, `{drafts[b['draft']]}`; " if len(drafts) > 1 else ""
+            lines += [f"- **concurrency {c}: {b['key']}** ({named}steps, topk, draft tokens = {tuple(b['setting'][:3])}{', adaptive' if is_adaptive(b['setting']) else ''}): "
                       f"{fmt(b['tokens_per_s'], 1)} tok/s, **x{fmt(b['ratio'])} [{fmt(lo)}, {fmt(hi)}]** against "
                       f"{rec['baseline']} ({fmt(rec['baseline_tokens_per_s'], 1)} tok/s). {engine_label}:"]
         if rec.get("launch"):
@@ -320,7 +333,8 @@ def report_lines(deploy: dict, engine_label: str) -> list[str]:
                      f"c_draft + c_token {1e3 * f['c_draft_plus_token']:.2f} ms per chain step, t_fixed + c_token "
                      f"{1e3 * f['t_fixed_plus_token']:.2f} ms (chains only: draft and verify cost not separable "
                      "without a tree setting)")
-            lines += [f"{'graph' if m['cuda_graph'] else 'nograph'}, concurrency {m['concurrency']}: {costs}; eta "
+            lines += [f"{m['draft'] + ', ' if len(drafts) > 1 else ''}{'graph' if m['cuda_graph'] else 'nograph'}, "
+                      f"concurrency {m['concurrency']}: {costs}; eta "
                       f"{m['eta']:.2f}; {f['num_points']} settings for {f['num_unknowns']} unknowns"
                       + (f", largest residual {100 * f['max_relative_residual']:.1f}%." if f["num_points"] > f["num_unknowns"]
                          else " (an exact fit: nothing checks it; more settings would)."),

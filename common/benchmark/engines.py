@@ -19,14 +19,31 @@ from pathlib import Path
 from common.benchmark import vllm
 from common.benchmark.sglang_stream import generate_stream
 from common.sglang import server as srv
+from common.sglang.server import OURS
 from common.stage import StageError, stage_dir
+from common.target.head import read_target_text_config
 
 ENGINES = ("sglang", "vllm")
+ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
+
+
+@dataclass(frozen=True)
+class ServedDraft:
+    """A draft the sweep serves: 04's (`name` OURS) or a declared --draft NAME. `path`: the folder the
+    server loads; `points`: the capture points the engine must feed it."""
+    name: str
+    path: Path
+    points: tuple[int, ...] = ()
+
+    @property
+    def ours(self) -> bool:
+        return self.name == OURS
 
 
 class Engine:
     """What 05's sweep needs from an engine. `setting` = (steps, topk, num_draft_tokens), or with a 4th
-    item "adaptive" for SGLang's --speculative-adaptive started from that chain."""
+    item "adaptive" for SGLang's --speculative-adaptive started from that chain. `draft` = one of
+    `drafts` (04's first); None = 04's."""
     name: str
     label: str
     reports_per_round = False  # per-request, per-round acceptance (the agreement check needs it)
@@ -34,19 +51,30 @@ class Engine:
     def parse_setting(self, text: str) -> tuple:
         return srv.parse_spec_setting(text)
 
-    def command(self, port: int, graph: bool, setting) -> tuple[list[str], dict]:
+    @property
+    def drafts(self) -> list[ServedDraft]:
+        """04's draft (what this engine loads of 04's exports), then the declared ones."""
+        return [ServedDraft(OURS, Path(self.draft_dir), tuple(self.m02b.get("capture_points", ()))),
+                *self.foreign]
+
+    def identify(self, reported: str | None, drafts: list[ServedDraft]) -> ServedDraft:
+        """Which of `drafts` a server that passed its check serves (by folder or content)."""
+        name = srv.served_draft(reported, {d.name: d.path for d in drafts})
+        return next(d for d in drafts if d.name == name)
+
+    def command(self, port: int, graph: bool, setting, draft: ServedDraft | None = None) -> tuple[list[str], dict]:
         raise NotImplementedError
 
     def check_baseline(self, url: str) -> bool:
         """Refuse a baseline that speculates or serves another target; returns its graph mode."""
         raise NotImplementedError
 
-    def check_eagle3(self, url: str) -> tuple[bool, tuple]:
-        """Refuse a speculative server that is not EAGLE-3 with 04's draft and our target; returns
-        (graph mode, setting)."""
+    def check_eagle3(self, url: str, drafts: list[ServedDraft] | None = None) -> tuple[bool, tuple, ServedDraft]:
+        """Refuse a speculative server that is not EAGLE-3 with one of `drafts` (default: all of them) and
+        our target; returns (graph mode, setting, the draft it serves)."""
         raise NotImplementedError
 
-    def preflight(self, url: str, log: Path | None, warmup_fn) -> dict:
+    def preflight(self, url: str, log: Path | None, warmup_fn, draft: ServedDraft | None = None) -> dict:
         raise NotImplementedError
 
     def request(self, url: str, ids: list[int], max_new_tokens: int, timeout: float) -> dict:
@@ -83,12 +111,14 @@ class SGLangEngine(Engine):
     extra_args: list[str] = field(default_factory=list)
     min_accept_length: float = 1.3
     draft_attention_backend: str | None = None
+    foreign: list[ServedDraft] = field(default_factory=list)  # the declared --draft ones
     name = "sglang"
     label = "SGLang"
 
-    def command(self, port, graph, setting):
+    def command(self, port, graph, setting, draft=None):
+        folder = (draft or self.drafts[0]).path if setting else None
         cmd = srv.server_command(self.target_dir, port, self.tp_size, self.mem_fraction, graph,
-                                 self.export_dir if setting else None, setting, self.python, self.extra_args,
+                                 folder, setting, self.python, self.extra_args,
                                  self.draft_attention_backend, srv.target_quantization(self.target_dir) is not None)
         return cmd, {}
 
@@ -97,14 +127,17 @@ class SGLangEngine(Engine):
         srv.check_baseline_info(info, self.target_dir, url)
         return srv.cuda_graph_on(info)
 
-    def check_eagle3(self, url):
+    def check_eagle3(self, url, drafts=None):
+        drafts = drafts or self.drafts
         info = srv.get_server_info(url)
-        srv.check_server_info(info, self.export_dir, self.target_dir, url)
-        return srv.cuda_graph_on(info), srv.spec_settings_of(info)
+        srv.check_server_info(info, {d.name: d.path for d in drafts}, self.target_dir, url)
+        return (srv.cuda_graph_on(info), srv.spec_settings_of(info),
+                self.identify(info.get("speculative_draft_model_path"), drafts))
 
-    def preflight(self, url, log, warmup_fn):
+    def preflight(self, url, log, warmup_fn, draft=None):
+        other = None if draft is None or draft.ours else (draft.name, draft.path)
         return srv.preflight(url, self.export_dir, self.m02b, self.m04, min_accept_length=self.min_accept_length,
-                             target_dir=self.target_dir, warmup_fn=warmup_fn)
+                             target_dir=self.target_dir, warmup_fn=warmup_fn, draft=other)
 
     @property
     def draft_dir(self) -> Path:  # SGLang always loads 04's SGLang export
@@ -130,6 +163,7 @@ class VllmEngine(Engine):
     settings: vllm.VllmSettings = field(default_factory=vllm.VllmSettings)
     min_accept_length: float = 1.3
     served: dict = field(default_factory=dict)  # url -> served model name, read from the info document
+    foreign: list[ServedDraft] = field(default_factory=list)  # the declared --draft ones
     name = "vllm"
     label = "vLLM"
     reports_per_round = True
@@ -151,9 +185,9 @@ class VllmEngine(Engine):
             raise StageError(f"--spec-settings {text!r}: vLLM's EAGLE-3 drafts chains only (topk 1)")
         return steps, topk, ndt
 
-    def command(self, port, graph, setting):
+    def command(self, port, graph, setting, draft=None):
         cmd = vllm.server_command(self.target_dir, port, self.settings, graph,
-                                  self.draft_dir if setting else None, setting[0] if setting else None)
+                                  (draft or self.drafts[0]).path if setting else None, setting[0] if setting else None)
         return cmd, vllm.server_env(self.settings)
 
     def _info(self, url):
@@ -166,25 +200,29 @@ class VllmEngine(Engine):
         vllm.check_baseline_info(info, self.target_dir, url)
         return not vllm.eager(info)
 
-    def check_eagle3(self, url):
+    def check_eagle3(self, url, drafts=None):
+        drafts = drafts or self.drafts
         info = self._info(url)
-        k = vllm.check_eagle3_info(info, self.draft_dir, self.target_dir, url)
-        return not vllm.eager(info), (k, 1, k + 1)
+        k = vllm.check_eagle3_info(info, {d.name: d.path for d in drafts}, self.target_dir, url)
+        return not vllm.eager(info), (k, 1, k + 1), self.identify(vllm.spec_of(info).get("model"), drafts)
 
-    def preflight(self, url, log, warmup_fn):
+    def preflight(self, url, log, warmup_fn, draft=None):
+        draft = draft or self.drafts[0]
         info = self._info(url)
-        k = vllm.check_eagle3_info(info, self.draft_dir, self.target_dir, url)
-        srv.check_draft_files(self.export_dir, self.m02b, self.m04)
-        layers = vllm.check_aux_layers(log, self.m02b["capture_points"], url)
+        k = vllm.check_eagle3_info(info, {draft.name: draft.path}, self.target_dir, url)
+        if draft.ours:  # the manifests describe 04's draft; a declared one was checked against the target
+            srv.check_draft_files(self.export_dir, self.m02b, self.m04)
+        layers = vllm.check_aux_layers(log, list(draft.points), url)
         before = vllm.read_counters(url)
         tau = warmup_fn(url)
         window = vllm.read_counters(url).minus(before).summary()
         srv.check_acceptance(tau, self.min_accept_length, f"{url} warm-up (per-request)")
-        print(f"[05] preflight ok: eagle3, draft {self.draft_dir}, k {k}, aux layers "
-              f"{layers if layers is not None else 'not reported (attached)'}, warm-up tau {tau:.2f} "
+        print(f"[05] preflight ok: eagle3, draft {'' if draft.ours else draft.name + ' '}{draft.path}, k {k}, aux "
+              f"layers {layers if layers is not None else 'not reported (attached)'}, warm-up tau {tau:.2f} "
               f"(server {window['server_accept_length']})")
-        return {"speculative_algorithm": vllm.METHOD, "draft": str(self.draft_dir),
-                "draft_sha256": srv.folder_fingerprint(self.draft_dir, srv.DRAFT_FILES),
+        return {"speculative_algorithm": vllm.METHOD, "draft": str(draft.path),
+                **({} if draft.ours else {"draft_name": draft.name}),
+                "draft_sha256": srv.folder_fingerprint(draft.path, srv.draft_files(draft.path)),
                 "server_draft_path": (info.get("speculative_config") or {}).get("model"),
                 "aux_layers_reported": layers, "warmup_tau": tau,
                 "server_accept_length": window["server_accept_length"],
@@ -203,15 +241,17 @@ class VllmEngine(Engine):
         return vllm.read_counters(url).minus(start).summary()
 
 
-def engine_from_args(args, export_dir: Path, m02b: dict, m04: dict, target_dir: Path, work_dir: Path):
-    """05's flags -> the Engine that serves this run."""
+def engine_from_args(args, export_dir: Path, m02b: dict, m04: dict, target_dir: Path, work_dir: Path,
+                     foreign: list[ServedDraft] = ()):
+    """05's flags -> the Engine that serves this run (`foreign`: the declared drafts, check_servable's)."""
 
     if args.engine == "sglang":
         return SGLangEngine(target_dir, export_dir, m02b, m04, tp_size=args.sglang_tp_size,
                                     mem_fraction=args.mem_fraction_static, python=args.sglang_python,
                                     extra_args=list(args.server_extra_args),
                                     min_accept_length=args.min_accept_length,
-                                    draft_attention_backend=args.sglang_draft_attention_backend)
+                                    draft_attention_backend=args.sglang_draft_attention_backend,
+                                    foreign=list(foreign))
     draft_dir = (export_dir if args.draft_format == "sglang"
                  else stage_dir(work_dir, "04_train") / "export_speculators")
     if not (draft_dir / "config.json").is_file():
@@ -222,4 +262,34 @@ def engine_from_args(args, export_dir: Path, m02b: dict, m04: dict, target_dir: 
                                  preload_iomp=args.vllm_preload_iomp, extra_args=tuple(args.server_extra_args),
                                  fix_sampling=args.vllm_fix_sampling)
     return VllmEngine(target_dir, export_dir, draft_dir, m02b, m04, settings,
-                              min_accept_length=args.min_accept_length)
+                              min_accept_length=args.min_accept_length, foreign=list(foreign))
+
+
+def check_servable(engine: str, checked: dict, target_dir: Path) -> list[ServedDraft]:
+    """The declared drafts (compare.check_drafts: {name: (ImportedDraft, capture points)}) as `engine` will
+    serve them; one line refusing a draft it cannot serve as checked, before anything launches.
+
+    SGLang loads its own layout only (`LlamaForCausalLMEagle3`) and reads the capture points from
+    `eagle_config.eagle_aux_hidden_state_layer_ids` (its default without them). vLLM reads the top-level
+    `eagle_aux_hidden_state_layer_ids` as the points, and without them takes eagle_config's ids AS GIVEN
+    (common/benchmark/vllm.py): an SGLang-layout folder whose ids are not the points themselves (Llama's
+    points - 1, DeepSeek's [1, ...]) would be fed other layers. Without any declaration both engines
+    use [2, N//2, N-3], which check_draft assumes too."""
+    n = int(read_target_text_config(target_dir)["num_hidden_layers"])
+    default = [2, n // 2, n - 3]
+    served = []
+    for name, (d, points) in checked.items():
+        where = f"--draft {name} ({d.path}): {ENGINE_LABELS[engine]}"
+        if engine == "sglang" and d.layout != "sglang":
+            raise StageError(f"{where} loads EAGLE-3 drafts in its own layout (LlamaForCausalLMEagle3) only, this "
+                             f"one is in the {d.layout} layout: give the draft's SGLang-layout folder")
+        if engine == "sglang" and d.sglang_ids is None and list(points) != default:
+            raise StageError(f"{where} would feed it h{default} (no eagle_config.eagle_aux_hidden_state_layer_ids: "
+                             f"its default), but it reads h{list(points)}: add eagle_config's ids to its config.json")
+        if engine == "vllm" and d.vllm_points is None and d.sglang_ids is not None and d.sglang_ids != list(points):
+            raise StageError(f"{where} would feed it h{d.sglang_ids} (no top-level eagle_aux_hidden_state_layer_ids: "
+                             f"it takes eagle_config's ids as the points), but it reads h{list(points)}: add "
+                             f"top-level eagle_aux_hidden_state_layer_ids {list(points)} to its config.json")
+        served.append(ServedDraft(name, Path(d.path), tuple(points)))
+    return served
+

@@ -18,9 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common.benchmark import deploy
-from common.benchmark.engines import engine_from_args
+from common.benchmark.engines import ENGINE_LABELS, engine_from_args
 from common.benchmark.formatting import fmt
 from common.benchmark.sglang_stream import generate_stream
+from common.sglang.server import OURS
 from common.stage import StageError
 
 
@@ -76,6 +77,12 @@ def setting_name(setting, cuda_graph: bool) -> str:
     return f"{base}/{'graph' if cuda_graph else 'nograph'}"
 
 
+def run_key(setting, cuda_graph: bool, draft=None) -> str:
+    """A run's key: setting_name, prefixed 'NAME/' for a declared --draft (04's and the baseline: bare)."""
+    base = setting_name(setting, cuda_graph)
+    return base if draft is None or draft.ours else f"{draft.name}/{base}"
+
+
 def add_ratios(metrics: dict, max_retried: int = 0) -> None:
     """speed_ratio = EAGLE3 output tok/s / baseline output tok/s at the same concurrency and graph mode;
     refused (None, with `ratio_refused` saying why) when either run retried more than `max_retried`
@@ -108,7 +115,6 @@ SERVER_TAU_NOTE = {
             "cuts off. "
             "Graph mode: `enforce_eager` as the server reports it.",
 }
-ENGINE_LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
 def write_report(out: Path, metrics: dict, reference: dict | None = None) -> None:
@@ -117,21 +123,26 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
     engine = metrics.get("engine", "sglang")
     if "deploy" not in metrics:
         metrics["deploy"] = deploy.summary(metrics, reference)
+    drafts = metrics.get("drafts") or {}
+    shown = (f"drafts {', '.join(f'{n} `{p}`' for n, p in drafts.items())} (each at every setting, against the "
+             "same baseline)" if len(drafts) > 1 else f"draft `{metrics['draft']}`")
     lines = [f"# 05 server benchmark ({ENGINE_LABELS[engine]})", "",
-             f"Target `{metrics['target']}`, draft `{metrics['draft']}`, {metrics['num_prompts']} prompts, "
+             f"Target `{metrics['target']}`, {shown}, {metrics['num_prompts']} prompts, "
              f"max {metrics['max_new_tokens']} new tokens, greedy. Preflight: "
              f"`{json.dumps(metrics.get('preflight', {}))}`."
              + (f" Engine fixes loaded: {'; '.join(metrics['engine_fixes'])}." if metrics.get("engine_fixes") else ""),
              "",
-             "| setting | concurrency | output tok/s | x baseline | TTFT mean (s) | tau (mean) | tau (pooled) "
-             "| server tau | retried requests |", "|---|---|---|---|---|---|---|---|---|"]
+             "| draft | setting | concurrency | output tok/s | x baseline | TTFT mean (s) | tau (mean) | tau (pooled) "
+             "| server tau | retried requests |", "|---|---|---|---|---|---|---|---|---|---|"]
     refused = []
     for key, entry in metrics["runs"].items():
+        draft = "-" if key.startswith("baseline") else entry.get("draft", OURS)
+        setting = key if draft in ("-", OURS) else key[len(draft) + 1:]
         for c, s in entry["by_concurrency"].items():
             ratio = fmt(s.get("speed_ratio")) if "ratio_refused" not in s else "refused*"
             if "ratio_refused" in s:
                 refused.append(f"{key} c={c}: {s['ratio_refused']}")
-            lines.append(f"| {key} | {c} | {fmt(s['output_tokens_per_s'], 1)} | {ratio} "
+            lines.append(f"| {draft} | {setting} | {c} | {fmt(s['output_tokens_per_s'], 1)} | {ratio} "
                          f"| {fmt(s['ttft_mean_s'], 3)} | {fmt(s['accept_length_mean'])} "
                          f"| {fmt(s['accept_length_pooled'])} | {fmt(s.get('server_accept_length'))} "
                          f"| {s.get('retried_requests', 0)} |")
@@ -143,7 +154,8 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
         lines += ["", "## Agreement with replay", "",
                   "Each EAGLE-3 server answered the first prompts one at a time; its per-round accepted counts "
                   "are compared with replay of the same draft on the same tokens (common/benchmark/agreement.py). "
-                  "tau here = 1 + accepted / rounds (the engine's definition).", "",
+                  "tau here = 1 + accepted / rounds (the engine's definition)."
+                  + (" 04's draft only: the declared drafts are not replayed here." if len(drafts) > 1 else ""), "",
                   "| setting | prompts | rounds (engine / replay) | accepted per position (engine) | (replay) "
                   "| tau (engine / replay) | every round equal |", "|---|---|---|---|---|---|---|"]
         for key, a in metrics["agreement"].items():
@@ -201,16 +213,19 @@ def plot(out: Path, metrics: dict) -> None:
 
 def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], request_fn=None,
                          agreement=None, tags: list[dict] | None = None) -> dict:
-    """The sweep: per CUDA-graph mode, a baseline server and one EAGLE-3 server per spec setting.
+    """The sweep: per CUDA-graph mode, a baseline server and one EAGLE-3 server per (draft, spec setting):
+    04's draft and every declared --draft (engine.drafts), each with the same settings, prompts, warm-up
+    and concurrency levels, all measured against the one baseline.
 
-    Attached servers (--baseline-url / --eagle3-url) are used as they are (their own setting and
-    graph mode, read from the info document), after BOTH pass their checks; with an attached baseline
-    alone, the EAGLE-3 settings are launched in the baseline's graph mode (the baseline: no
-    speculation, our target; EAGLE-3: the preflight's document checks). Launched ones are started from
-    the engine's command, logged, polled until ready, checked the same way (and for the graph mode
-    asked for), and shut down before the next one (one model in memory at a time). Every EAGLE-3
-    server passes the full preflight before it is measured; `agreement(url, key, setting)` (05's
-    agreement check, vLLM) then runs on it before the timed runs.
+    Attached servers (--baseline-url / --eagle3-url) are used as they are (their own setting, graph mode
+    and draft - any of engine.drafts, identified by content - read from the info document), after BOTH
+    pass their checks; with an attached baseline alone, the EAGLE-3 servers are launched in the
+    baseline's graph mode (the baseline: no speculation, our target; EAGLE-3: the preflight's document
+    checks). Launched ones are started from the engine's command, logged, polled until ready, checked
+    the same way (for the graph mode asked for, and the draft launched), and shut down before the next
+    one (one model in memory at a time). Every EAGLE-3 server passes the full preflight (the warm-up
+    floor included) before it is measured; `agreement(url, key, setting)` (05's agreement check, vLLM;
+    04's draft only) then runs on it before the timed runs.
     """
     from common.sglang import server as srv
 
@@ -221,21 +236,24 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     warm = prompts[:max(1, args.warmup_requests)]
     metrics = {"engine": engine.name, "engine_fixes": list(engine.fixes()),
                "target": str(engine.target_dir), "draft": str(engine.draft_dir),
+               "drafts": {d.name: str(d.path) for d in engine.drafts},
                "num_prompts": len(prompts), "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": concs,
                "runs": {}, "commands": {}, "preflight": {}, "agreement": {}}
 
-    def check(url: str, speculative: bool) -> tuple[bool, tuple | None]:
+    def check(url: str, speculative: bool, draft=None) -> tuple[bool, tuple | None, object]:
         if not speculative:
-            return engine.check_baseline(url), None
-        return engine.check_eagle3(url)
+            return engine.check_baseline(url), None, None
+        return engine.check_eagle3(url, [draft] if draft else None)
 
-    def measure(url: str, key: str, graph: bool, setting, log: Path | None) -> None:
+    def measure(url: str, key: str, graph: bool, setting, log: Path | None, draft) -> None:
         entry = {"cuda_graph": graph, "setting": setting, "url": url, "by_concurrency": {}}
         if setting is not None:
+            entry["draft"] = draft.name
             entry["preflight"] = engine.preflight(
-                url, log, lambda u: warmup(u, warm, 64, args.request_timeout, request_fn))
-            metrics["preflight"] = entry["preflight"]
-            if agreement is not None:
+                url, log, lambda u: warmup(u, warm, 64, args.request_timeout, request_fn), draft)
+            if draft.ours or not metrics["preflight"]:  # the manifest's record: 04's draft's when it ran
+                metrics["preflight"] = entry["preflight"]
+            if agreement is not None and draft.ours:
                 metrics["agreement"][key] = agreement(url, key, setting)
         for c in concs:
             start = engine.window_start(url) if setting is not None else None
@@ -249,15 +267,16 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
                      if s["num_retries"] else ""))
         metrics["runs"][key] = entry
 
-    def launched(port: int, graph: bool, setting, key: str) -> None:
-        cmd, env = engine.command(port, graph, setting)
+    def launched(port: int, graph: bool, setting, draft=None) -> None:
+        key = run_key(setting, graph, draft)
+        cmd, env = engine.command(port, graph, setting, draft)
         metrics["commands"][key] = {"argv": cmd, "env": env} if env else cmd
         url = f"http://127.0.0.1:{port}"
         log = out / "server_logs" / (key.replace("/", "_") + ".log")
         proc = srv.launch_server(cmd, log, env)
         try:
             srv.wait_ready(url, proc, args.server_timeout, log_path=log, info=False)
-            reported_graph, reported = check(url, setting is not None)
+            reported_graph, reported, _ = check(url, setting is not None, draft)
             if reported_graph != graph:
                 raise StageError(f"{url} reports decode CUDA graphs {'on' if reported_graph else 'off'}, "
                                  f"but 05 launched it with them {'on' if graph else 'off'}; see {log}")
@@ -266,29 +285,29 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
                 raise StageError(f"{url} runs setting {setting_name(reported, graph)}, but 05 launched "
                                  f"{setting_name(setting, graph)}" + (f" (its log: {said})" if said else "")
                                  + f"; see {log}")
-            measure(url, key, graph, setting, log)
+            measure(url, key, graph, setting, log, draft)
         finally:
             srv.stop_server(proc)
 
     attached = []  # every attached server is checked before any is measured
     if args.baseline_url:
-        graph, _ = check(args.baseline_url, False)
-        attached.append((args.baseline_url, graph, None))
+        attached.append((args.baseline_url, *check(args.baseline_url, False)))
     if args.eagle3_url:
-        graph, setting = check(args.eagle3_url, True)
-        attached.append((args.eagle3_url, graph, setting))
-    for url, graph, setting in attached:
-        measure(url, setting_name(setting, graph), graph, setting, None)
+        attached.append((args.eagle3_url, *check(args.eagle3_url, True)))
+    for url, graph, setting, draft in attached:
+        measure(url, run_key(setting, graph, draft), graph, setting, None, draft)
     if args.eagle3_url:
         pass  # the attached server(s) alone
     elif args.baseline_url:  # a kept baseline: the EAGLE-3 sweep is launched in its graph mode
-        for setting in settings:
-            launched(args.eagle3_port, attached[0][1], setting, setting_name(setting, attached[0][1]))
+        for draft in engine.drafts:
+            for setting in settings:
+                launched(args.eagle3_port, attached[0][1], setting, draft)
     else:
         for graph in graphs:
-            launched(args.baseline_port, graph, None, setting_name(None, graph))
-            for setting in settings:
-                launched(args.eagle3_port, graph, setting, setting_name(setting, graph))
+            launched(args.baseline_port, graph, None)
+            for draft in engine.drafts:
+                for setting in settings:
+                    launched(args.eagle3_port, graph, setting, draft)
     add_ratios(metrics, args.max_retried_requests)
     return metrics
 
@@ -308,8 +327,9 @@ def reference_metrics(work_dir: Path) -> dict | None:
 
 
 def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], target_dir: Path,
-                work_dir: Path) -> dict:
-    """05 --mode server after the shared input checks: sweep (+ agreement), metrics.json, report.md, plots."""
+                work_dir: Path, foreign=()) -> dict:
+    """05 --mode server after the shared input checks: sweep (+ agreement), metrics.json, report.md, plots.
+    `foreign`: the declared drafts as engines.check_servable returned them, served next to 04's."""
     import shlex
 
     from common.io import write_json
@@ -319,7 +339,7 @@ def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], 
                             "02b_extract_hidden_states_sglang")
     if isinstance(args.server_extra_args, str):
         args.server_extra_args = shlex.split(args.server_extra_args)
-    engine = engine_from_args(args, export_dir, m02b, m04, target_dir, work_dir)
+    engine = engine_from_args(args, export_dir, m02b, m04, target_dir, work_dir, foreign)
     prompts = [list(r["prompt_ids"]) for r in rows]
     agreement = None
     if args.agreement_prompts:

@@ -43,7 +43,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.sglang.server import DRAFT_FILES, http_json, same_folder, sse_request, with_retries
+from common.sglang.server import http_json, not_one_of, same_folder, served_draft, sse_request, with_retries
 from common.stage import StageError
 
 METHOD = "eagle3"
@@ -163,9 +163,10 @@ def check_baseline_info(info: dict, target_dir: Path | None, url: str) -> None:
     check_target(info, target_dir, "baseline", url)
 
 
-def check_eagle3_info(info: dict, draft_dir: Path, target_dir: Path | None, url: str) -> int:
-    """Refuse unless the server runs method eagle3 with exactly our draft (by content), unquantized,
-    next to our target. Returns its num_speculative_tokens."""
+def check_eagle3_info(info: dict, drafts, target_dir: Path | None, url: str) -> int:
+    """Refuse unless the server runs method eagle3 with exactly one of `drafts` (04's draft folder alone, or
+    {name: folder}; by content, server.served_draft), unquantized, next to our target. Returns its
+    num_speculative_tokens."""
     spec = spec_of(info)
     if spec is None:
         raise StageError(f"the EAGLE-3 server {url} runs no speculative decoding (no speculative_config)")
@@ -174,10 +175,8 @@ def check_eagle3_info(info: dict, draft_dir: Path, target_dir: Path | None, url:
             f"the EAGLE-3 server {url} runs speculative method {spec['method']!r}, not 'eagle3'. With an "
             "EAGLE-3 draft, 'eagle' captures no auxiliary hidden states and acceptance falls to chance "
             "while nothing errors. Restart it with --speculative-config '{\"method\": \"eagle3\", ...}'.")
-    if not same_folder(spec.get("model"), draft_dir, DRAFT_FILES):
-        raise StageError(f"the EAGLE-3 server {url} serves the draft {spec.get('model')!r}, not 04's export "
-                         f"{Path(draft_dir).resolve()} (neither the same folder nor byte-identical "
-                         "config.json and model.safetensors, as read from this machine)")
+    if served_draft(spec.get("model"), drafts) is None:
+        raise StageError(f"the EAGLE-3 server {url} serves the draft {spec.get('model')!r}, {not_one_of(drafts)}")
     per_request = (info.get("observability_config") or {}).get("per_request_spec_decode_metrics")
     if per_request != "detailed":
         raise StageError(f"the EAGLE-3 server {url} reports no per-round acceptance "

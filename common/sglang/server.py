@@ -442,6 +442,17 @@ def cuda_graph_on(info: dict) -> bool:
 
 
 DRAFT_FILES = ("config.json", "model.safetensors")
+OURS = "04"  # how 04's export is named among the drafts a server may serve (05's --draft names the others)
+
+
+def draft_files(folder: str | Path) -> tuple[str, ...]:
+    """The files that identify a draft folder by content: config.json and its weights (model.safetensors,
+    or a sharded checkpoint's index and shards, as a public draft may come)."""
+    index = Path(folder) / "model.safetensors.index.json"
+    if not index.is_file():
+        return DRAFT_FILES
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ("config.json", index.name, *shards)
 
 
 def folder_fingerprint(folder: str | Path, files: tuple[str, ...]) -> str | None:
@@ -476,11 +487,38 @@ def same_folder(reported: str | None, ours: Path, files: tuple[str, ...]) -> boo
     return theirs is not None and theirs == folder_fingerprint(ours, files)
 
 
-def check_server_info(info: dict, export_dir: Path, target_dir: Path | None = None, url: str = "") -> None:
-    """Refuse unless the server runs EAGLE3 with exactly 04's export as its draft (and our target).
+def candidates(drafts) -> dict[str, Path]:
+    """{name: folder} of the drafts a server may serve; a bare folder is 04's export alone."""
+    return {n: Path(f) for n, f in drafts.items()} if isinstance(drafts, dict) else {OURS: Path(drafts)}
 
-    The draft counts as ours when its folder is 04's export or a byte-identical copy (config.json and
-    model.safetensors); the target when its folder is ours or has our config.json.
+
+def served_draft(reported: str | None, drafts) -> str | None:
+    """The name of the first of `drafts` (candidates) that the server's folder is, by folder or content
+    (same_folder over that draft's draft_files); None when it is none of them."""
+    for name, folder in candidates(drafts).items():
+        if same_folder(reported, folder, draft_files(folder)):
+            return name
+    return None
+
+
+def not_one_of(drafts) -> str:
+    """The refusal's middle: what the served draft is not, and how it was compared."""
+    named = candidates(drafts)
+    if len(named) == 1:
+        (name, folder), = named.items()
+        what = f"not 04's export {folder.resolve()}" if name == OURS else f"not the draft {name} {folder.resolve()}"
+    else:
+        what = "none of 05's drafts (" + ", ".join(f"{n} {f.resolve()}" for n, f in named.items()) + ")"
+    return (f"{what} (neither the same folder nor a byte-identical copy of its config.json and weights, as read "
+            "from this machine)")
+
+
+def check_server_info(info: dict, drafts, target_dir: Path | None = None, url: str = "") -> None:
+    """Refuse unless the server runs EAGLE3 with exactly one of `drafts` (04's export folder alone, or
+    {name: folder}: 04's and the declared --draft ones) as its draft, and our target.
+
+    A draft counts as one of them when its folder is that one or a byte-identical copy (config.json and
+    its weights); the target when its folder is ours or has our config.json.
     """
     where = f"the EAGLE3 server {url}".rstrip() if url else "the server"
     algo = info.get("speculative_algorithm")
@@ -490,10 +528,8 @@ def check_server_info(info: dict, export_dir: Path, target_dir: Path | None = No
             "EAGLE skips aux hidden-state capture and acceptance falls to chance while nothing errors. "
             "Restart it with --speculative-algorithm EAGLE3 (see docs/sglang.md).")
     draft = info.get("speculative_draft_model_path")
-    if not same_folder(draft, export_dir, DRAFT_FILES):
-        raise StageError(f"{where}'s draft is {draft!r}, not 04's export {Path(export_dir).resolve()} "
-                         "(neither the same folder nor a byte-identical copy of its config.json and "
-                         "model.safetensors, as read from this machine): restart it with "
+    if served_draft(draft, drafts) is None:
+        raise StageError(f"{where}'s draft is {draft!r}, {not_one_of(drafts)}: restart it with "
                          "--speculative-draft-model-path pointing at that folder")
     quant = info.get("speculative_draft_model_quantization")
     if quant not in (None, "unquant"):
@@ -579,14 +615,18 @@ def check_acceptance(tau: float, min_accept_length: float, where: str) -> None:
 
 
 def preflight(base_url: str, export_dir: Path, m02b: dict, m04: dict, warmup_fn, min_accept_length: float,
-              target_dir: Path | None = None) -> dict:
+              target_dir: Path | None = None, draft: tuple[str, Path] | None = None) -> dict:
     """Run every check against a live server; returns a record for metrics.json.
 
     warmup_fn(base_url) -> per-request tau over a few short requests (common/benchmark/server_bench.warmup).
+    `draft`: (name, folder) of a declared --draft the server must serve instead of 04's export; its files
+    were checked against the target before launch (common/draft/imported.py), the manifests describe 04's.
     """
+    name, folder = draft or (OURS, Path(export_dir))
     info = get_server_info(base_url)
-    check_server_info(info, export_dir, target_dir, base_url)
-    check_draft_files(export_dir, m02b, m04)
+    check_server_info(info, {name: folder}, target_dir, base_url)
+    if name == OURS:
+        check_draft_files(export_dir, m02b, m04)
     reset_accept_counters(base_url)  # so the server's average below is the warm-up's alone
     tau_requests = warmup_fn(base_url)
     check_acceptance(tau_requests, min_accept_length, f"{base_url} warm-up (per-request)")
@@ -594,12 +634,13 @@ def preflight(base_url: str, export_dir: Path, m02b: dict, m04: dict, warmup_fn,
     if tau_server is not None:
         check_acceptance(tau_server, min_accept_length, f"{base_url} avg_spec_accept_length")
     backends = {"target": info.get("attention_backend"), "draft": info.get("speculative_draft_attention_backend")}
-    print(f"[05] preflight ok: EAGLE3, draft {export_dir}, warm-up tau {tau_requests:.2f} "
+    print(f"[05] preflight ok: EAGLE3, draft {name + ' ' if draft else ''}{folder}, warm-up tau {tau_requests:.2f} "
           f"(server {tau_server}); attention backends: target {backends['target']}, draft "
           f"{backends['draft'] or 'inherited from the target'}; draft quantization "
           f"{info.get('speculative_draft_model_quantization')}")
-    return {"speculative_algorithm": info["speculative_algorithm"], "draft": str(export_dir),
-            "draft_sha256": folder_fingerprint(export_dir, DRAFT_FILES),
+    return {"speculative_algorithm": info["speculative_algorithm"], "draft": str(folder),
+            **({"draft_name": name} if draft else {}),
+            "draft_sha256": folder_fingerprint(folder, draft_files(folder)),
             "server_draft_path": info.get("speculative_draft_model_path"),
             "warmup_tau": tau_requests, "server_avg_spec_accept_length": tau_server,
             "attention_backends": backends,
