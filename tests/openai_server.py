@@ -20,7 +20,8 @@ Faults (both modes), set on a running server:
       422, drop (close the connection without an answer), stall (answer after `stall_s`), length
       (finish by the token cap), and garbage like a broken target's (instant mode): loop (one token
       repeated up to the cap, finish "length"), loop_stop (a short phrase repeated, then the end of
-      turn), ramble (text that never repeats a 4-gram, up to the cap, finish "length").
+      turn), ramble (text that never repeats a 4-gram, up to the cap, finish "length"), and a 200 that is
+      no completion: null_text (choices[0].text null), truncated (the first half of the JSON body).
   `server.default_fault = "500"`   the action of every other request.
   `server.route_faults["/v1/models"] = ["503", "drop"]`  the next requests to that route (/health,
       /v1/models, /tokenize) take these actions (500, 503, 429, drop), then it answers normally.
@@ -56,6 +57,14 @@ class HTTPError(Exception):
 
 class Drop(Exception):
     """Close the connection without answering."""
+
+
+class Truncated(Exception):
+    """Answer 200 with the first half of this JSON body."""
+
+    def __init__(self, body: dict):
+        super().__init__("truncated")
+        self.body = body
 
 
 def canned_completion(prompt: str) -> str:
@@ -173,9 +182,13 @@ class OpenAICompletionsServer:
                                  f"context length ({self.max_model_len} tokens).")
         if action in ("loop", "loop_stop", "ramble"):
             return self._garbage(action, max_tokens)
-        if self.model is None:
-            return self._instant(body, prompt, n_prompt, max_tokens, action == "length")
-        return self._model_completion(body, input_ids, max_tokens)
+        answer = (self._instant(body, prompt, n_prompt, max_tokens, action == "length") if self.model is None
+                  else self._model_completion(body, input_ids, max_tokens))
+        if action == "null_text":
+            answer["choices"][0]["text"] = None
+        if action == "truncated":
+            raise Truncated(answer)
+        return answer
 
     def _garbage(self, action: str, max_tokens: int) -> dict:
         """What a broken target answers (the SM12x INT4 MoE failure): loops, or no end of turn."""
@@ -252,7 +265,9 @@ class OpenAICompletionsServer:
                 pass
 
             def _send(self, status: int, obj: dict | None):
-                data = json.dumps(obj).encode() if obj is not None else b""
+                self._send_raw(status, json.dumps(obj).encode() if obj is not None else b"")
+
+            def _send_raw(self, status: int, data: bytes):
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -314,6 +329,9 @@ class OpenAICompletionsServer:
                         raise HTTPError(404, f"no route {self.path}")
                 except Drop:
                     self._drop()
+                except Truncated as t:
+                    data = json.dumps(t.body).encode()
+                    self._send_raw(200, data[:len(data) // 2])
                 except HTTPError as e:
                     self._error(e.status, str(e))
                 except json.JSONDecodeError as e:

@@ -374,3 +374,39 @@ def test_startup_backoff_stays_near_the_health_interval():
     waits = [startup_delay(pool, a, None) for a in range(1, 12)]
     assert max(waits) <= 20.0 and waits[0] <= 3.0
     assert max(pool.backoff(a) for a in range(1, 12)) > 20.0  # mid-run backoff (requests in flight) is not capped
+
+
+def test_bad_answers_are_counted_and_a_wrongly_answering_server_stops_the_run(prepared, micro_target, tmp_path):
+    """A 200 whose text is null is a bad answer for that record (retried, then recorded) and the run goes
+    on; a server whose every answer is truncated JSON stops the run in one line within seconds, not
+    after an hour of retries: it answers, so it is not down."""
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
+        server.faults[tag(2)] = ["null_text"] * 3
+        gen.main(args(work, server, extra=["--request-retries", "2", "--max-transient-failures", "1"]))
+        assert {f["id"]: f["reason"] for f in rows(work, "failures.jsonl")} == {"d/u02": "bad_response"}
+        assert len(rows(work)) == NUM_ROWS - 1
+    for where, message in (("start-up", "the server answers, but not as asked"),
+                           ("mid-run", "answer, but not with completions")):
+        work = fresh(prepared, tmp_path / where)
+        with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
+            if where == "start-up":      # the health probes too
+                server.default_fault = "truncated"
+            else:                        # the dataset's prompts only: the start-up checks pass
+                server.faults.update({tag(i): ["truncated"] * 10 for i in range(NUM_ROWS)})
+            t0 = time.monotonic()
+            with pytest.raises(StageError) as e:
+                gen.main(args(work, server, extra=["--request-retries", "1"]))
+            assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+            assert time.monotonic() - t0 < 60 and not rows(work)
+
+
+def test_adding_long_context_on_a_resume_is_refused(prepared, micro_target, tmp_path):
+    work = fresh(prepared, tmp_path)
+    plain = [a for a in args(work) if a not in ("--long-context", "600")]
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
+        server.faults[tag(1)] = ["500"] * 3   # one record left for a resume
+        with pytest.raises(StageError, match="1 requests failed"):
+            gen.main([*plain, "--server-url", server.base_url, "--request-retries", "1"])
+        with pytest.raises(StageError, match=r"long_context 0 \(now 600\)"):
+            gen.main(args(work, server, extra=["--retry-failed"]))

@@ -129,7 +129,7 @@ def test_resume_with_other_settings_is_refused(prepared, micro_target, tmp_path)
         tok_sha = read_json(work / "01_prepared" / "manifest.json")["tokenizer"]["sha256"]
         settings = {"backend": "openai", "model": "micro-target", "max_new_tokens": 40, "temperature": 0.0,
                     "seed": None, "top_p": None, "tokenizer_sha256": tok_sha, "stop": ["<|im_end|>"],
-                    "max_context": 200, "long_context": None}
+                    "max_context": 200, "long_context": 0}
         assert all(r["settings"] == settings for r in rows(work))  # in every record...
         assert read_json(folder(work) / "manifest.json")["settings"] == [settings]  # ...and the manifest
         reopen(work, 8)

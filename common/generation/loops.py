@@ -30,6 +30,10 @@ from common.generation.progress import Progress
 from common.generation.jobs import PARTITIONS
 from common.stage import StageError
 
+# A server that answers, but wrongly (200s that are not completions: truncated JSON, a sign-in page, null
+# text) is not "down": after this many records in a row failed so, with no answer between, the run stops.
+BAD_ANSWERS_IN_A_ROW = 8
+
 # Tokenizer probe: specials, a tool call, code, and non-ASCII text, through the target's own template.
 PROBE_MESSAGES = [
     {"role": "system", "content": "You are Kimi. Réponds brièvement; 日本語も可. Tabs\tand  spaces."},
@@ -39,6 +43,10 @@ PROBE_MESSAGES = [
                      "function": {"name": "run", "arguments": "{\"cmd\": \"ls -la /tmp\"}"}}]},
     {"role": "tool", "tool_call_id": "functions.run:0", "name": "run", "content": "total 0\r\n\u00a0ok"},
 ]
+
+
+class AnswersWrong(Exception):
+    """The servers keep answering 200 with something that is not a completion."""
 
 
 async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurrency: int, long_concurrency: int,
@@ -56,6 +64,7 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
 
     loop = asyncio.get_running_loop()
     stop, stopped_by, main, starting = asyncio.Event(), [], None, None
+    bad_in_a_row = [0, ""]   # records failed with bad_response since the last answer, the last detail
 
     def on_signal(name):
         if starting is not None and not starting.done():  # still in start-up checks: nothing in flight
@@ -84,7 +93,13 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
             except RequestFailed as e:
                 fail(job, e.kind, e.detail)
                 bar.update(failed=True)
+                if e.kind == "bad_response":
+                    bad_in_a_row[:] = [bad_in_a_row[0] + 1, e.detail]
+                    if bad_in_a_row[0] >= BAD_ANSWERS_IN_A_ROW:
+                        raise AnswersWrong(f"the servers answer, but not with completions: {bad_in_a_row[0]} "
+                                           f"records in a row failed as bad_response (last: {e.detail[:160]})")
             else:
+                bad_in_a_row[0] = 0
                 write(job, result)
                 bar.update(tokens=result["num_completion_tokens"] or 0, latency=time.monotonic() - t0)
             finally:
@@ -142,7 +157,7 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
                 if not stopped_by:
                     raise
             except BaseExceptionGroup as eg:  # a worker's exception, from the TaskGroups
-                down = eg.subgroup(ServersDown)
+                down = eg.subgroup((ServersDown, AnswersWrong))
                 if down is None:
                     raise
                 while isinstance(down, BaseExceptionGroup):

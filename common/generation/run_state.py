@@ -113,7 +113,9 @@ def generation_settings(backend: str, model: str | None, max_new_tokens: int, te
     return {"backend": backend, "model": model, "max_new_tokens": max_new_tokens, "temperature": temperature,
             "seed": seed if temperature > 0 else None, "top_p": top_p if temperature > 0 else None,
             "tokenizer_sha256": tokenizer_sha256, "stop": list(stop),
-            "max_context": max_context, "long_context": long_context}
+            # 0, not None, for "no long partition": None means "not known" to settings_conflicts, so
+            # adding --long-context on a resume would pass unnoticed
+            "max_context": max_context, "long_context": long_context or 0}
 
 
 def settings_conflicts(found: list[dict | None], current: dict, skip: Iterable[str] = ()) -> list[str]:

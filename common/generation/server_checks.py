@@ -90,16 +90,26 @@ def startup_delay(pool: ServerPool, attempt: int, retry_after: float | None) -> 
     return min(pool.backoff(attempt, retry_after), 2 * pool.health_interval)
 
 
+# A server that answers 200 with something that is not the answer asked for (truncated JSON, a sign-in
+# page) is up, not starting: this many such answers in a row end the start-up checks in one line.
+BAD_ANSWERS_AT_STARTUP = 4
+
+
 async def _retrying(pool: ServerPool, deadline: float, what: str, call):
     """`await call()`, retried with backoff on transient errors until `deadline`; a permanent error,
-    or a transient one that outlives the deadline, raises StartupCheckFailed."""
-    attempt = 0
+    a transient one that outlives the deadline, or BAD_ANSWERS_AT_STARTUP malformed answers in a row
+    raise StartupCheckFailed."""
+    attempt = bad = 0
     while True:
         try:
             return await call()
         except RequestFailed as e:
             if not e.retryable:
                 raise
+            bad = bad + 1 if e.kind == "bad_response" else 0
+            if bad >= BAD_ANSWERS_AT_STARTUP:
+                raise StartupCheckFailed(f"{what}: the server answers, but not as asked ({bad} malformed answers "
+                                         f"in a row): {str(e)[:200]}") from None
             attempt += 1
             delay = startup_delay(pool, attempt, e.retry_after)
             if time.monotonic() + delay > deadline:

@@ -210,7 +210,7 @@ class ServerPool:
 
     def backoff(self, attempt: int, retry_after: float | None = None) -> float:
         """Exponential backoff with full jitter in [0.5, 1.5) x base x 2^(attempt-1), capped."""
-        delay = min(self.retry_max_delay, self.retry_base_delay * 2 ** (attempt - 1))
+        delay = min(self.retry_max_delay, self.retry_base_delay * 2.0 ** min(attempt - 1, 60))  # no overflow
         delay *= 0.5 + self._rng.random()
         return max(delay, min(retry_after, self.retry_max_delay)) if retry_after else delay
 
@@ -265,6 +265,8 @@ class ServerPool:
         except (KeyError, IndexError, TypeError):
             raise RequestFailed("bad_response", f"no choices[0].text/finish_reason in {str(data)[:200]}",
                                 True) from None
+        if not isinstance(text, str):  # a 200 whose text is null: a bad answer, not a crash of the run
+            raise RequestFailed("bad_response", f"choices[0].text is {text!r}", True)
         if finish not in ("stop", "length"):  # e.g. SGLang "abort" when the server shuts down
             raise RequestFailed("bad_response", f"finish_reason {finish!r}", True)
         if finish == "stop":
