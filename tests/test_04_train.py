@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from common.training import data as train_data
 from common.stage import StageError, is_complete
-from tests.train_helpers import DV, FLAGS, POINTS, fresh_work, make_upstream
+from tests.train_helpers import DV, FLAGS, POINTS, fresh_work, make_upstream, micro_batch
 
 train = importlib.import_module("04_train")
 
@@ -189,18 +189,10 @@ def test_run_batch_divides_each_step_as_asked(normalization):
     from types import SimpleNamespace
 
     from common.training.distributed import Ranks
-    from common.draft.model import Eagle3DraftModel
-    torch.manual_seed(0)
-    model = Eagle3DraftModel({"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
-                              "intermediate_size": 32, "rms_norm_eps": 1e-5, "rope_theta": 1e4,
-                              "max_position_embeddings": 64, "vocab_size": 40, "draft_vocab_size": 40})
-    model.set_vocab_mapping(torch.zeros(40, dtype=torch.int64), torch.ones(40, dtype=torch.bool))
-    b, t = 3, 9
-    mask = torch.rand(b, t) > 0.3
-    batch = {"aux": torch.randn(b, t, 48), "final": torch.randn(b, t, 16), "input_ids": torch.randint(0, 40, (b, t)),
-             "loss_mask": mask, "num_samples": b}
+    model, batch, lm_head = micro_batch()
+    b, t, mask = 3, 9, batch["loss_mask"]
     args = SimpleNamespace(ttt_steps=3, loss_normalization=normalization)
-    loss, stats = train.run_batch(model, torch.randn(40, 16), batch, args, Ranks(), contextlib.nullcontext)
+    loss, stats = train.run_batch(model, lm_head, batch, args, Ranks(), contextlib.nullcontext)
     denom = [max(int(n), 1) for n in stats["num_loss"]] if normalization == "supervised" else [b * t] * 3
     want = sum(0.8 ** k * float(stats["loss_sum"][k]) / denom[k] for k in range(3))
     assert abs(float(loss.detach()) - want) < 1e-5 and int(stats["num_acc"][0]) == int(mask[:, 1:].sum())

@@ -12,7 +12,7 @@ import torch
 from common.training import loss as loss_mod
 from common.training.loss import (LK_ETA, soft_cross_entropy, soft_cross_entropy_acceptance, ttt_loss)
 from common.training.teacher import step_counts
-from tests.train_helpers import FLAGS, fresh_work, make_upstream
+from tests.train_helpers import FLAGS, fresh_work, make_upstream, micro_batch
 
 train = importlib.import_module("04_train")
 
@@ -183,17 +183,8 @@ def test_kl_path_unchanged():
 
 
 def test_run_batch_passes_the_loss_flag():
-    from common.draft.model import Eagle3DraftModel
     from common.training.distributed import Ranks
-    torch.manual_seed(0)
-    model = Eagle3DraftModel({"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
-                              "intermediate_size": 32, "rms_norm_eps": 1e-5, "rope_theta": 1e4,
-                              "max_position_embeddings": 64, "vocab_size": 40, "draft_vocab_size": 40})
-    model.set_vocab_mapping(torch.zeros(40, dtype=torch.int64), torch.ones(40, dtype=torch.bool))
-    b, t = 3, 9
-    batch = {"aux": torch.randn(b, t, 48), "final": torch.randn(b, t, 16), "input_ids": torch.randint(0, 40, (b, t)),
-             "loss_mask": torch.rand(b, t) > 0.3, "num_samples": b}
-    lm_head = torch.randn(40, 16)
+    model, batch, lm_head = micro_batch()
     out = {}
     for objective in ("kl", "lk_alpha", "lk_lambda"):
         args = SimpleNamespace(ttt_steps=3, loss_normalization="supervised", loss=objective)

@@ -72,3 +72,19 @@ def fresh_work(upstream, tmp_path):
 FLAGS = ["--ttt-steps", "3", "--batch-tokens", "96", "--max-seq-len", "48", "--eval-fraction", "0.15",
          "--learning-rate", "3e-3", "--log-every", "5", "--device", "cpu", "--warmup-ratio", "0.1",
          "--precision", "fp32"]  # exact comparisons; auto may pick bf16 on a CPU with fast bf16
+
+
+def micro_batch(seed: int = 0):
+    """(draft, batch, teacher lm_head) of one run_batch call: a 16-wide draft over a 40-token vocab and a
+    3 x 9 batch with the final-state teacher, about 70% of positions supervised."""
+    from common.draft.model import Eagle3DraftModel
+
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel({"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
+                              "intermediate_size": 32, "rms_norm_eps": 1e-5, "rope_theta": 1e4,
+                              "max_position_embeddings": 64, "vocab_size": 40, "draft_vocab_size": 40})
+    model.set_vocab_mapping(torch.zeros(40, dtype=torch.int64), torch.ones(40, dtype=torch.bool))
+    b, t = 3, 9
+    batch = {"aux": torch.randn(b, t, 48), "final": torch.randn(b, t, 16), "input_ids": torch.randint(0, 40, (b, t)),
+             "loss_mask": torch.rand(b, t) > 0.3, "num_samples": b}
+    return model, batch, torch.randn(40, 16)
