@@ -62,7 +62,7 @@ def build_standin_base(work: Path, config: Path) -> None:
          "benchmark-only": True}])
     common = ["--config", str(config), "--work-dir", str(work)]
     stage("01_prepare_datasets").main([*common, "--datasets", datasets, "--max-new-tokens", "160"])
-    stage("01b_generate_synthetic").main([*common, "--datasets", datasets, "--max-new-tokens", "160",
+    stage("01b_generate_synthetic").main([*common, "--max-new-tokens", "160",
                                           "--generation-backend", "openai", "--response-cache", str(GENERAL_RESPONSES),
                                           "--server-url", "http://127.0.0.1:9/v1", "--served-model-name", "smollm2"])
     stage("01c_merge_datasets").main(common)
