@@ -44,8 +44,8 @@ from common.target.capture import sglang_points_reader, target_architecture
 from common.target.head import load_target_head, read_target_text_config
 from common.target.shards import FeatureFormat, list_shards
 from common.training.checkpoints import complete_checkpoints, load_checkpoint, save_checkpoint
-from common.training.data import (Prefetcher, ShardData, epoch_order, is_eval, load_batch, make_batches, rank_slice,
-                                  schedule, to_device)
+from common.training.data import (Prefetcher, ShardData, epoch_order, is_eval, load_batch, local_batches,
+                                  make_batches, schedule, to_device)
 from common.training.distributed import (Ranks, all_max, all_sum, barrier, broadcast_flag, make_optimizer,
                                          optimizer_state, setup, shard_optimizer_wanted, teardown, unwrap, wrap_model)
 from common.training.loss import TTTMeter, ttt_loss
@@ -177,14 +177,11 @@ def evaluate(model, lm_head, data, batches, args, ranks, autocast) -> dict | Non
     """Held-out TTT metrics; each rank evaluates its slices and the counts are summed over ranks."""
     if not batches:
         return None
-    core, meter, lengths = unwrap(model), TTTMeter(args.ttt_steps), [e[2] for e in data.entries]
+    core, meter = unwrap(model), TTTMeter(args.ttt_steps)
     core.eval()
     with torch.no_grad():
-        for b in batches:
-            if rank_slice(b, lengths, ranks.rank, ranks.world):
-                batch = to_device(load_batch(data, b, lengths, args.max_seq_len, ranks.rank, ranks.world),
-                                  ranks.device)
-                meter.add(run_batch(core, lm_head, batch, args, Ranks(device=ranks.device), autocast)[1])
+        for batch in local_batches(data, batches, args.max_seq_len, ranks):
+            meter.add(run_batch(core, lm_head, batch, args, Ranks(device=ranks.device), autocast)[1])
     core.train()
     meter.sums = all_sum(meter.sums.to(ranks.device), ranks)
     return meter.summary()

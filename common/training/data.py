@@ -138,6 +138,15 @@ def load_batch(data: ShardData, idx: list[int], lengths: list[int], max_len: int
     return batch
 
 
+def local_batches(data: ShardData, batches: list[list[int]], max_len: int, ranks):
+    """This rank's collated slice of each held-out batch, on its device; batches that hold no sample
+    for this rank are skipped (their counts come from the other ranks' all_sum)."""
+    lengths = [e[2] for e in data.entries]
+    for idx in batches:
+        if rank_slice(idx, lengths, ranks.rank, ranks.world):
+            yield to_device(load_batch(data, idx, lengths, max_len, ranks.rank, ranks.world), ranks.device)
+
+
 def schedule(epochs: list, cursor: dict, num_steps: int):
     """(epoch, batch index) of the next `num_steps` optimizer steps from the cursor."""
     epoch, bi = cursor["epoch"], cursor["batch"]

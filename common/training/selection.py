@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from common.io import read_json, write_json
-from common.training.data import load_batch, rank_slice, to_device
+from common.training.checkpoints import CKPT_MARKER, complete_checkpoints
+from common.training.data import local_batches
 from common.training.distributed import all_sum
 
-CANDIDATE_DIR = "candidates"
-DONE = "COMPLETE"
+CANDIDATE_DIR = "candidates"   # step_NNNNNN folders that count once CKPT_MARKER exists, as checkpoints do
 
 
 def candidate_steps(epoch_lengths: list[int], per_epoch: int, total: int, with_init: bool = False) -> list[int]:
@@ -94,13 +94,11 @@ def replay_counts(core, batch: dict, k: int) -> torch.Tensor:
 def selection_tau(core, data, batches: list[list[int]], max_seq_len: int, k: int, ranks, autocast) -> float | None:
     """Replay tau at chain length k over the selection split's batches, each rank over its slices, the
     counts summed over ranks (None when no answer has 2 or more tokens)."""
-    lengths, sums = [e[2] for e in data.entries], torch.zeros(2, dtype=torch.float64)
+    sums = torch.zeros(2, dtype=torch.float64)
     core.eval()
-    for b in batches:
-        if rank_slice(b, lengths, ranks.rank, ranks.world):
-            batch = to_device(load_batch(data, b, lengths, max_seq_len, ranks.rank, ranks.world), ranks.device)
-            with autocast():
-                sums += replay_counts(core, batch, k)
+    for batch in local_batches(data, batches, max_seq_len, ranks):
+        with autocast():
+            sums += replay_counts(core, batch, k)
     core.train()
     sums = all_sum(sums.to(ranks.device), ranks)
     return float(sums[0] / sums[1]) if sums[1] > 0 else None
@@ -117,18 +115,14 @@ def save_candidate(root: Path, step: int, model, dtype: torch.dtype, meta: dict)
              for n, t in model.trainable_state_dict().items()}
     torch.save(state, path / "model.pt")
     write_json(path / "meta.json", {"step": step, **meta})
-    (path / DONE).write_text("ok\n")
+    (path / CKPT_MARKER).write_text("ok\n")
     return path
-
-
-def complete_candidates(root: Path) -> list[Path]:
-    return sorted(p for p in (root / CANDIDATE_DIR).glob("step_*") if (p / DONE).is_file())
 
 
 def drop_candidates_after(root: Path, step: int) -> None:
     """A resumed run redoes the steps after its checkpoint: their candidates (and half-written ones) go."""
     for p in (root / CANDIDATE_DIR).glob("step_*"):
-        if int(p.name.split("_")[1]) > step or not (p / DONE).is_file():
+        if int(p.name.split("_")[1]) > step or not (p / CKPT_MARKER).is_file():
             shutil.rmtree(p)
 
 
@@ -140,7 +134,7 @@ def load_candidate(path: Path, model) -> None:
 def choose_candidate(root: Path, model) -> dict | None:
     """Load the candidate with the best replay tau into `model` (the latest on a tie); returns the
     selection record for the manifest, or None when no candidate was kept (selection off)."""
-    cands = complete_candidates(root)
+    cands = complete_checkpoints(root / CANDIDATE_DIR)
     if not cands:
         return None
     metas = [read_json(c / "meta.json") for c in cands]

@@ -13,11 +13,11 @@ imported draft, to keep what it knew of other traffic (forgetting) while it lear
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from common.draft.imported import ImportedDraft
+from common.draft.imported import ImportedDraft, build_model
 from common.draft.model import Eagle3DraftModel
 
 VOCAB_MODES = ("keep", "map")
@@ -56,18 +56,17 @@ def init_from(d: ImportedDraft, vocab: str, embed: torch.Tensor, d2t: torch.Tens
               counts: torch.Tensor | None = None) -> tuple[Eagle3DraftModel, WarmStart]:
     """The draft initialised from `d` (float32, with the target's embedding `embed`); with `map`, on the
     draft vocab d2t/t2d (03's)."""
-    cfg = dict(d.config)
-    state = {n: t.float() if t.is_floating_point() else t for n, t in d.state.items()}
     if vocab == "map":
-        state["lm_head.weight"], coverage = map_lm_head(d, d2t, counts)
-        state["d2t"], state["t2d"] = d2t.to(torch.int64), t2d.to(torch.bool)
-        cfg["draft_vocab_size"] = len(d2t)
+        lm_head, coverage = map_lm_head(d, d2t, counts)
+        # the same draft on 03's vocab: only the head rows and the mapping change
+        mapped = replace(d, config={**d.config, "draft_vocab_size": len(d2t)},
+                         state={**d.state, "lm_head.weight": lm_head, "d2t": d2t.to(torch.int64),
+                                "t2d": t2d.to(torch.bool)})
     else:
         assert vocab == "keep", vocab
-        coverage = {"rows": cfg["draft_vocab_size"], "rows_found": cfg["draft_vocab_size"], "row_share": 1.0}
-    model = Eagle3DraftModel(cfg)
-    state["embed_tokens.weight"] = embed.float()
-    model.load_state_dict(state, strict=True)
+        mapped = d
+        coverage = {"rows": d.config["draft_vocab_size"], "rows_found": d.config["draft_vocab_size"], "row_share": 1.0}
+    model = build_model(mapped, embed).train()
     return model, WarmStart(d, vocab, coverage)
 
 
