@@ -126,6 +126,8 @@ def main(argv=None):
                    help="extra warm rows at the full size with these learning rates (the preset's is the warm row)")
     p.add_argument("--train-flags", nargs="*", default=[], metavar="FLAG=VALUE", help="extra 04 flags, every row")
     p.add_argument("--only", choices=("standin", "rows", "eval"), default=None, help="do one part and stop")
+    p.add_argument("--rows", nargs="*", default=None, metavar="NAME",
+                   help="with --only rows: train just these rows (two processes, one core each, split the grid)")
     args = p.parse_args(argv)
     standin_work = args.out / "standin"
     if args.only in (None, "standin"):
@@ -134,7 +136,12 @@ def main(argv=None):
     standin = standin_work / "04_draft" / "export_sglang"
     todo = rows(args, standin)
     if args.only in (None, "rows"):
+        unknown = set(args.rows or ()) - set(todo)
+        if unknown:
+            raise SystemExit(f"--rows: no such row {sorted(unknown)}; rows are {sorted(todo)}")
         for name, flags in todo.items():
+            if args.rows is not None and name not in args.rows:
+                continue
             work = args.out / "rows" / name
             dr.link(args.base, work, UPSTREAM)
             print(f"[study] row {name}: {' '.join(dr.argv_of(flags))}", flush=True)

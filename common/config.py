@@ -20,7 +20,9 @@ from common.stage import REPO_ROOT, STAGE_SCRIPTS, StageError
 
 def base_parser(doc: str | None, work_dir: bool = True) -> argparse.ArgumentParser:
     """Parser with the flags every stage shares: --work-dir (required), --config, --overwrite."""
-    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0],
+    # allow_abbrev=False: a misspelt flag must fail, not silently become another one that shares its
+    # prefix (`01b --datasets x` was read as `--datasets-only x`, generating one source instead of all).
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("stage")
     if work_dir:

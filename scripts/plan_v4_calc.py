@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-tok-s", type=float, default=None, help="MEASURE: SGLang log, prefill input tok/s")
     p.add_argument("--train-tok-s", type=float, default=None, help="MEASURE: 04 train_log.jsonl tokens_per_s")
     p.add_argument("--epochs", type=float, default=10)
+    p.add_argument("--kv-tokens", type=float, default=None,
+                   help="MEASURE: the server's KV pool in tokens (SGLang /get_server_info max_total_num_tokens)")
+    p.add_argument("--concurrency", type=int, default=160, help="01b's --concurrency (the preset's)")
     return p
 
 
@@ -43,7 +46,7 @@ def project(work: Path, mix: dict) -> tuple[list[tuple], dict]:
     m01 = read_json(work / "01_prepared" / "manifest.json")["counts"]
     m01b = read_json(work / "01b_generated" / "manifest.json")["counts"]
     stats = read_json(work / "01c_merged" / "stats.json")["per_source"]
-    rows, tot = [], dict(samples=0, tokens=0, sup=0, dec=0, pre=0)
+    rows, tot = [], dict(samples=0, tokens=0, sup=0, dec=0, pre=0, records=0)
     for name, s in stats.items():
         if not s.get("num_samples"):
             continue
@@ -55,9 +58,19 @@ def project(work: Path, mix: dict) -> tuple[list[tuple], dict]:
         parts = m01[name].get("partitions", {})
         rows.append((name, n, pm, rm, n * (pm + rm), parts.get("long", 0) / max(m01[name]["num_records"], 1)))
         for k, v in (("samples", n), ("tokens", n * (pm + rm)), ("sup", n * rm),
-                     ("dec", g * c["completion_tokens"] / done), ("pre", g * c["prompt_tokens"] / done)):
+                     ("dec", g * c["completion_tokens"] / done), ("pre", g * c["prompt_tokens"] / done),
+                     ("records", g)):
             tot[k] += v
     return rows, tot
+
+
+def running_line(tot: dict, kv_tokens: float, concurrency: int) -> str:
+    """How many of 01b's requests the server runs at once: a request holds its prompt and, averaged over
+    its life, half its answer (train_plan_v4.md section 2.4); the rest wait in the server's queue."""
+    held = (tot["pre"] + tot["dec"] / 2) / max(tot["records"], 1)
+    running = min(concurrency, kv_tokens / held)
+    return (f"server capacity: {kv_tokens:,.0f} KV tokens / {held:,.0f} tokens held per request = about "
+            f"{running:,.0f} of --concurrency {concurrency} run at once, {max(concurrency - running, 0):,.0f} queue")
 
 
 def main(argv=None) -> None:
@@ -70,6 +83,8 @@ def main(argv=None) -> None:
         print(f"| {name} | {n:,} | {pm:,.0f} | {rm:,.0f} | {t / 1e6:,.2f} M | {ls:.0%} |")
     print(f"| **total** | {tot['samples']:,} | | | {tot['tokens'] / 1e6:,.2f} M ({tot['sup'] / 1e6:,.2f} M supervised) | |")
     print(f"\nfeature storage: {bpt:,} B/token x {tot['tokens'] / 1e6:,.2f} M tokens = {bpt * tot['tokens'] / 1e12:,.2f} TB")
+    if a.kv_tokens:
+        print(running_line(tot, a.kv_tokens, a.concurrency))
     if a.decode_tok_s:
         t_gen = tot["dec"] / a.decode_tok_s + (tot["pre"] / a.prefill_tok_s if a.prefill_tok_s else 0)
         print(f"generation: {tot['dec'] / 1e6:,.1f} M decode tok / {a.decode_tok_s:,.0f} tok/s"

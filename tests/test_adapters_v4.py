@@ -363,10 +363,29 @@ def test_plan_calculator_runs_on_pipeline_outputs(kimi_chain, tmp_path):
     work, _ = kimi_chain
     out = subprocess.run([sys.executable, str(script), "--work-dir", str(work), "--config",
                           str(Path(__file__).parent.parent / "configs" / "datasets_v4.yaml"),
-                          "--decode-tok-s", "3000", "--prefill-tok-s", "30000", "--train-tok-s", "4000"],
+                          "--decode-tok-s", "3000", "--prefill-tok-s", "30000", "--train-tok-s", "4000",
+                          "--kv-tokens", "200000"],
                          capture_output=True, text=True, check=True).stdout
     assert "| swe_rebench | 10,000 |" in out and "| **total** | 99,000 |" in out
     assert "57,353 B/token" in out and "generation:" in out and "training: 10 epochs" in out
+    assert "server capacity: 200,000 KV tokens" in out and "of --concurrency 160 run at once" in out
+
+
+def test_plan_capacity_arithmetic():
+    """Section 2.4's requests-at-once come from the calculator's rule on the projection's totals (280.3 M
+    prefill and 127.4 M decode tokens over 110,000 records): ~59 of 160 at a 185K-token pool, and a pool
+    larger than C's needs runs all of C."""
+    import importlib.util
+
+    repo = Path(__file__).parent.parent
+    spec = importlib.util.spec_from_file_location("plan_v4_calc", repo / "scripts" / "plan_v4_calc.py")
+    calc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calc)
+    tot = {"pre": 280.3e6, "dec": 127.4e6, "records": 110_000}
+    assert "3,127 tokens held per request = about 59 of --concurrency 160 run at once, 101 queue" in \
+        calc.running_line(tot, 185_000, 160)
+    assert "about 160 of --concurrency 160 run at once, 0 queue" in calc.running_line(tot, 1e6, 160)
+    assert "p + r/2 = **3,127**" in (repo / "train_plan_v4.md").read_text()
 
 
 def test_complete_without_reasoning_is_instant_mode(scrub):

@@ -36,6 +36,15 @@ def test_config_defaults_cli_wins_unknown_key_fails(tmp_path):
         config.parse_args(parser, ["--config", str(cfg)])
 
 
+def test_an_abbreviated_flag_is_refused(capsys):
+    """`--datasets x` on a stage that has only `--datasets-only` must fail, not run one source."""
+    parser = config.base_parser("t")
+    parser.add_argument("--datasets-only", nargs="*", default=None)
+    with pytest.raises(SystemExit):
+        config.parse_args(parser, ["--work-dir", "/tmp/w", "--datasets", "x"])
+    assert "unrecognized arguments: --datasets" in capsys.readouterr().err
+
+
 def test_missing_work_dir_is_an_error():
     with pytest.raises(stage.StageError, match="--work-dir"):
         config.parse_args(config.base_parser("t"), [])
