@@ -2,7 +2,7 @@
 
 Part 1 (step): optimizer steps of the draft on random features (teacher, TTT unroll, loss, backward,
 clip, AdamW), each variant in a process of its own, so its peak memory is its own:
-  today      the trainer before issue 11: fp32; TTT attention as one SDPA over all steps' keys under a
+  today      the trainer before the TTT-attention rework: fp32; TTT attention as one SDPA over all steps' keys under a
              [T, (k+1)T] mask; teacher, lm_head and float32 log-softmax over every position (the code
              of that trainer is kept below as legacy_*)
   attention  today with the causal block + diagonal TTT attention of common/draft/model.py
@@ -14,7 +14,7 @@ its train log: reading in the loop vs the prefetch thread, and 1 process vs one 
 on the same global batches. Prints tables (medians over the measured steps); asserts nothing.
 Run:    python benchmarks/bench_04_train.py                      # H 1024, Dv 32K, V 163840, T 2048: long on CPU
 Quick:  python benchmarks/bench_04_train.py --hidden 512 --seq-len 512 --draft-vocab 8192 --vocab 32768
-Issue:  python benchmarks/bench_04_train.py --draft-vocab 8192 --vocab 32768 --seq-len 2048   # issue 11's shape
+Mid:    python benchmarks/bench_04_train.py --draft-vocab 8192 --vocab 32768 --seq-len 2048   # the mid shape
 GPU:    python benchmarks/bench_04_train.py --device cuda    # Kimi's draft: H 7168, 56/8 heads, MLP 18432, T 4K-16K
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def build_parser():
     return p
 
 
-# ---- the trainer before issue 11 (teacher and loss over every position), for the "today" rows ----
+# ---- the trainer before the TTT-attention rework (teacher and loss over every position), for the "today" rows ----
 
 def legacy_teacher_targets(final, lm_head, d2t, t2d, chunk_rows: int = 1024) -> dict:
     import torch

@@ -134,7 +134,7 @@ def test_config_yaml_and_errors(micro_target, tmp_path):
 
 
 def test_manifest_counts_reasons_apart_and_repairs(micro_target, tmp_path):
-    """Issue 13 items 1, 3 and 6 through the stage: missing / empty / wrong-type fields are separate
+    """Through the stage: missing / empty / wrong-type fields are separate
     skip reasons, leading bot turns are dropped and fallbacks taken are counted in the manifest, and a
     nested special-token literal leaves no control token in the prompt."""
     from transformers import AutoTokenizer

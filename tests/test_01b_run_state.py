@@ -1,4 +1,4 @@
-"""01b's run state (issue 13 items 7, 8, 10): one 01b per dataset (a second is refused naming the
+"""01b's run state: one 01b per dataset (a second is refused naming the
 holder, also while a SIGTERM'd run finishes its requests), duplicate ids repaired on resume, a resume
 with other generation settings refused unless --allow-mixed-settings, and totals over all runs."""
 import importlib

@@ -396,7 +396,7 @@ def test_complete_without_reasoning_is_instant_mode(scrub):
     assert all(r["thinking"] for r in ot.values())
 
 
-# ---- issue 13: one rule for tool-call arguments, leading turns, episode ends, ToolACE results, repairs ----
+# ---- one rule for tool-call arguments, leading turns, episode ends, ToolACE results, repairs ----
 
 BASH = {"type": "function", "function": {"name": "execute_bash", "parameters": {
     "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}

@@ -1,4 +1,4 @@
-"""The data stages on HF chat targets that are not Kimi (issue 10): the text format is derived from the
+"""The data stages on HF chat targets that are not Kimi: the text format is derived from the
 target (end of turn, stop ids, thinking, tools, tool calls), tools a template drops are refused or
 counted, `complete` answers go through the target's own template, and servers stop on the target's
 end of turn and hand back its ids where they can."""
