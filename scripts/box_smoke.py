@@ -270,6 +270,8 @@ def compare_tau(reference_metrics: dict, server_metrics: dict, rel_tol: float) -
     ref = reference_metrics["by_num_draft_tokens"][str(NUM_DRAFT_TOKENS)]["tau"]
     key = f"{SPEC_SETTING.replace(',', '-')}/graph"
     run = server_metrics["runs"][key]["by_concurrency"]["1"]
+    if run.get("refused"):  # 05 did not believe the server's counts (server_bench.refuse): no tau to compare
+        raise SmokeMismatch(layer, f"05 refused the run: {run['refused']}")
     pooled = run["accept_length_pooled"]
     rounds = run["completion_tokens"] / pooled
     corrected = (run["completion_tokens"] - run["num_requests"]) / rounds

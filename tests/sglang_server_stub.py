@@ -10,6 +10,12 @@ unless `new_info_path` (older releases). avg_spec_accept_length comes from lifet
 set, `data: {"error": {"message", "type", "code", "retryable"}}` then `data: [DONE]` (as 0.5.14 streams a
 ValueError). `fail_first` answers the first N requests with 503. A speculative server verifies
 `accept_length` tokens per round, so completion_tokens / spec_verify_ct = accept_length.
+
+Bad answers, each a 200: `count_scale` multiplies the completion_tokens it reports (the tokens it streams,
+its spec_verify_ct and its own avg_spec_accept_length stay true); `bad_answer` answers POST /generate with
+"html" (a proxy's sign-in page), "truncated" (a whole event holding the first half of its JSON) or
+"no_count" (a final meta_info without completion_tokens); `bad_info` answers the info document with "html"
+or "truncated" (the first half of the JSON body, Content-Length and all).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class StubState:
     def __init__(self, algorithm=None, draft_path=None, model_path="/models/target", accept_length=3.0,
                  setting=(3, 1, 4), new_info_path=False, disable_cuda_graph=False, decode_graph="full",
-                 error_message=None, fail_first=0, adaptive=False):
+                 error_message=None, fail_first=0, adaptive=False, count_scale=1, bad_answer=None, bad_info=None):
         self.server_args = {
             "model_path": model_path, "tokenizer_path": model_path, "tp_size": 1, "pp_size": 1,
             "dp_size": 1, "mem_fraction_static": 0.85, "disable_radix_cache": False,
@@ -42,6 +48,7 @@ class StubState:
         self.new_info_path = new_info_path
         self.error_message = error_message
         self.fail_first = fail_first
+        self.count_scale, self.bad_answer, self.bad_info = count_scale, bad_answer, bad_info
         self.resets = 0
         self.tokens = 0
         self.verify = 0
@@ -56,15 +63,23 @@ class StubState:
                 "version": "0.5.6"}
 
 
+SIGN_IN_PAGE = ("<!DOCTYPE html>\n<html><head><title>Sign in - Cluster Gateway</title></head>\n"
+                "<body><form action=\"/oauth2/start\">Sign in to continue</form></body></html>\n")
+
+
 def make_handler(state: StubState):
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
 
-        def _json(self, code, doc):
+        def _json(self, code, doc, cut=False):
             body = json.dumps(doc).encode()
+            body = body[:len(body) // 2] if cut else body
+            self._raw(code, body, "application/json")
+
+        def _raw(self, code, body: bytes, kind: str):
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -73,7 +88,9 @@ def make_handler(state: StubState):
             if self.path == "/health":
                 return self._json(200, {})
             if self.path == "/get_server_info" or (self.path == "/server_info" and state.new_info_path):
-                return self._json(200, state.info())
+                if state.bad_info == "html":
+                    return self._raw(200, SIGN_IN_PAGE.encode(), "text/html")
+                return self._json(200, state.info(), cut=state.bad_info == "truncated")
             self._json(404, {"detail": "Not Found"})
 
         def do_POST(self):
@@ -98,6 +115,8 @@ def make_handler(state: StubState):
                        "retryable": False}
                 self.wfile.write(f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode())
                 return
+            if state.bad_answer == "html":
+                return self._raw(200, SIGN_IN_PAGE.encode(), "text/html")
             ids, sp = req["input_ids"], req["sampling_params"]
             n = int(sp["max_new_tokens"])
             spec = bool(state.server_args["speculative_algorithm"])
@@ -115,12 +134,16 @@ def make_handler(state: StubState):
             for k in range(step, n + step, step):
                 done = k >= n
                 meta = {"id": "r", "finish_reason": {"type": "length", "length": n} if done else None,
-                        "prompt_tokens": len(ids), "completion_tokens": min(k, n), "cached_tokens": 0,
-                        "e2e_latency": time.time() - t0}
+                        "prompt_tokens": len(ids), "completion_tokens": min(k, n) * state.count_scale,
+                        "cached_tokens": 0, "e2e_latency": time.time() - t0}
                 if spec:
                     meta["spec_verify_ct"] = rounds if done else math.ceil(min(k, n) / state.accept_length)
-                chunk = {"text": "x" * min(k, n), "output_ids": out[:min(k, n)], "meta_info": meta}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if done and state.bad_answer == "no_count":
+                    del meta["completion_tokens"]
+                data = json.dumps({"text": "x" * min(k, n), "output_ids": out[:min(k, n)], "meta_info": meta})
+                if done and state.bad_answer == "truncated":
+                    data = data[:len(data) // 2]
+                self.wfile.write(f"data: {data}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
 
     return Handler

@@ -1,6 +1,6 @@
 """05 server mode's deploy section (common/benchmark/deploy.py) on synthetic sweeps whose right answers
 are known: a generated sweep with known draft and verify costs, one where no setting beats the baseline,
-the launch line of each engine."""
+one where every run was refused, the launch line of each engine."""
 from __future__ import annotations
 
 import json
@@ -183,3 +183,28 @@ def test_deploy_can_pick_a_declared_draft_and_names_it_in_its_launch_line(tmp_pa
     assert "| public | 3-1-4/nograph | 1 |" in text and "| 04 | 5-1-6/nograph | 1 |" in text
     assert [(c["draft"], c["cuda_graph"]) for c in m["deploy"]["cost_models"]] == [("04", False), ("public", False)]
     assert "public, nograph, concurrency 1:" in text
+
+
+def test_when_every_run_was_refused_nothing_valid_was_measured_and_nothing_is_recommended(tmp_path):
+    """Every EAGLE-3 run refused (here: measured under retries, --max-retried-requests): "no setting beats the
+    baseline, run without speculation" would be a verdict on numbers nobody believes. The section says that
+    nothing valid was measured, names the refusals, and recommends nothing."""
+    from common.benchmark.server_bench import add_ratios
+    m = sweep({(3, 1, 4): [3.0, 2.6, 3.4, 2.8] * 2, (5, 1, 6): [3.2, 3.0] * 4})
+    for key in ("3-1-4/nograph", "5-1-6/nograph"):
+        m["runs"][key]["by_concurrency"]["1"]["retried_requests"] = 2
+    add_ratios(m, max_retried=0)
+    write_report(tmp_path, m)
+    best = m["deploy"]["best"]["1"]
+    assert best["best"] is None and best["launch"] is None
+    assert [x.split(":")[0] for x in best["nothing_valid"]] == ["3-1-4/nograph", "5-1-6/nograph"]
+    section = (tmp_path / "report.md").read_text().split("## What to deploy")[1].split("## Predicted")[0]
+    assert "**concurrency 1: nothing valid was measured**" in section and "3-1-4/nograph: this run retried" in section
+    assert "Run without speculation" not in section and "python -m sglang" not in section
+    # one run left standing: the verdict is back, with the refused one named as such
+    m = sweep({(3, 1, 4): [1.05] * 8, (5, 1, 6): [1.1] * 8})
+    m["runs"]["5-1-6/nograph"]["by_concurrency"]["1"]["retried_requests"] = 2
+    add_ratios(m, max_retried=0)
+    write_report(tmp_path, m)
+    section = (tmp_path / "report.md").read_text().split("## What to deploy")[1].split("## Predicted")[0]
+    assert "no setting beats the baseline" in section and "5-1-6/nograph refused" in section

@@ -3,7 +3,9 @@ rules, meta_info parsing, the sweep against stub SGLang servers (attached, and l
 subprocesses with readiness polling and a shutdown that waits for the whole process group), the
 baseline and EAGLE3 info documents checked before anything is measured, the graph mode from
 cuda_graph_config, the server's tau windowed per run, draft identity by content, streamed errors,
-retries, and the Kimi preset against the plan's server command."""
+retries, bad answers (counts refused against the ids, the verify-round bound and the server's own tau;
+sign-in pages, cut JSON and missing counts ending in one line), and the Kimi preset against the plan's
+server command."""
 from __future__ import annotations
 
 import argparse
@@ -723,3 +725,185 @@ def test_a_draft_an_engine_cannot_serve_is_refused_before_any_launch(tmp_path, m
     with pytest.raises(StageError, match=r"--draft public .*: vLLM would feed it h\[1, 3, 4\] .* but it reads "
                                          r"h\[2, 4, 5\]: add top-level eagle_aux_hidden_state_layer_ids \[2, 4, 5\]"):
         check_servable("vllm", checked, micro_target)
+
+
+# ---------------------------------------------------------------- bad answers: refused, never believed
+def test_doubled_completion_tokens_refuse_the_run_by_name_with_the_tau_bound(tmp_path, micro_target, capsys):
+    """A server that reports twice the tokens it streamed: 05 used to report tau 6.40 for a 3-1-4 chain and
+    recommend it. The run is refused in one line naming the server, the setting, the field, the value and
+    the bound; none of its numbers is kept, and "what to deploy" says nothing valid was measured."""
+    export = make_work(tmp_path, micro_target)
+    base = StubState(model_path=str(micro_target))
+    spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), accept_length=3.0,
+                     count_scale=2)
+    with StubServer(base) as b, StubServer(spec) as e:
+        run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
+    out = tmp_path / "05_benchmark" / "server"
+    m = json.loads((out / "metrics.json").read_text())
+    run = m["runs"]["3-1-4/graph"]["by_concurrency"]["1"]
+    # 8 tokens in ceil(8 / 3) = 3 rounds, reported as 16: tau 5.33 > (4 x 3 + 1) / 3 = 4.33
+    assert run["refused"] == (f"{e}: request 1 of 3: completion_tokens 16 over spec_verify_ct 3 is tau 5.33, above "
+                              "the bound 4.33 (4 tokens a verify round: 3 drafts and the bonus token; and the "
+                              "prefill token)")
+    assert run["output_tokens_per_s"] is None and run["accept_length_pooled"] is None and run["speed_ratio"] is None
+    assert run["requests"][0]["completion_tokens"] == 16  # the server's claim, kept for a person to look at
+    assert "3-1-4/graph c=1: REFUSED, its counts are not believed: " + run["refused"] in capsys.readouterr().out
+    best = m["deploy"]["best"]["1"]
+    assert best["best"] is None and best["launch"] is None and best["nothing_valid"]
+    report = (out / "report.md").read_text()
+    assert "| 04 | 3-1-4/graph | 1 | - | refused* |" in report and f"this run was refused: {run['refused']}" in report
+    deploy_section = report.split("## What to deploy")[1]
+    assert "nothing valid was measured" in deploy_section and "Run without speculation" not in deploy_section
+    assert "5.33" not in report.split("## What to deploy")[0].replace(run["refused"], "")  # no tau shown as measured
+
+
+def test_counts_are_held_against_the_ids_received_and_the_servers_own_tau():
+    """Within the bound, a count is still checked against the token ids that came back (or, without ids,
+    the chunks that carried tokens) and against the server's own tau when the run is long enough for its
+    window; an adaptive setting may reach SGLang's deepest candidate chain."""
+    from common.benchmark.server_bench import answer_fault, round_bound, server_tau_fault
+    with StubServer(StubState(algorithm="EAGLE3", draft_path="/d", accept_length=2.0, count_scale=2)) as url:
+        s = run_prompts(url, [[1, 2], [3]], 24, 1, 30, bound=4)  # 48 in 12 rounds: under the bound
+    assert s["refused"] == f"{url}: request 1 of 2: completion_tokens 48, but 24 token ids came back"
+    assert s["completion_tokens"] is None and s["output_tokens_per_s"] is None
+    with StubServer(StubState(algorithm="EAGLE3", draft_path="/d", accept_length=2.0)) as url:
+        assert "refused" not in run_prompts(url, [[1, 2], [3]], 24, 1, 30, bound=4)
+    assert answer_fault({"completion_tokens": 3, "output_ids": None, "token_chunks": 5, "spec_verify_ct": None},
+                        None) == "completion_tokens 3, but 5 streamed chunks carried tokens"
+    assert round_bound((3, 1, 4)) == 4 and round_bound((3, 4, 8)) == 4 and round_bound((3, 1, 4, "adaptive")) == 8
+    reqs = [{"completion_tokens": 301, "spec_verify_ct": 100}] * 4   # tau 3.00 without the prefill token
+    summ = {"requests": reqs, "server_accept_length": 2.0}
+    assert server_tau_fault(summ, 1, 0) == ("tau 3.00 (completion_tokens without the prefill token, over "
+                                            "spec_verify_ct) is more than 25% above the server's own 2.00 "
+                                            "(server_accept_length)")
+    assert server_tau_fault({**summ, "server_accept_length": 2.5}, 1, 0) is None   # within 25%
+    assert server_tau_fault(summ, 1, 39) is not None        # 400 rounds at c=1: long enough for SGLang's window
+    assert server_tau_fault(summ, 2, 39) is None            # 200 iterations or fewer: its window is not this run's
+
+
+def test_a_refused_baseline_refuses_every_ratio_against_it():
+    from common.benchmark import deploy
+    from common.benchmark.server_bench import add_ratios, refuse
+    good = {"completion_tokens": 10, "spec_verify_ct": None, "accept_length": None, "ttft_s": 0.1, "latency_s": 1.0}
+    base, spec = summarize([dict(good)] * 4, 4.0, 1), summarize([dict(good)] * 4, 2.0, 1)
+    refuse(base, "http://b: request 1 of 4: completion_tokens 10, but 5 token ids came back")
+    metrics = {"runs": {"baseline/graph": {"cuda_graph": True, "setting": None, "by_concurrency": {"1": base}},
+                        "3-1-4/graph": {"cuda_graph": True, "setting": [3, 1, 4], "by_concurrency": {"1": spec}}}}
+    add_ratios(metrics)
+    assert spec["speed_ratio"] is None and spec["ratio_refused"].startswith("the baseline run was refused: http://b")
+    assert base["ratio_refused"] == f"this run was refused: {base['refused']}"
+    best = deploy.best_settings(metrics)["1"]
+    assert best["best"] is None and best["nothing_valid"] == [f"baseline/graph: {base['refused']}"]
+
+
+class SSEOnce:
+    """A raw HTTP server answering every POST with 200 and `body` (an event stream of one's own making)."""
+
+    def __init__(self, body: bytes, kind: str = "text/event-stream"):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def __enter__(self) -> str:
+        return self.url
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def events(*chunks) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("html", r"POST /generate: the answer is an HTML page \('<!DOCTYPE html>'\), not an event stream"),
+    ("truncated", r"POST /generate: the answer is '\{.*, not the JSON 05 reads \(cut short\)"),
+    ("no_count", r"POST /generate: the answer has no meta_info.completion_tokens$"),
+], ids=["html", "truncated", "no_count"])
+def test_a_bad_generate_answer_ends_05_in_one_line_naming_server_and_field(tmp_path, micro_target, monkeypatch,
+                                                                          fault, message):
+    """A 200 from /generate that is a sign-in page, half a JSON event or a final chunk without its count:
+    one line naming the server and what is wrong, at once (never retried: the server answered)."""
+    monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.01)
+    export = make_work(tmp_path, micro_target)
+    spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), bad_answer=fault)
+    with StubServer(spec) as e:
+        with pytest.raises(StageError, match=rf"^SGLang server {e}: {message}") as got:
+            run_05(tmp_path, "--eagle3-url", e)
+    assert isinstance(got.value, SystemExit) and "\n" not in str(got.value)
+    assert len(spec.requests) == (0 if fault == "html" else 1)  # the first answer ends it: no retry
+    assert not (tmp_path / "05_benchmark" / "server" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("html", r"the answer is an HTML page \('<!DOCTYPE html> <html><head><title>Sign in - Cluster Gateway"),
+    ("truncated", r"the answer is '\{\"model_path\": .*, not the JSON 05 reads \(cut short\): "),
+], ids=["html", "truncated"])
+def test_a_bad_info_document_ends_05_in_one_line_naming_the_server(tmp_path, micro_target, fault, message):
+    make_work(tmp_path, micro_target)
+    with StubServer(StubState(model_path=str(micro_target), bad_info=fault)) as b:
+        with pytest.raises(StageError, match=rf"^GET {b}/get_server_info: {message}") as got:
+            run_05(tmp_path, "--baseline-url", b)
+    assert "\n" not in str(got.value)
+
+
+def test_the_html_page_is_one_line_on_stderr_without_a_traceback(tmp_path, micro_target):
+    """What a person sees: 05 exits 1 with `error: ...` on one line and no traceback."""
+    import subprocess
+    make_work(tmp_path, micro_target)
+    with StubServer(StubState(model_path=str(micro_target), bad_info="html")) as b:
+        done = subprocess.run([sys.executable, str(REPO / "05_benchmark.py"), "--work-dir", str(tmp_path), "--mode",
+                               "server", "--baseline-url", b], capture_output=True, text=True, cwd=REPO, timeout=300,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: GET {b}/get_server_info: the answer is an HTML page ('<!DOCTYPE html> <html><head><title>Sign in - "
+        "Cluster Gateway'...), not the JSON 05 reads: Expecting value at character 0"]
+
+
+def test_vllm_stream_answers_are_parsed_by_name():
+    """vLLM's streamed completion: a usage chunk without completion_tokens is one line naming the field; the
+    ids it streams are kept (None when it sends none, with the chunks that carried text counted instead)."""
+    from common.benchmark.vllm import complete_stream
+    text = {"choices": [{"text": "ab", "token_ids": [5, 6], "finish_reason": None}]}
+    with SSEOnce(events(text, {"choices": [], "usage": {"prompt_tokens": 2}})) as url:
+        with pytest.raises(StageError, match=rf"^vLLM server {url}: POST /v1/completions: the answer has no "
+                                             r"usage.completion_tokens$"):
+            complete_stream(url, "m", [1, 2], 8, 30)
+    usage = {"choices": [], "usage": {"completion_tokens": 2}}
+    with SSEOnce(events(text, usage)) as url:
+        r = complete_stream(url, "m", [1, 2], 8, 30)
+    assert r["output_ids"] == [5, 6] and r["token_chunks"] == 1 and r["completion_tokens"] == 2
+    with SSEOnce(events({"choices": [{"text": "ab"}]}, {"choices": [{"text": "c"}]}, usage)) as url:
+        r = complete_stream(url, "m", [1, 2], 8, 30)
+    assert r["output_ids"] is None and r["token_chunks"] == 2
+    with SSEOnce(b"{\"choices\": []}\n", kind="application/json") as url:  # stream ignored: a plain JSON body
+        with pytest.raises(StageError, match=r"POST /v1/completions: the answer is '\{\"choices\": \[\]\}', not an "
+                                             r"event stream"):
+            complete_stream(url, "m", [1, 2], 8, 30)
+
+
+def test_agreement_refuses_answers_without_ids_in_one_line():
+    """The agreement check replays the engine's own tokens: an answer without ids stops it by name."""
+    from common.benchmark.agreement import with_ids
+    from common.stage import StageError
+
+    ok = [{"output_ids": [1, 2]}]
+    assert with_ids("http://x", ok) is ok
+    with pytest.raises(StageError, match="http://x sent answers without token ids"):
+        with_ids("http://x", ok + [{"output_ids": None}])

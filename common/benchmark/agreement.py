@@ -101,7 +101,8 @@ class AgreementCheck:
 
         k = setting[0]
         start = self.engine.window_start(url)
-        answers = [self.engine.request(url, ids, self.max_new_tokens, self.timeout) for ids in self.prompts]
+        answers = with_ids(url, [self.engine.request(url, ids, self.max_new_tokens, self.timeout)
+                                 for ids in self.prompts])
         window = self.engine.window_end(url, start)
         result = check_answers(self.models(), self.prompts, answers, k, self.tolerance)
         result["server_counters"] = window
@@ -137,9 +138,9 @@ class AgreementCheck:
             print(f"[05] agreement {key}: {self.engine.label} cannot verify sampled drafts here: {defect}. Its "
                   "sampled tau below measures that defect, not the draft")
         for params in self.sampling:
-            answers = [self.engine.request(url, ids, self.max_new_tokens, self.timeout, sampling={
+            answers = with_ids(url, [self.engine.request(url, ids, self.max_new_tokens, self.timeout, sampling={
                 "temperature": params.temperature, "top_p": params.top_p,
-                "seed": smp.prompt_seed(self.seed, ids, params, "engine") % 2 ** 31}) for ids in self.prompts]
+                "seed": smp.prompt_seed(self.seed, ids, params, "engine") % 2 ** 31}) for ids in self.prompts])
             res = check_sampled_answers(self.models(), self.prompts, answers, k, params, self.max_new_tokens,
                                         self.seed)
             res["top_p"], res["engine_defect"] = params.top_p, defect
@@ -157,6 +158,15 @@ class AgreementCheck:
                                  f"({bad['replay']}): the engine does not accept exactly the drafts equal to the "
                                  f"tokens it commits (docs/design.md section 11; details in {self.out / 'agreement'})")
         return out
+
+
+def with_ids(url: str, answers: list[dict]) -> list[dict]:
+    """The check replays the engine's own answer token by token, so an answer without its ids (a server
+    that ignored the request for them) cannot be checked: one line, not a TypeError deep in replay."""
+    if any(a.get("output_ids") is None for a in answers):
+        raise StageError(f"agreement: {url} sent answers without token ids (requested): the check replays the "
+                         "engine's own tokens and cannot run without them")
+    return answers
 
 
 def totals(rounds: list[list[int]], k: int) -> dict:

@@ -2,7 +2,9 @@
 
 - per measured concurrency, the best EAGLE-3 setting - of every draft served (04's and each declared
   --draft) - with its output tok/s against the fastest baseline and a 95% interval (`ratio_interval`),
-  or the plain statement that no setting beats the baseline;
+  or the plain statement that no setting beats the baseline, or, when every run that could be compared
+  was refused (answers not believed, or measured under faults: server_bench), that nothing valid was
+  measured - then nothing is recommended, not even running without speculation;
 - the exact launch line of that setting (the engine's own command, 05's measurement-only parts dropped;
   `launch_line` refuses one that is not EAGLE3 / eagle3), with the draft named when several were served;
 - a cost model per draft fitted from the sweep's timings, which predicts chain depths the sweep did not try.
@@ -76,14 +78,20 @@ def best_settings(metrics: dict) -> dict:
     """{concurrency: {baseline, best or None, candidates}} over every graph mode and draft (04's and each
     declared --draft): each EAGLE-3 run is compared with the FASTEST baseline at that concurrency (what one
     could deploy without speculation), paired over the same prompts; the best is the highest ratio whose
-    interval lies above 1."""
+    interval lies above 1. A refused baseline (server_bench.refuse) is no baseline; `nothing_valid` lists
+    the refusals when no baseline or no EAGLE-3 run is left to compare."""
     runs = metrics["runs"]
     concs = sorted({c for e in runs.values() for c in e["by_concurrency"]}, key=int)
     out = {}
     for c in concs:
-        bases = [(k, e["by_concurrency"][c]) for k, e in runs.items() if e.get("setting") is None
+        every = [(k, e["by_concurrency"][c]) for k, e in runs.items() if e.get("setting") is None
                  and c in e["by_concurrency"]]
+        if not every:
+            continue
+        bases = [(k, s) for k, s in every if not s.get("refused")]
         if not bases:
+            out[c] = {"baseline": None, "baseline_tokens_per_s": None, "candidates": [], "best": None,
+                      "undecided": False, "nothing_valid": [f"{k}: {s['refused']}" for k, s in every]}
             continue
         bkey, bsum = max(bases, key=lambda kv: kv[1]["output_tokens_per_s"] or 0)
         cands = []
@@ -92,19 +100,23 @@ def best_settings(metrics: dict) -> dict:
             if e.get("setting") is None or s is None or not bsum["output_tokens_per_s"]:
                 continue
             draft = e.get("draft", OURS)
-            if "ratio_refused" in s:
-                cands.append({"key": key, "draft": draft, "setting": e["setting"], "refused": s["ratio_refused"]})
+            why = s.get("ratio_refused") or s.get("refused")
+            if why:
+                cands.append({"key": key, "draft": draft, "setting": e["setting"], "refused": why})
                 continue
             ratio = s["output_tokens_per_s"] / bsum["output_tokens_per_s"]
             ci = ratio_interval(s.get("requests") or [], bsum.get("requests") or [], ratio)
             cands.append({"key": key, "draft": draft, "setting": list(e["setting"]),
                           "tokens_per_s": s["output_tokens_per_s"], "ratio": ratio, "ratio_ci95": list(ci) if ci else None})
         winners = [x for x in cands if x.get("ratio_ci95") and x["ratio_ci95"][0] > 1]
+        refused = [f"{x['key']}: {x['refused']}" for x in cands if "refused" in x]
         out[c] = {"baseline": bkey, "baseline_tokens_per_s": bsum["output_tokens_per_s"], "candidates": cands,
                   "best": max(winners, key=lambda x: x["ratio"]) if winners else None,
                   # a run without per-request records (a metrics.json from before they were kept) has no
                   # interval: then nothing is decided either way
-                  "undecided": not winners and any("ratio" in x and x["ratio_ci95"] is None for x in cands)}
+                  "undecided": not winners and any("ratio" in x and x["ratio_ci95"] is None for x in cands),
+                  # every EAGLE-3 run refused: "no setting beats the baseline" would be a verdict on nothing
+                  "nothing_valid": refused if cands and len(refused) == len(cands) else None}
     return out
 
 
@@ -226,12 +238,14 @@ def draft_cost_models(metrics: dict, draft: str, reference: dict | None) -> list
         for c in concs:
             base = next((e["by_concurrency"].get(c) for e in runs.values()
                          if bool(e.get("cuda_graph")) == graph and e.get("setting") is None), None)
+            base = None if (base or {}).get("refused") else base
             pts, measured, eff = [], {}, []
             for e in runs.values():
                 s = e["by_concurrency"].get(c)
                 if (bool(e.get("cuda_graph")) != graph or e.get("setting") is None or is_adaptive(e["setting"])
-                        or e.get("draft", OURS) != draft or not s or not s.get("requests")):
-                    continue  # the baseline, an adaptive setting (its steps vary), another draft, no requests
+                        or e.get("draft", OURS) != draft or not s or not s.get("requests") or s.get("refused")):
+                    continue  # the baseline, an adaptive setting (its steps vary), another draft, no requests,
+                    # counts not believed
                 steps, topk, n = e["setting"]
                 t = round_time(s["requests"])
                 if t is None or not s.get("accept_length_pooled"):
@@ -265,7 +279,8 @@ def tau_by_group(metrics: dict, field: str) -> dict:
     the batch), for `field` = "source" or "thinking" of each request's prompt."""
     out = {}
     for key, e in metrics["runs"].items():
-        reqs = [r for r in ((e["by_concurrency"].get("1") or {}).get("requests") or []) if r["spec_verify_ct"]]
+        run = e["by_concurrency"].get("1") or {}
+        reqs = [] if run.get("refused") else [r for r in run.get("requests") or [] if r["spec_verify_ct"]]
         groups = {}
         for r in reqs:
             value = r.get(field)
@@ -284,8 +299,8 @@ def summary(metrics: dict, reference: dict | None) -> dict:
     for rec in best.values():
         b = rec["best"]
         key = b["key"] if b else rec["baseline"]
-        if rec["undecided"]:
-            rec["launch"] = None
+        if rec["undecided"] or rec.get("nothing_valid"):
+            rec["launch"] = None  # nothing to recommend, the baseline's command included
             continue
         rec["launch"] = launch_line(metrics.get("engine", "sglang"), metrics["commands"][key], b is not None) \
             if key in metrics.get("commands", {}) else None
@@ -302,13 +317,19 @@ def report_lines(deploy: dict, engine_label: str) -> list[str]:
              "not the timing noise between repeated runs, which the sweep does not measure).", ""]
     for c, rec in deploy["best"].items():
         b = rec["best"]
+        if rec.get("nothing_valid"):
+            lines += [f"- **concurrency {c}: nothing valid was measured**: every run that could be compared was "
+                      f"refused ({'; '.join(rec['nothing_valid'])}). Nothing is recommended, not even running "
+                      "without speculation: fix what the refusals name and re-run 05 --mode server."]
+            continue
         if rec.get("undecided"):
             lines += [f"- concurrency {c}: **undecided**: the sweep kept no per-request timings, so no ratio has an "
                       "interval (ratios: " + ", ".join(f"{x['key']} x{fmt(x['ratio'])}" for x in rec["candidates"]
                                                         if "ratio" in x) + "); re-run 05 --mode server."]
             continue
         if b is None:
-            shown = ", ".join(f"{x['key']} x{fmt(x.get('ratio'))} [{fmt((x.get('ratio_ci95') or [None])[0])}, "
+            shown = ", ".join(f"{x['key']} refused" if "refused" in x else
+                              f"{x['key']} x{fmt(x.get('ratio'))} [{fmt((x.get('ratio_ci95') or [None])[0])}, "
                               f"{fmt((x.get('ratio_ci95') or [None, None])[1])}]" for x in rec["candidates"])
             lines += [f"- **concurrency {c}: no setting beats the baseline** ({rec['baseline']}, "
                       f"{fmt(rec['baseline_tokens_per_s'], 1)} tok/s; {shown or 'no EAGLE-3 run'}). "

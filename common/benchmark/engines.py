@@ -47,6 +47,9 @@ class Engine:
     name: str
     label: str
     reports_per_round = False  # per-request, per-round acceptance (the agreement check needs it)
+    # decode iterations from outside a run that window_end's server tau may hold (and of the run's own
+    # that it may miss); 05 holds the run's counts against it only over runs many times longer
+    server_tau_slop = 0
 
     def parse_setting(self, text: str) -> tuple:
         return srv.parse_spec_setting(text)
@@ -114,6 +117,7 @@ class SGLangEngine(Engine):
     foreign: list[ServedDraft] = field(default_factory=list)  # the declared --draft ones
     name = "sglang"
     label = "SGLang"
+    server_tau_slop = 39  # its counters are folded in every 40 decode iterations (server_bench.SERVER_TAU_NOTE)
 
     def command(self, port, graph, setting, draft=None):
         folder = (draft or self.drafts[0]).path if setting else None
@@ -131,7 +135,7 @@ class SGLangEngine(Engine):
         drafts = drafts or self.drafts
         info = srv.get_server_info(url)
         srv.check_server_info(info, {d.name: d.path for d in drafts}, self.target_dir, url)
-        return (srv.cuda_graph_on(info), srv.spec_settings_of(info),
+        return (srv.cuda_graph_on(info), srv.spec_settings_of(info, f"the EAGLE3 server {url}'s info document"),
                 self.identify(info.get("speculative_draft_model_path"), drafts))
 
     def preflight(self, url, log, warmup_fn, draft=None):

@@ -8,6 +8,11 @@ before it and read right after it. The reset does not clear the per-interval cou
 folds into the lifetime ones every 40 decode iterations, so the number may include up to 39 decode
 iterations from before the run and miss up to 39 of its last ones; per-request tau is exact. vLLM's
 side (requests, counters): common/benchmark/vllm.py.
+
+A server's counts are checked before they are believed: each answer's completion_tokens against the token
+ids that came back and against what its verify rounds can hold (answer_fault), the run's tau against the
+server's own (server_tau_fault). A run that fails is refused by name in one line (`refused`): its numbers
+are dropped, so no ratio, table, cost model or recommendation takes them (common/benchmark/deploy.py).
 """
 from __future__ import annotations
 
@@ -21,20 +26,86 @@ from common.benchmark import deploy
 from common.benchmark.engines import ENGINE_LABELS, engine_from_args
 from common.benchmark.formatting import fmt
 from common.benchmark.sglang_stream import generate_stream
-from common.sglang.server import OURS
+from common.sglang.server import ADAPTIVE_STEPS, OURS, is_adaptive
 from common.stage import StageError
+
+# How far a run's tau may lie above the server's own count over the same requests before the run's
+# counts are not believed. Honest servers stay far inside it: vLLM's counters also count drafts accepted
+# past the token budget, so its tau is never below ours; SGLang's window holds iterations from outside
+# the run (SERVER_TAU_NOTE), so it is compared only over runs many times longer than that slop.
+SERVER_TAU_TOLERANCE = 0.25
+# The numbers a refused run no longer has (None): everything derived from the counts not believed.
+BELIEVED = ("completion_tokens", "output_tokens_per_s", "per_request_tokens_per_s", "accept_length_mean",
+            "accept_length_pooled")
 
 
 def run_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int,
-                timeout: float, request_fn=generate_stream, tags: list[dict] | None = None) -> dict:
+                timeout: float, request_fn=generate_stream, tags: list[dict] | None = None,
+                bound: int | None = None) -> dict:
     """All prompts at a given concurrency; the summary over the wall time of the whole set, with one
-    record per request in prompt order (`tags[i]`: prompt i's source / thinking) for the deploy section."""
+    record per request in prompt order (`tags[i]`: prompt i's source / thinking) for the deploy section.
+    Refused (`refused`) when an answer's counts are not believed (answer_fault; `bound`: tokens a verify
+    round can commit on a speculative server, round_bound)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         results = list(pool.map(lambda ids: request_fn(base_url, ids, max_new_tokens, timeout), prompts))
     summ = summarize(results, time.perf_counter() - t0, concurrency)
     summ["requests"] = [deploy.request_record(r, (tags or [None] * len(results))[i]) for i, r in enumerate(results)]
+    for i, r in enumerate(results):
+        why = answer_fault(r, bound)
+        if why:
+            refuse(summ, f"{base_url}: request {i + 1} of {len(results)}: {why}")
+            break
     return summ
+
+
+def round_bound(setting) -> int:
+    """The most tokens one verify round can commit: the deepest draft path (steps; an adaptive setting
+    may move up to SGLang's largest candidate steps) and the bonus token."""
+    steps = int(setting[0])
+    return (max(steps, *ADAPTIVE_STEPS) if is_adaptive(setting) else steps) + 1
+
+
+def answer_fault(r: dict, bound: int | None) -> str | None:
+    """Why one answer's completion_tokens is not believed, else None. On a speculative server it must fit
+    in `bound` tokens a verify round plus the prefill token, which no round verifies (tau =
+    completion_tokens / spec_verify_ct <= bound + 1 / spec_verify_ct), and it must be the number of token
+    ids that came back (a server without ids: at least the number of chunks that carried output)."""
+    n, ids, rounds = r["completion_tokens"], r.get("output_ids"), r.get("spec_verify_ct")
+    if bound and rounds and n > bound * rounds + 1:
+        return (f"completion_tokens {n} over spec_verify_ct {rounds} is tau {n / rounds:.2f}, above the bound "
+                f"{(bound * rounds + 1) / rounds:.2f} ({bound} tokens a verify round: {bound - 1} drafts and "
+                "the bonus token; and the prefill token)")
+    if ids is not None and n != len(ids):
+        return f"completion_tokens {n}, but {len(ids)} token ids came back"
+    if ids is None and n < r.get("token_chunks", 0):
+        return f"completion_tokens {n}, but {r['token_chunks']} streamed chunks carried tokens"
+    return None
+
+
+def server_tau_fault(summ: dict, concurrency: int, slop: int) -> str | None:
+    """Why a run's counts are not believed next to the server's own tau over the same window, else None.
+    Both without the prefill token (the server's counts hold verify rounds alone); compared only over a
+    run of at least 10 x `slop` decode iterations (Engine.server_tau_slop: what the server's window may
+    hold from outside the run), rounds / concurrency being the fewest iterations the run can have taken."""
+    server = summ.get("server_accept_length")
+    reqs = [r for r in summ["requests"] if r["spec_verify_ct"]]
+    rounds = sum(r["spec_verify_ct"] for r in reqs)
+    if server is None or not rounds or rounds / concurrency < 10 * slop:
+        return None
+    ours = sum(r["completion_tokens"] - 1 for r in reqs) / rounds
+    if ours <= server * (1 + SERVER_TAU_TOLERANCE):
+        return None
+    return (f"tau {ours:.2f} (completion_tokens without the prefill token, over spec_verify_ct) is more than "
+            f"{SERVER_TAU_TOLERANCE:.0%} above the server's own {server:.2f} (server_accept_length)")
+
+
+def refuse(summ: dict, why: str) -> None:
+    """Mark a run whose counts are not believed: `refused` says why in one line, and every number taken
+    from those counts is dropped (None), so that no table, ratio, cost model or plot shows it as measured.
+    The per-request records stay as the server sent them, for a person to look at."""
+    summ["refused"] = why
+    summ.update(dict.fromkeys(BELIEVED))
 
 
 def summarize(results: list[dict], wall_s: float, concurrency: int) -> dict:
@@ -85,21 +156,33 @@ def run_key(setting, cuda_graph: bool, draft=None) -> str:
 
 def add_ratios(metrics: dict, max_retried: int = 0) -> None:
     """speed_ratio = EAGLE3 output tok/s / baseline output tok/s at the same concurrency and graph mode;
-    refused (None, with `ratio_refused` saying why) when either run retried more than `max_retried`
-    requests: its wall time holds backoff waits, so the ratio would measure the faults."""
+    refused (None, with `ratio_refused` saying why) when either run was refused for its answers, or
+    retried more than `max_retried` requests: its wall time holds backoff waits, so the ratio would
+    measure the faults."""
     for key, entry in metrics["runs"].items():
         base = metrics["runs"].get(setting_name(None, entry["cuda_graph"]))
         for c, summ in entry["by_concurrency"].items():
             ref = (base or {}).get("by_concurrency", {}).get(c)
-            faulty = [name for name, run in (("this run", summ), ("the baseline run", ref))
-                      if run and run.get("retried_requests", 0) > max_retried]
+            faulty = [why for why in (run_fault(summ, "this run", max_retried),
+                                      None if ref is summ else run_fault(ref, "the baseline run", max_retried)) if why]
             if faulty:
                 summ["speed_ratio"] = None
-                summ["ratio_refused"] = (f"{' and '.join(faulty)} retried more than {max_retried} requests "
-                                         "(--max-retried-requests): a number taken under faults")
+                summ["ratio_refused"] = "; ".join(faulty)
                 continue
             summ["speed_ratio"] = (summ["output_tokens_per_s"] / ref["output_tokens_per_s"]
                                    if ref and ref["output_tokens_per_s"] else None)
+
+
+def run_fault(run: dict | None, name: str, max_retried: int) -> str | None:
+    """Why a run's numbers cannot stand in a ratio (`name`: "this run" or "the baseline run"), else None."""
+    if not run:
+        return None
+    if run.get("refused"):
+        return f"{name} was refused: {run['refused']}"
+    if run.get("retried_requests", 0) > max_retried:
+        return (f"{name} retried more than {max_retried} requests (--max-retried-requests): a number taken "
+                "under faults")
+    return None
 
 
 SERVER_TAU_NOTE = {
@@ -257,9 +340,16 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
                 metrics["agreement"][key] = agreement(url, key, setting)
         for c in concs:
             start = engine.window_start(url) if setting is not None else None
-            s = run_prompts(url, prompts, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn, tags)
+            s = run_prompts(url, prompts, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn, tags,
+                            bound=round_bound(setting) if setting is not None else None)
             s.update(engine.window_end(url, start) if setting is not None else {"server_accept_length": None})
             entry["by_concurrency"][str(c)] = s
+            why = None if "refused" in s else server_tau_fault(s, c, engine.server_tau_slop)
+            if why:
+                refuse(s, f"{url}: {why}")
+            if "refused" in s:  # one line; the sweep goes on, and the report and deploy leave the run out
+                print(f"[05] {key} c={c}: REFUSED, its counts are not believed: {s['refused']}")
+                continue
             print(f"[05] {key} c={c}: {fmt(s['output_tokens_per_s'], 1)} tok/s, TTFT "
                   f"{fmt(s['ttft_mean_s'], 3)} s, tau {fmt(s['accept_length_pooled'])} "
                   f"(server {fmt(s['server_accept_length'])})"

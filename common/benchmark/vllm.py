@@ -43,7 +43,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.sglang.server import http_json, not_one_of, same_folder, served_draft, sse_request, with_retries
+from common.sglang.server import (BadAnswer, http_json, not_one_of, parse_answer, same_folder, served_draft,
+                                  sse_request, with_retries)
 from common.stage import StageError
 
 METHOD = "eagle3"
@@ -130,6 +131,8 @@ def get_info(base_url: str, timeout: float = 30.0) -> dict:
     if not isinstance(doc.get("vllm_config"), dict):
         raise StageError(f"{base_url}/server_info has no vllm_config (not vLLM, or config_format=json is "
                          "not supported by this release)")
+    if not isinstance(doc["vllm_config"].get("model_config"), dict):  # every check below reads it
+        raise BadAnswer(f"GET {base_url}/server_info: the answer has no vllm_config.model_config")
     return doc["vllm_config"]
 
 
@@ -188,6 +191,7 @@ def check_eagle3_info(info: dict, drafts, target_dir: Path | None, url: str) -> 
         raise StageError(f"the EAGLE-3 server {url} quantizes the draft ({quant!r}); 04 exported it "
                          "unquantized")
     check_target(info, target_dir, "EAGLE-3", url)
+    parse_answer(spec, f"the EAGLE-3 server {url}: speculative_config", counts=("num_speculative_tokens",))
     return int(spec["num_speculative_tokens"])
 
 
@@ -280,10 +284,11 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
     """One streamed completion of token ids, greedy, or sampled with `sampling` = {temperature, top_p,
     seed} (vLLM's per-request seed drives its sampler and its rejection sampler's uniforms,
     `v1/sample/rejection_sampler.py` generate_uniform_probs): {ttft_s, latency_s, completion_tokens, output_ids,
-    spec_verify_ct, accept_length, per_step_accepted, per_step_drafted, retries} (the spec fields None
-    on a server without per-request spec metrics). accept_length = completion_tokens / verify rounds,
-    the prefill token included: SGLang's definition, comparable across engines. Retried and timed as
-    sglang.server.sse_request says."""
+    token_chunks, spec_verify_ct, accept_length, per_step_accepted, per_step_drafted, retries} (the spec
+    fields None on a server without per-request spec metrics; output_ids None on one that sends no ids).
+    accept_length = completion_tokens / verify rounds, the prefill token included: SGLang's definition,
+    comparable across engines. Retried and timed as sglang.server.sse_request says; a usage chunk
+    without its counts is one line naming the field (server.parse_answer)."""
     url = base_url.rstrip("/") + "/v1/completions"
     payload = {"model": model, "prompt": list(input_ids), "max_tokens": int(max_new_tokens), "temperature": 0.0,
                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
@@ -291,25 +296,32 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
     if sampling is not None:
         payload.update(temperature=float(sampling["temperature"]), top_p=float(sampling["top_p"]),
                        seed=int(sampling["seed"]))
-    got = sse_request(url, payload, timeout, f"{role} server {base_url}: POST /v1/completions")
-    ids, usage, spec, finish = [], None, None, None
+    what = f"{role} server {base_url}: POST /v1/completions"
+    got = sse_request(url, payload, timeout, what)
+    ids, usage, spec, finish, carried = None, None, None, None, 0
     for chunk in got["chunks"]:
         if "error" in chunk:
             err = chunk["error"]
             raise StageError(f"{url} answered a {len(input_ids)}-token prompt with an error: "
                              f"{err.get('message', err) if isinstance(err, dict) else err}")
         for choice in chunk.get("choices") or []:
-            ids += [int(t) for t in choice.get("token_ids") or []]
+            if isinstance(choice.get("token_ids"), list):  # vLLM >= 0.10.2 with return_token_ids
+                ids = [] if ids is None else ids
+                ids += [int(t) for t in choice["token_ids"]]
+            carried += bool(choice.get("text") or choice.get("token_ids"))
             finish = choice.get("finish_reason") or finish
         if chunk.get("usage"):
-            usage = chunk["usage"]
             spec = (chunk.get("metrics") or {}).get("speculative_decoding")
+            usage = parse_answer(chunk, what, counts=("usage.completion_tokens",) + (
+                ("metrics.speculative_decoding.num_spec_steps",) if spec is not None else ()))["usage"]
     if usage is None:
         raise StageError(f"{url} streamed no usage chunk for a {len(input_ids)}-token prompt")
     n = int(usage["completion_tokens"])
     steps = None if spec is None else int(spec["num_spec_steps"])
+    # output_ids: None when the server sent no ids; then `token_chunks` (chunks that carried output, at
+    # least one token each) is what 05 can check completion_tokens against (server_bench.answer_fault)
     return {"ttft_s": got["ttft_s"], "latency_s": got["latency_s"], "completion_tokens": n,
-            "output_ids": ids, "finish_reason": finish, "spec_verify_ct": steps,
+            "output_ids": ids, "token_chunks": carried, "finish_reason": finish, "spec_verify_ct": steps,
             "accept_length": n / steps if steps else None, "retries": got["retries"],
             "per_step_accepted": None if spec is None else spec.get("per_step_accepted"),
             "per_step_drafted": None if spec is None else spec.get("per_step_drafted")}

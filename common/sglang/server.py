@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -207,6 +208,58 @@ class StreamCut(ConnectionError):
     """A response that ended early: half an SSE line, or no final chunk. Retried like a reset."""
 
 
+class BadAnswer(StageError):
+    """A 200 answer that is not what 05 reads: an HTML sign-in page of a proxy, half a JSON body, a document
+    without a count 05 needs. The server answered, so asking again gives the same page: never retried, and
+    one line naming the server and the field instead of a traceback from deep inside a parser."""
+
+
+_MISSING = object()
+
+
+def _field(doc, path: str):
+    for name in path.split("."):
+        doc = doc.get(name, _MISSING) if isinstance(doc, dict) else _MISSING
+    return doc
+
+
+def _head(text: str) -> str:
+    """The start of an unexpected body, for the message (an HTML page is named as one)."""
+    text = " ".join(text.split())
+    shown = repr(text[:60]) + ("..." if len(text) > 60 else "")
+    return f"an HTML page ({shown})" if text[:1] == "<" else shown
+
+
+def parse_answer(body, where: str, counts: tuple[str, ...] = (), optional: tuple[str, ...] = (),
+                 obj: bool = True):
+    """Every server answer 05 reads passes here: `body` (the bytes or text of a 200 answer, one streamed
+    event's data, or a document already decoded) as JSON - an object unless `obj` is False - whose `counts`
+    (dotted paths: "meta_info.completion_tokens") are whole numbers >= 0, as are `optional` ones that are
+    present and not null. Returns the document; anything else is one BadAnswer line naming `where` (the
+    server and its route) and what is wrong, never a KeyError or JSONDecodeError traceback."""
+    doc = body
+    if isinstance(body, (bytes, str)):
+        text = body.decode(errors="replace") if isinstance(body, bytes) else body
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            # a body that ends inside a value or a string was cut short (half a body, a proxy's limit)
+            cut = " (cut short)" if e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated") else ""
+            raise BadAnswer(f"{where}: the answer is {_head(text) if text.strip() else 'empty'}, not the JSON "
+                            f"05 reads{cut}: {e.msg} at character {e.pos}") from None
+    if obj and not isinstance(doc, dict):
+        raise BadAnswer(f"{where}: the answer is {_head(json.dumps(doc))}, not a JSON object")
+    for path in counts + optional:
+        value = _field(doc, path)
+        if path in optional and value in (_MISSING, None):
+            continue
+        if value is _MISSING:
+            raise BadAnswer(f"{where}: the answer has no {path}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadAnswer(f"{where}: the answer's {path} is {value!r}, not a count (a whole number >= 0)")
+    return doc
+
+
 def with_retries(call, what: str, on_retry=None):
     """call(), retried on connection refused/reset, a cut response and transient 5xx with waits doubling
     from RETRY_FIRST_WAIT_S; after RETRY_ATTEMPTS tries one clear StageError instead of a traceback.
@@ -247,11 +300,17 @@ def with_retries(call, what: str, on_retry=None):
                      "ready? For a launched server see its log under 05_benchmark/server/server_logs/.")
 
 
+# The other lines an event stream may hold: a comment, or an event / id / retry field.
+SSE_OTHER_LINE = re.compile(r"^(:|(event|id|retry)(:|$))")
+
+
 def sse_request(url: str, payload: dict, timeout: float, what: str) -> dict:
     """POST `payload` and read its server-sent events (`data: {json}` lines up to `data: [DONE]`); the
     whole request is retried as with_retries says, a cut stream included. Returns {"chunks", "ttft_s",
     "latency_s", "retries"}: the times are those of the successful attempt alone (backoff waits are
-    no part of a request's latency), and a chunk with "error" ends the stream for the caller to raise."""
+    no part of a request's latency), and a chunk with "error" ends the stream for the caller to raise.
+    A line the connection cut is a cut stream; a whole line that is no event, or an event that is not a
+    JSON object, is the server's answer: BadAnswer (parse_answer), not retried."""
     retries = []
 
     def attempt() -> dict:
@@ -262,14 +321,19 @@ def sse_request(url: str, payload: dict, timeout: float, what: str) -> dict:
             for raw in r:
                 line = raw.decode(errors="replace").strip()
                 if not line.startswith("data:"):
+                    if line and not SSE_OTHER_LINE.match(line):  # a page or a plain JSON body: no stream
+                        raise BadAnswer(f"{what}: the answer is {_head(line)}, not an event stream "
+                                        "(`data: {json}` lines)")
                     continue
                 body = line[len("data:"):].strip()
                 if body == "[DONE]":
                     done = True
                     break
                 try:
-                    chunk = json.loads(body)
-                except ValueError:
+                    chunk = parse_answer(body, what)
+                except BadAnswer:
+                    if raw.endswith(b"\n"):  # a whole event that is not JSON: the server's answer, not a cut
+                        raise
                     raise StreamCut(f"the stream was cut inside an event ({body[:40]!r}...)") from None
                 if ttft is None:
                     ttft = time.perf_counter() - t0
@@ -286,15 +350,17 @@ def sse_request(url: str, payload: dict, timeout: float, what: str) -> dict:
     return out
 
 
-def http_json(url: str, payload: dict | None = None, timeout: float = 30.0) -> dict:
-    """GET (payload None) or POST JSON; returns the decoded document (transient failures retried)."""
+def http_json(url: str, payload: dict | None = None, timeout: float = 30.0, obj: bool = True):
+    """GET (payload None) or POST JSON; returns the decoded document, a JSON object unless `obj` is False
+    (transient failures retried; a 200 that is not JSON ends in parse_answer's one line)."""
     data = None if payload is None else json.dumps(payload).encode()
+    what = f"{'POST' if payload is not None else 'GET'} {url}"
 
     def call():
         req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read().decode())
-    return with_retries(call, f"{'POST' if payload is not None else 'GET'} {url}")
+            return parse_answer(r.read(), what, obj=obj)
+    return with_retries(call, what)
 
 
 def get_server_info(base_url: str, timeout: float = 30.0) -> dict:
@@ -313,7 +379,7 @@ def reset_accept_counters(base_url: str) -> bool:
     changes: scheduler.set_internal_state resets both). False when the server refuses (an admin API
     key, or a release without the endpoint): its average then cannot be windowed to one run."""
     try:
-        http_json(base_url.rstrip("/") + "/set_internal_state", {"server_args": {}})
+        http_json(base_url.rstrip("/") + "/set_internal_state", {"server_args": {}}, obj=False)  # a list per rank
     except urllib.error.HTTPError:
         return False
     return True
@@ -411,11 +477,12 @@ def stop_server(proc: subprocess.Popen | None, grace_s: float = 60.0, kill_wait_
 
 
 # ---------------------------------------------------------------- preflight
-def spec_settings_of(info: dict) -> tuple:
+def spec_settings_of(info: dict, where: str = "the server's info document") -> tuple:
     """The setting a server runs, as parse_spec_setting writes it (`speculative_adaptive` as SGLang
     resolved it: False when it turned the flag off)."""
-    chain = (int(info["speculative_num_steps"]), int(info["speculative_eagle_topk"]),
-             int(info["speculative_num_draft_tokens"]))
+    fields = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+    parse_answer(info, where, counts=fields)
+    chain = tuple(int(info[f]) for f in fields)
     return (*chain, ADAPTIVE) if info.get("speculative_adaptive") else chain
 
 
