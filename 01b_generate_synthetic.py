@@ -17,6 +17,8 @@ records pass through (origin "dataset"), benchmark-only ones unanswered (origin 
 Faults and resumes: start-up checks and the target health gate in common/generation/server_checks.py;
 retries, shutdown and durable results in common/generation/loops.py; locks, settings and totals over
 runs in common/generation/run_state.py. A re-run of the same command finishes the job.
+Sized to the server (common/generation/capacity.py): streamed, a queue wait is no timeout; a timeout on a
+server that is up halves the in-flight limit, and work thrown away ends the run with an error line.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import base_parser, parse_args
+from common.generation.capacity import InFlightLimit
 from common.generation.hf_backend import HFBackend, hf_generator
 from common.generation.jobs import PARTITIONS, dataset_counts, make_jobs, this_run_counts
 from common.generation.loops import run_hf, run_openai
@@ -96,7 +99,19 @@ def build_parser():
     g.add_argument("--long-concurrency", type=int, default=16, help="requests in flight, long partition")
     g.add_argument("--long-after-normal", action="store_true",
                    help="run the long partition after the normal one (default: both at once, separate limits)")
-    g.add_argument("--request-timeout", type=float, default=1800.0, help="per-attempt timeout (s)")
+    g.add_argument("--request-timeout", type=float, default=1800.0,
+                   help="timeout of a start-up call that is not streamed: a probe completion (s). Generation "
+                        "requests are streamed and time out by --stall-timeout and --queue-timeout")
+    g.add_argument("--stall-timeout", type=float, default=600.0,
+                   help="a request whose answer has started streaming and then sends nothing this long is "
+                        "given up (s); the wait for its first token is queue time, not a stall")
+    g.add_argument("--queue-timeout", type=float, default=14400.0,
+                   help="longest wait for a request's first token: the server's queue and the prompt's prefill "
+                        "(s). Timed out on a server that is up, it counts as overload (the in-flight limit halves)")
+    g.add_argument("--max-timeouts", type=int, default=0,
+                   help="request attempts that may time out in a run (their work is thrown away and retried) "
+                        "with 01b still exiting 0; above it 01b writes its results and manifests, then ends "
+                        "with an error line naming the counts (count)")
     g.add_argument("--request-retries", type=int, default=3,
                    help="retries of a request after a timeout, connection error, 429, 5xx (count; attempts "
                         "while its server is down are not counted)")
@@ -198,14 +213,17 @@ def resume_state(name: str, records: list[dict], gen_path: Path, fail_path: Path
 def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, text_format, backends: dict,
                           on_ready) -> tuple[str | None, dict]:
     """Run the jobs against the OpenAI-compatible servers (common/generation/loops.run_openai), behind the
-    health gate (one for all datasets: each server is probed once). `on_ready(model)` gets the model name
-    the servers report. Returns (what stopped the run or None, requests per server)."""
+    health gate (one for all datasets: each server is probed once) and one in-flight limit (it keeps
+    what it learned from dataset to dataset). `on_ready(model)` gets the model name the servers report.
+    Returns (what stopped the run or None, the manifest's server-side counts of this run)."""
     specials = {i: t.content for i, t in tok.added_tokens_decoder.items() if t.special}
+    limit = backends.setdefault("in_flight", InFlightLimit(args.concurrency + args.long_concurrency))
     pool = ServerPool(args.server_url, args.served_model_name, args.api_key, args.temperature,
                       args.seed if args.temperature > 0 else None, specials, args.request_timeout,
                       args.request_retries, args.retry_base_delay, args.retry_max_delay,
                       args.health_interval, args.health_timeout, args.server_down_timeout,
-                      stop=list(text_format.stop_strings), top_p=args.top_p)
+                      stop=list(text_format.stop_strings), top_p=args.top_p, stall_timeout=args.stall_timeout,
+                      queue_timeout=args.queue_timeout, limit=limit)
     if "health_gate" not in backends:
         backends["health_gate"] = health_gate(tok, args.health_probes, args.health_max_new_tokens,
                                               args.health_max_repeat_share)
@@ -214,7 +232,12 @@ def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, text_f
         long_concurrency=args.long_concurrency, long_after_normal=args.long_after_normal,
         shutdown_grace=args.shutdown_grace, summary_interval=args.summary_interval,
         gate=backends["health_gate"], on_ready=lambda found: on_ready(pool.model)))
-    return stopped_by, {s.url: s.num_requests for s in pool.servers}
+    backends.setdefault("lost", Counter()).update(pool.lost)
+    if pool.capacity:
+        backends["capacity"] = pool.capacity
+    return stopped_by, {"requests_per_server": {s.url: s.num_requests for s in pool.servers},
+                        "lost_work": dict(pool.lost), "server_capacity": pool.capacity or None,
+                        "in_flight_limit": limit.summary()}
 
 
 def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir: Path, ids: dict,
@@ -239,7 +262,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
     todo, passed, overflow = make_jobs(state.pending, tok, text_format, max_new_tokens=args.max_new_tokens,
                                        max_context=args.max_context, long_context=args.long_context,
                                        benchmark_only=benchmark_only)
-    counts = Counter()
+    counts, server_side = Counter(), {}
     hits = []
     if cache is not None:  # a known greedy answer to the same prompt under the same cap: no request
         looked_up = [(job, cache.lookup(job["prompt"], job["max_new"])) for job in todo]
@@ -281,7 +304,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
                     settings["model"] = model  # as the server reported it
                     refuse_mixed_settings(gen_path, earlier, settings, args.allow_mixed_settings, keys=("model",))
 
-                stopped_by, counts["requests_per_server"] = generate_with_servers(
+                stopped_by, server_side = generate_with_servers(
                     jobs, write, fail, bars, args, tok, text_format, backends, on_ready)
             elif todo:
                 if "hf" not in backends:  # one model load for all datasets of this run
@@ -294,7 +317,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
             run_log.append({"requests": sum(b.done for b in bars.values()), "seconds": round(seconds, 2),
                             "completion_tokens": sum(b.tokens for b in bars.values()),
                             "errors": dict(sum((b.errors for b in bars.values()), Counter())),
-                            "stopped_by": stopped_by, "settings": settings})
+                            "lost_work": server_side.get("lost_work"), "stopped_by": stopped_by, "settings": settings})
     n_done = sum(b.done for b in bars.values())
     if stopped_by:
         raise StageError(f"stopped by {stopped_by} after {n_done} requests; everything finished is saved. "
@@ -305,8 +328,9 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
     new_rows = [r for r in rows if r["origin"] == "target" and r["id"] not in settled]
     result = {**dataset_counts(records, rows, failures, benchmark_only),
               "prompt_token_count_mismatch": counts["prompt_token_count_mismatch"],
-              "this_run": this_run_counts(bars, new_rows, seconds, cpu, counts.get("requests_per_server"),
-                                          None if cache is None else {"hits": len(hits), "misses": len(todo)}),
+              "this_run": this_run_counts(bars, new_rows, seconds, cpu, server_side.pop("requests_per_server", None),
+                                          None if cache is None else {"hits": len(hits), "misses": len(todo)},
+                                          server_side),
               "all_runs": run_log.totals()}
     transient = [f for f in failures if f["reason"] not in PERMANENT_FAILURES]
     if len(transient) > args.max_transient_failures:
@@ -380,9 +404,26 @@ def main(argv=None):
     missing = [n for n in names if n not in summary]
     if missing:
         print(f"[01b] not done yet: {missing}; the stage manifest is written when every dataset is")
+    else:
+        write_manifest(out, STAGE, redacted(args), datasets=names, inputs=input_manifests(args.work_dir, up_dir),
+                       **ids, target_format=text_format.as_dict(), counts=summary,
+                       server_capacity=backends.get("capacity"))
+    refuse_lost_work(backends.get("lost"), args.max_timeouts)
+
+
+def refuse_lost_work(lost: Counter | None, max_timeouts: int) -> None:
+    """End with an error line when this run threw away more work to timeouts than --max-timeouts allows.
+    Its records are complete and right (a timed-out attempt is retried; one that failed for good is in
+    failures.jsonl), so the manifests are written first: a re-run has nothing to redo. But the GPUs
+    spent that time on answers nobody kept, which a run must never pass over with status 0."""
+    if not lost or lost["timeouts"] <= max_timeouts:
         return
-    write_manifest(out, STAGE, redacted(args), datasets=names, inputs=input_manifests(args.work_dir, up_dir),
-                   **ids, target_format=text_format.as_dict(), counts=summary)
+    raise StageError(f"{lost['timeouts']} request attempts timed out in this run ({lost['queue_timeouts']} waiting "
+                     f"for their first token, {lost['stall_timeouts']} stalled after it) and "
+                     f"{lost['abandoned_tokens']} tokens streamed to abandoned attempts were thrown away; the results "
+                     "and manifests are complete (`lost_work` in the dataset manifests). The servers were sent more "
+                     "than they serve: lower --concurrency toward what the start-up line says they run at once, or "
+                     "raise --max-timeouts to accept this")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,19 @@ unknown model name is a 404, a prompt over `max_model_len` is SGLang's context-l
 `GET /health`, `GET /v1/models` (with max_model_len) and `POST /tokenize` answer like SGLang's.
 Requests run in parallel threads; the model runs one request at a time and `delay_s` adds latency
 per request. Every completion request body is kept in `requests` for tests to inspect.
+`stream: true` is answered as SGLang/vLLM stream a completion: server-sent events `data: {chunk}`, one
+per completion token (a slice of the text, its id where ids are returned; the last one with
+finish_reason and matched_stop), a usage chunk with no choices when `stream_options.include_usage`,
+then `data: [DONE]`; joined, the pieces are the non-streamed answer.
+
+An engine's queue (`max_running=N`): like SGLang, the server runs N requests at once and holds the
+rest, sending nothing (no headers) until one is admitted; a running request then takes `token_delay_s`
+per completion token. A client that goes away while its request is queued or running is counted in
+`aborted` (the engine aborts it: its work is lost); `peak_running`, `peak_queued` and `peak_wait_s`
+(the longest a request waited for its slot) show the queue was there. `GET /get_server_info` then
+answers SGLang's capacity fields (`max_running_requests`, `max_total_num_tokens` = `kv_tokens`,
+`internal_states[0].effective_max_running_requests_per_dp`); without `max_running` it is a 404, as on a
+server that does not say.
 
 Modes:
   model    `OpenAICompletionsServer(model_dir)`: greedy/sampled tokens of the model (exactness tests).
@@ -17,11 +30,13 @@ Modes:
 Faults (both modes), set on a running server:
   `server.faults[substring] = ["503", "ok"]`  the next requests whose prompt contains `substring` take
       these actions in order, then behave normally. Actions: ok, 500, 503, 429, 400 (context length),
-      422, drop (close the connection without an answer), stall (answer after `stall_s`), length
+      422, drop (close the connection without an answer), stall (answer after `stall_s`; streamed:
+      after the first token, nothing for `stall_s`, then the rest), length
       (finish by the token cap), and garbage like a broken target's (instant mode): loop (one token
       repeated up to the cap, finish "length"), loop_stop (a short phrase repeated, then the end of
       turn), ramble (text that never repeats a 4-gram, up to the cap, finish "length"), and a 200 that is
-      no completion: null_text (choices[0].text null), truncated (the first half of the JSON body).
+      no completion: null_text (choices[0].text null), truncated (the first half of the JSON body;
+      streamed: of the first event).
   `server.default_fault = "500"`   the action of every other request.
   `server.route_faults["/v1/models"] = ["503", "drop"]`  the next requests to that route (/health,
       /v1/models, /tokenize) take these actions (500, 503, 429, drop), then it answers normally.
@@ -39,6 +54,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import select
 import socket
 import threading
 import time
@@ -85,7 +101,8 @@ class OpenAICompletionsServer:
     def __init__(self, model_dir: str | Path | None, served_model_name: str = "micro-target",
                  host: str = "127.0.0.1", port: int = 0, delay_s: float = 0.0, honor_keep_stop: bool = True,
                  tokenizer_dir: str | Path | None = None, max_model_len: int = 32768, stall_s: float = 30.0,
-                 keep_requests: bool = True):
+                 keep_requests: bool = True, max_running: int | None = None, token_delay_s: float = 0.0,
+                 kv_tokens: int | None = None):
         self.model = self.tok = None
         if model_dir is not None:
             import torch
@@ -108,6 +125,11 @@ class OpenAICompletionsServer:
         self.vllm_token_ids = False  # True: answer `return_token_ids` with choices[0].token_ids, as vLLM does
         self.down, self.health_status, self.tokenize_route = False, 200, True
         self.num_health = 0
+        # The engine's queue (module doc): None runs every request at once.
+        self.max_running, self.token_delay_s, self.kv_tokens = max_running, token_delay_s, kv_tokens
+        self._slots = threading.Semaphore(max_running) if max_running else None
+        self.running = self.queued = self.peak_running = self.peak_queued = self.aborted = 0
+        self.peak_wait_s = 0.0
         self._model_lock, self._log_lock = threading.Lock(), threading.Lock()
         self.httpd = _HTTPServer((host, port), self._handler_class())
         self._thread = None
@@ -153,7 +175,16 @@ class OpenAICompletionsServer:
             self.fault_log.append((prompt[:80], action))
         return action
 
-    def completion(self, body: dict) -> dict:
+    def server_info(self) -> dict:
+        """SGLang's capacity fields of GET /get_server_info (module doc)."""
+        if not self.max_running:
+            raise HTTPError(404, "Not Found")
+        return {"max_running_requests": self.max_running, "dp_size": 1,
+                "max_total_num_tokens": self.kv_tokens or self.max_running * self.max_model_len,
+                "internal_states": [{"effective_max_running_requests_per_dp": self.max_running}]}
+
+    def completion(self, body: dict) -> tuple[dict, str]:
+        """The answer of one completion request and the fault action it drew."""
         if self.keep_requests:
             with self._log_lock:
                 self.requests.append(body)
@@ -168,7 +199,7 @@ class OpenAICompletionsServer:
         action = self._fault(prompt)
         if self.delay_s:
             time.sleep(self.delay_s)
-        if action == "stall":
+        if action == "stall" and not body.get("stream"):  # a stream stalls after its first token
             time.sleep(self.stall_s)
         if self.down or action == "drop":
             raise Drop()
@@ -181,14 +212,14 @@ class OpenAICompletionsServer:
             raise HTTPError(400, f"The input ({n_prompt + max_tokens} tokens) is longer than the model's "
                                  f"context length ({self.max_model_len} tokens).")
         if action in ("loop", "loop_stop", "ramble"):
-            return self._garbage(action, max_tokens)
+            return self._garbage(action, max_tokens), action
         answer = (self._instant(body, prompt, n_prompt, max_tokens, action == "length") if self.model is None
                   else self._model_completion(body, input_ids, max_tokens))
         if action == "null_text":
             answer["choices"][0]["text"] = None
-        if action == "truncated":
+        if action == "truncated" and not body.get("stream"):
             raise Truncated(answer)
-        return answer
+        return answer, action
 
     def _garbage(self, action: str, max_tokens: int) -> dict:
         """What a broken target answers (the SM12x INT4 MoE failure): loops, or no end of turn."""
@@ -217,6 +248,60 @@ class OpenAICompletionsServer:
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
                              "matched_stop": matched}],
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+
+    def stream_events(self, answer: dict, include_usage: bool) -> list[dict]:
+        """The streamed form of `answer`: one chunk per completion token (module doc)."""
+        choice, usage = answer["choices"][0], answer["usage"]
+        n = max(1, usage["completion_tokens"])
+        text, ids = choice["text"], choice.get("token_ids")
+        cuts = [len(text) * k // n for k in range(n + 1)] if isinstance(text, str) else None
+        events = []
+        for k in range(n):
+            piece = {"index": 0, "text": text[cuts[k]:cuts[k + 1]] if cuts else None, "logprobs": None,
+                     "finish_reason": None, "matched_stop": None}
+            if ids is not None:
+                piece["token_ids"] = ids[k:k + 1] if k < n - 1 else ids[k:]
+            events.append({**{key: answer[key] for key in ("id", "object", "created", "model")}, "choices": [piece]})
+        events[-1]["choices"][0].update(finish_reason=choice["finish_reason"], matched_stop=choice["matched_stop"])
+        if include_usage:
+            events.append({**{key: answer[key] for key in ("id", "object", "created", "model")}, "choices": [],
+                           "usage": usage})
+        return events
+
+    # --- the engine's queue ----------------------------------------------------------------------
+    def admit(self, gone) -> bool:
+        """Wait for a running slot (at once without `max_running`), sending nothing meanwhile; False when
+        the client went away first (`gone()`): an abort."""
+        if self._slots is None:
+            return True
+        with self._log_lock:
+            self.queued += 1
+            self.peak_queued = max(self.peak_queued, self.queued)
+        t0 = time.monotonic()
+        try:
+            while not self._slots.acquire(timeout=0.005):
+                if gone():
+                    self.count_abort()
+                    return False
+        finally:
+            with self._log_lock:
+                self.queued -= 1
+        with self._log_lock:
+            self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
+            self.peak_wait_s = max(self.peak_wait_s, time.monotonic() - t0)
+        return True
+
+    def finish(self) -> None:
+        """Free the running slot `admit` gave."""
+        if self._slots is not None:
+            with self._log_lock:
+                self.running -= 1
+            self._slots.release()
+
+    def count_abort(self) -> None:
+        with self._log_lock:
+            self.aborted += 1
 
     def _model_completion(self, body, input_ids, max_tokens) -> dict:
         stops = body.get("stop") or []
@@ -285,6 +370,64 @@ class OpenAICompletionsServer:
                 except OSError:
                     pass
 
+            def _gone(self) -> bool:
+                """The client closed its end (readable, nothing to read): how an engine sees a disconnect."""
+                try:
+                    readable, _, _ = select.select([self.connection], [], [], 0)
+                    return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+                except OSError:
+                    return True
+
+            def _completion(self, body: dict):
+                """Faults and input errors answer at once; the answer itself waits for a running slot."""
+                answer, action = server.completion(body)
+                if not server.admit(self._gone):
+                    return self._drop()
+                try:
+                    if body.get("stream"):
+                        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                        return self._stream(answer, action, usage)
+                    for _ in range(answer["usage"]["completion_tokens"] if server.token_delay_s else 0):
+                        time.sleep(server.token_delay_s)
+                        if self._gone():
+                            server.count_abort()
+                            return self._drop()
+                    self._send(200, answer)
+                except (BrokenPipeError, ConnectionResetError):  # it went away while we answered
+                    server.count_abort()
+                    self.close_connection = True
+                finally:
+                    server.finish()
+
+            def _stream(self, answer: dict, action: str, include_usage: bool):
+                """Server-sent events, chunked; headers go with the first token, as SGLang sends them."""
+                for k, event in enumerate(server.stream_events(answer, include_usage)):
+                    if event["choices"]:
+                        time.sleep(server.token_delay_s)
+                    if k == 1 and action == "stall":
+                        time.sleep(server.stall_s)
+                    if server.down:
+                        raise Drop()
+                    if self._gone():
+                        server.count_abort()
+                        return self._drop()
+                    data = json.dumps(event).encode()
+                    if action == "truncated":
+                        data = data[:len(data) // 2]
+                    if k == 0:
+                        self.send_response(200)
+                        self.send_header("Content-Type", "text/event-stream")
+                        self.send_header("Transfer-Encoding", "chunked")
+                        self.end_headers()
+                    self._chunk(b"data: " + data + b"\n\n")
+                    if action == "truncated":
+                        break
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")  # the last chunk: the body is complete
+
+            def _chunk(self, data: bytes):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
             def _route_fault(self, path: str) -> bool:
                 """Apply the next injected fault of this route; True when it answered (or dropped)."""
                 with server._log_lock:
@@ -309,6 +452,8 @@ class OpenAICompletionsServer:
                     self._send(server.health_status, None)
                 elif path == "/v1/models":
                     self._send(200, server.models())
+                elif path == "/get_server_info" and server.max_running:
+                    self._send(200, server.server_info())
                 else:
                     self._error(404, f"no route {self.path}")
 
@@ -322,7 +467,7 @@ class OpenAICompletionsServer:
                     if self._route_fault(path):
                         return
                     if path == "/v1/completions":
-                        self._send(200, server.completion(body))
+                        self._completion(body)
                     elif path in ("/tokenize", "/v1/tokenize"):
                         self._send(200, server.tokenize(body))
                     else:

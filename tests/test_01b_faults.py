@@ -28,7 +28,7 @@ gen = importlib.import_module("01b_generate_synthetic")
 REPO = Path(__file__).resolve().parent.parent
 NUM_ROWS = 60
 # Short timeouts and backoffs: every fault costs milliseconds here.
-FAST = ["--generation-backend", "openai", "--max-new-tokens", "40", "--request-timeout", "1",
+FAST = ["--generation-backend", "openai", "--max-new-tokens", "40", "--request-timeout", "1", "--stall-timeout", "1",
         "--retry-base-delay", "0.01", "--retry-max-delay", "0.05", "--health-interval", "0.05",
         "--health-timeout", "1", "--summary-interval", "0.5", "--concurrency", "8", "--long-concurrency", "2"]
 
@@ -142,7 +142,8 @@ def test_each_fault_is_retried_or_recorded(prepared, micro_target, tmp_path):
             tag(10): ["400"],           # context length exceeded: recorded, never retried
             tag(11): ["422"],           # another input error: recorded, never retried
             tag(12): ["length"]})       # finish_reason "length": kept and counted
-        gen.main(args(work, server, extra=["--request-retries", "2", "--max-transient-failures", "2"]))
+        gen.main(args(work, server, extra=["--request-retries", "2", "--max-transient-failures", "2",
+                                           "--max-timeouts", "1"]))  # the stall: work thrown away, accepted
         n = attempts(server)
         assert (n[tag(3)], n[tag(4)], n[tag(5)], n[tag(6)], n[tag(7)], n[tag(19)]) == (2, 3, 2, 2, 2, 2)
         assert (n[tag(8)], n[tag(10)], n[tag(11)], n[tag(12)]) == (3, 1, 1, 1)
@@ -158,6 +159,9 @@ def test_each_fault_is_retried_or_recorded(prepared, micro_target, tmp_path):
         assert m["finish_reasons"] == {"stop": NUM_ROWS - 4, "length": 1}
         assert m["this_run"]["errors"] == {"http_500": 4, "http_503": 3, "http_429": 1, "connection_error": 1,
                                            "timeout": 1, "context_overflow": 1, "http_422": 1}
+        lost = m["this_run"]["lost_work"]  # the stall came after the first token: its tokens were thrown away
+        assert (lost["timeouts"], lost["stall_timeouts"], lost["queue_timeouts"]) == (1, 1, 0)
+        assert lost["abandoned_tokens"] >= 1 and m["all_runs"]["lost_work"] == lost
         assert m["this_run"]["latency_s"]["num"] == NUM_ROWS - 3 and m["this_run"]["latency_s"]["p99"] > 0
         assert m["partitions"] == {"normal": 54, "long": 6}
         # --retry-failed re-runs exactly the three failed ids, the complete stage is reopened for them.
@@ -410,3 +414,78 @@ def test_adding_long_context_on_a_resume_is_refused(prepared, micro_target, tmp_
             gen.main([*plain, "--server-url", server.base_url, "--request-retries", "1"])
         with pytest.raises(StageError, match=r"long_context 0 \(now 600\)"):
             gen.main(args(work, server, extra=["--retry-failed"]))
+
+
+def test_a_queueing_server_far_below_the_concurrency_loses_no_work(prepared, micro_target, tmp_path, capsys):
+    """Issue 24.5: an engine runs N = 3 requests at once and holds the rest, sending nothing. At C = 30 the
+    back of its queue waits longer than --stall-timeout (a total-time timeout would have abandoned it and
+    made the engine abort it); streamed, a queue wait is no timeout: the server aborts nothing and the
+    records equal those of C = N."""
+    out = {}
+    for normal, long in ((2, 1), (28, 2)):  # C = normal + long requests in flight
+        c = normal + long
+        work = fresh(prepared, tmp_path / f"c{c}")
+        with OpenAICompletionsServer(None, tokenizer_dir=micro_target, max_running=3, token_delay_s=0.01) as server:
+            gen.main(args(work, server, extra=["--concurrency", str(normal), "--long-concurrency", str(long)]))
+            assert server.aborted == 0 and server.peak_running == 3
+            if c == 30:  # the queue was there, and its back waited longer than --stall-timeout (1 s)
+                assert server.peak_queued >= 20 and server.peak_wait_s > 1, (server.peak_queued, server.peak_wait_s)
+        out[c] = {r["id"]: (r["completion"], r["completion_ids"], r["finish_reason"], r["num_prompt_tokens"],
+                            r["num_completion_tokens"]) for r in rows(work)}
+        run = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]["this_run"]
+        assert run["errors"] == {} and set(run["lost_work"].values()) == {0}
+        cap = run["server_capacity"][server.base_url]
+        assert (cap["engine"], cap["max_running_requests"], cap["runs_at_once"]) == ("sglang", 3, 3)
+        assert run["in_flight_limit"] == {"ceiling": c, "floor": 3, "final": c, "lowest": c, "changes": 0}
+        assert read_json(work / "01b_generated" / "manifest.json")["server_capacity"] == run["server_capacity"]
+        assert f"server {server.base_url} (sglang /get_server_info): runs at most 3 requests at once" in \
+            capsys.readouterr().out
+    assert len(out[3]) == NUM_ROWS and out[30] == out[3] and all(r["completion"] == expected(r) for r in rows(work))
+
+
+def test_a_timeout_from_a_healthy_server_halves_the_in_flight_limit_and_is_not_quiet(
+        prepared, micro_target, tmp_path, capsys):
+    """Two answers stall after their first token on a server that is up: each attempt is given up after
+    --stall-timeout and retried, the in-flight limit halves (once for the burst) and says so, the
+    manifests count the work thrown away, and the run, complete, still ends with an error line."""
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target, max_running=4, token_delay_s=0.005,
+                                 stall_s=1.5) as server:
+        server.faults.update({tag(2): ["stall", "ok"], tag(3): ["stall", "ok"]})
+        with pytest.raises(StageError, match=r"^2 request attempts timed out in this run \(0 waiting for their first "
+                                             r"token, 2 stalled after it\) and \d+ tokens .* --max-timeouts"):
+            gen.main(args(work, server, extra=["--concurrency", "16", "--long-concurrency", "2",
+                                               "--stall-timeout", "0.6"]))
+        deadline = time.monotonic() + 10
+        while server.aborted < 2 and time.monotonic() < deadline:  # the stalled handlers notice when they wake
+            time.sleep(0.02)
+        assert server.aborted == 2  # the engine aborted exactly the two given-up attempts
+        assert attempts(server)[tag(2)] == attempts(server)[tag(3)] == 2
+    log = capsys.readouterr().out
+    assert "[01b] in-flight limit 18 -> 9: a request timed out on http" in log and "which is up (stall:" in log, \
+        log[-3000:]
+    out = rows(work)
+    assert len(out) == NUM_ROWS and all(r["completion"] == expected(r) for r in out)
+    m = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]
+    lost = m["this_run"]["lost_work"]
+    assert (lost["timeouts"], lost["stall_timeouts"], lost["queue_timeouts"]) == (2, 2, 0)
+    assert lost["abandoned_tokens"] >= 2  # at least the first token of each
+    assert m["this_run"]["in_flight_limit"]["lowest"] <= 9 and m["all_runs"]["lost_work"] == lost
+    assert (work / "01b_generated" / "manifest.json").exists()  # complete: a re-run has nothing to redo
+    gen.main(args(work, server))
+
+
+def test_queue_timeouts_count_as_overload(prepared, micro_target, tmp_path):
+    """--queue-timeout bounds the wait for the first token; on a server that is up it is overload too:
+    the limit falls toward what the server runs (1 here) and every record still arrives once."""
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target, max_running=1, token_delay_s=0.005) as server:
+        gen.main(args(work, server, extra=["--concurrency", "8", "--long-concurrency", "2", "--queue-timeout", "0.2",
+                                           "--request-retries", "30", "--max-timeouts", "1000"]))
+        assert server.aborted >= 1  # given up while queued: the engine drops them, no tokens lost
+    run = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]["this_run"]
+    lost, limit = run["lost_work"], run["in_flight_limit"]
+    assert lost["queue_timeouts"] >= 1 and lost["stall_timeouts"] == 0 and lost["abandoned_tokens"] == 0
+    assert limit["floor"] == 1 and limit["lowest"] < 10
+    out = rows(work)
+    assert len({r["id"] for r in out}) == len(out) == NUM_ROWS and all(r["completion"] == expected(r) for r in out)

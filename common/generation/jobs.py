@@ -6,7 +6,8 @@
   dataset_counts(...)         what the dataset folder holds: records, origins, failures by reason,
                               finish reasons, partitions, prompt and completion tokens.
   this_run_counts(...)        what this run did: requests, rates, attempt errors, latency and answer
-                              length percentiles, client CPU per request.
+                              length percentiles, client CPU per request, and from the server pool the
+                              work lost to timeouts, each server's capacity and the in-flight limit.
 """
 from __future__ import annotations
 
@@ -80,10 +81,12 @@ def dataset_counts(records: list[dict], rows: list[dict], failures: list[dict], 
 
 
 def this_run_counts(bars: dict, new_rows: list[dict], seconds: float, cpu_s: float,
-                    requests_per_server: dict | None, response_cache: dict | None) -> dict:
+                    requests_per_server: dict | None, response_cache: dict | None, server_side: dict | None = None
+                    ) -> dict:
     """The manifest's `this_run`: `bars` are the run's common.generation.progress.Progress per partition,
     `new_rows` the records the target generated in this run, `seconds` its wall time and `cpu_s` the
-    client's CPU time; `response_cache` is {"hits", "misses"} when a cache was given."""
+    client's CPU time; `response_cache` is {"hits", "misses"} when a cache was given; `server_side` what
+    the server pool adds (`lost_work`, `server_capacity`, `in_flight_limit`; 01b's generate_with_servers)."""
     n_done = sum(b.done for b in bars.values())
     new_tokens = sum(b.tokens for b in bars.values())
     return {"requests": n_done, "seconds": round(seconds, 2),
@@ -95,4 +98,4 @@ def this_run_counts(bars: dict, new_rows: list[dict], seconds: float, cpu_s: flo
             "completion_tokens_per_request": percentiles([r["num_completion_tokens"] or 0 for r in new_rows]),
             "client_cpu_ms_per_request": round(1000 * cpu_s / max(n_done, 1), 3),
             "requests_per_server": requests_per_server or None,
-            "response_cache": response_cache}
+            "response_cache": response_cache, **(server_side or {})}

@@ -1,8 +1,9 @@
 """01b's two run loops, over the jobs of common/generation/jobs.make_jobs.
 
   run_openai(pool, ...)   the server pool (common/generation/server_pool.py) after its start-up checks
-                          (common/generation/server_checks.py, probe prompts below): one worker per request
-                          in flight and partition, the partitions at once or one after the other, a
+                          (common/generation/server_checks.py, probe prompts below) and the capacity line of
+                          each server: one worker per request in flight and partition (the pool's in-flight
+                          limit may hold some back), the partitions at once or one after the other, a
                           summary log line every `summary_interval` s. SIGINT/SIGTERM stop new requests
                           and let those in flight finish for `shutdown_grace` s; a second signal stops
                           at once. Returns the name of the signal that stopped it, if any.
@@ -12,9 +13,11 @@ Each finished job goes to `write(job, result)`, each failed one to `fail(job, re
 
 Fault policy of 01b. Faults cost seconds, not the run: timeouts, dropped connections, 429 and 5xx are
 retried with backoff and jitter, a server that stops answering is waited for (health polling;
-server_pool.py), input errors go to failures.jsonl with their reason (context_overflow, http_4xx), and
-`finish_reason` "length" is recorded (01c trains on them by default). Durable: each result is appended
-as one whole, flushed line as it arrives (common/io.JsonlAppender); a re-run after a kill at any moment
+server_pool.py), a queue wait is not a timeout (requests are streamed) and a timeout from a server
+that is up lowers the in-flight limit (common/generation/capacity.py), input errors go to failures.jsonl
+with their reason (context_overflow, http_4xx), and `finish_reason` "length" is recorded (01c trains on
+them by default). Durable: each result is appended as one whole, flushed line as it arrives
+(common/io.JsonlAppender); a re-run after a kill at any moment
 skips the ids already written (a torn last line is cut), so every id lands exactly once (run_state.py).
 Transient failures are retried by the next run; `--retry-failed` re-runs only the ids in failures.jsonl
 (context overflows included). A resume with another model, --max-new-tokens, --temperature or tokenizer
@@ -60,7 +63,7 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
     from common.text.chat_format import render_prompt
     from common.generation.progress import log
     from common.generation.server_checks import StartupCheckFailed, startup_checks
-    from common.generation.server_pool import RequestFailed, ServersDown
+    from common.generation.server_pool import RequestFailed, ServersDown, Stopping
 
     loop = asyncio.get_running_loop()
     stop, stopped_by, main, starting = asyncio.Event(), [], None, None
@@ -90,6 +93,8 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
             bar.in_flight += 1
             try:
                 result = await pool.generate(job["prompt"], job["max_new"], bar.errors)
+            except Stopping:  # never sent: the next run does it
+                return
             except RequestFailed as e:
                 fail(job, e.kind, e.detail)
                 bar.update(failed=True)
@@ -147,8 +152,11 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
                 log(f"[01b] server {url}: model {info['model']!r}, context {info['max_model_len']}, "
                     f"tokenizer agrees ({info['tokenizer_check']})"
                     + (f", health gate passed ({info['health']})" if "health" in info else ""))
+            in_flight = [min(n, len(jobs[part])) for part, n in zip(PARTITIONS, (concurrency, long_concurrency))]
+            size_to_servers(pool, found, jobs, max(in_flight) if long_after_normal else sum(in_flight))
             if on_ready is not None:
                 on_ready(found)
+            pool.stopping = stop
             tick = asyncio.ensure_future(ticker())
             main = asyncio.ensure_future(everything())
             try:
@@ -169,6 +177,27 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return stopped_by[0] if stopped_by else None
+
+
+def size_to_servers(pool, found: dict, jobs: dict, in_flight: int) -> None:
+    """Print what each server runs at once of its share of the `in_flight` requests
+    (common/generation/capacity.py), keep it in `pool.capacity`, and floor the pool's in-flight limit
+    there: below what the servers run at once nothing queues, so halving further would only idle them."""
+    from common.generation.capacity import capacity_line, runs_at_once
+    from common.generation.progress import log
+
+    needs = [j["n_prompt"] + j["max_new"] for part in PARTITIONS for j in jobs[part]]
+    mean_need = sum(needs) / max(len(needs), 1)
+    share = -(-in_flight // max(len(found), 1))  # requests go to the least busy server: an even share
+    fits = []
+    for url, info in found.items():
+        cap = info.get("capacity")
+        log(capacity_line(url, cap, share, mean_need))
+        fits.append(runs_at_once(cap, share, mean_need))
+        pool.capacity[url] = {**cap, "runs_at_once": fits[-1], "in_flight": share,
+                              "mean_request_tokens": round(mean_need)} if cap else None
+    if pool.limit is not None and all(fits):
+        pool.limit.set_floor(sum(fits))
 
 
 def run_hf(backend, todo, write, batch_size: int, progress: Progress):

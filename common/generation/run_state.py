@@ -16,9 +16,10 @@ generation settings, and totals over all runs.
                              and the manifest; `settings_conflicts` finds records made otherwise, and
                              01b refuses such a resume unless --allow-mixed-settings.
   RunLog(folder)             `runs.jsonl`: one line per run of 01b on the dataset (requests, attempt
-                             errors by kind, completion tokens, seconds, repairs), appended when the run
-                             ends (also when it stops on a signal or an error; a SIGKILL'd run leaves no
-                             line); `totals()` is the manifest's `all_runs`.
+                             errors by kind, work lost to timeouts, completion tokens, seconds,
+                             repairs), appended when the run ends (also when it stops on a signal or
+                             an error; a SIGKILL'd run leaves no line); `totals()` is the manifest's
+                             `all_runs`.
 """
 from __future__ import annotations
 
@@ -150,15 +151,17 @@ class RunLog:
 
     def totals(self) -> dict:
         """Sums over every logged run: runs, requests, attempt errors by kind, completion tokens,
-        seconds, duplicate ids removed."""
+        seconds, duplicate ids removed, work lost to timeouts (`lost_work`)."""
         rows = list(iter_jsonl(self.path)) if self.path.exists() else []
-        errors = Counter()
+        errors, lost = Counter(), Counter()
         for row in rows:
             errors.update(row.get("errors") or {})
+            lost.update(row.get("lost_work") or {})
         totals = {"runs": sum("requests" in row for row in rows)}
         for key in self.SUMMED:
             totals[key] = round(sum(row.get(key) or 0 for row in rows), 2)
         totals["errors"] = dict(sorted(errors.items()))
+        totals["lost_work"] = dict(sorted(lost.items()))
         return totals
 
 

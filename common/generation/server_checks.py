@@ -23,6 +23,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from common.generation.capacity import read_capacity
 from common.generation.progress import log
 from common.generation.server_pool import RequestFailed, Server, ServerPool
 
@@ -137,8 +138,8 @@ async def startup_checks(pool: ServerPool, tok, probes: list[str], max_context: 
                          gate: HealthGate | None = None) -> dict:
     """Before any work: every server is healthy, serves the model (the named one, or one model
     the same on all), has context for `max_context`, tokenizes `probes` as `tok` does and, with a
-    `gate`, answers its probe prompts sanely. Returns what was found; raises StartupCheckFailed
-    saying what differs."""
+    `gate`, answers its probe prompts sanely. Returns what was found (with what each says it runs at
+    once, common/generation/capacity.py); raises StartupCheckFailed saying what differs."""
     deadline = time.monotonic() + pool.server_down_timeout
     found = {}
     for s in pool.servers:
@@ -163,7 +164,8 @@ async def startup_checks(pool: ServerPool, tok, probes: list[str], max_context: 
             raise StartupCheckFailed(f"{s.url} serves {pool.model!r} with a context of {ctx} tokens, "
                                      f"less than the {max_context} this run needs (--max-context/--long-context)")
         found[s.url] = {"model": pool.model, "max_model_len": ctx,
-                        "tokenizer_check": await check_tokenizer(pool, s, tok, probes, deadline)}
+                        "tokenizer_check": await check_tokenizer(pool, s, tok, probes, deadline),
+                        "capacity": await read_capacity(pool, s)}  # best effort: None when it does not say
         if gate is not None and s.url not in gate.passed:
             found[s.url]["health"] = await check_health(pool, s, tok, gate, deadline)
             gate.passed.add(s.url)

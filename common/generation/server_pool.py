@@ -1,10 +1,20 @@
 """01b's client for OpenAI-compatible servers (SGLang, vLLM): raw completions of prompts we render.
 
-`ServerPool.generate(prompt_text, max_new_tokens)` returns `{"completion", "finish_reason",
-"num_prompt_tokens", "num_completion_tokens"}` where `completion` is exactly the target's tokens as
-text, special tokens kept, ending with `<|im_end|>` when finish_reason is "stop". Retries with backoff
-and jitter, health polling of a server that stops answering; the start-up checks that run before any
-work are in common/generation/server_checks.py.
+`ServerPool.generate(prompt_text, max_new_tokens)` returns `{"completion", "completion_ids",
+"finish_reason", "num_prompt_tokens", "num_completion_tokens"}` where `completion` is exactly the
+target's tokens as text, special tokens kept, ending with `<|im_end|>` when finish_reason is "stop".
+Retries with backoff and jitter, health polling of a server that stops answering, an in-flight limit
+that halves when a healthy server lets a request time out (common/generation/capacity.py); the start-up
+checks that run before any work are in common/generation/server_checks.py.
+
+Generation requests are streamed (`stream: true`, `stream_options.include_usage`): an engine runs what
+its KV cache holds and queues the rest without sending a byte, so a total-time timeout would abandon
+(and make the engine abort) work merely queued, then retry it at the back of the queue. Streamed, the
+wait for the first token is queue time, bounded only by `queue_timeout`; after it a request times out
+when the server sends nothing for `stall_timeout` s. The pieces are joined back into the document a
+non-streamed request returns (text, token ids where the server sends them, finish_reason, matched_stop,
+usage) and parsed by the same `_parse`, so a record is the same either way. Start-up probes and health
+checks are not streamed (nothing queues before the work starts) and keep `request_timeout`.
 
 Server endpoints relied on (checked against SGLang python/sglang/srt/entrypoints/http_server.py,
 openai/serving_tokenize.py and openai/protocol.py; vLLM's OpenAI server exposes the same shapes):
@@ -18,6 +28,7 @@ where <base> is the --server-url (ending in /v1) and <root> is it without the /v
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -34,18 +45,39 @@ SERVER_DOWN_KINDS = {"connection_error", "timeout", "http_502", "http_503", "htt
 # model's context length (M tokens)" / "... exceeds the model's maximum context length"; vLLM:
 # "This model's maximum context length is M tokens. However, you requested N tokens").
 CONTEXT_OVERFLOW_RE = re.compile(r"context length|context window|maximum context|prompt is too long", re.I)
+# What `ServerPool.lost` counts (the manifest's `lost_work`).
+LOST_WORK = ("timeouts", "queue_timeouts", "stall_timeouts", "abandoned_tokens")
 
 
 class RequestFailed(Exception):
-    """One attempt (or, re-raised, the whole request) failed; `kind` is the failures.jsonl reason."""
+    """One attempt (or, re-raised, the whole request) failed; `kind` is the failures.jsonl reason.
+    A streamed attempt also says how many tokens it had received (`tokens`: work thrown away) and, for a
+    timeout, whether it came before the first token (`phase` "queue") or after it ("stall")."""
 
-    def __init__(self, kind: str, detail: str, retryable: bool, retry_after: float | None = None):
+    def __init__(self, kind: str, detail: str, retryable: bool, retry_after: float | None = None,
+                 tokens: int = 0, phase: str | None = None):
         super().__init__(f"{kind}: {detail}")
         self.kind, self.detail, self.retryable, self.retry_after = kind, detail[:500], retryable, retry_after
+        self.tokens, self.phase = tokens, phase
+
+
+def http_failure(status: int, raw: bytes, retry_after: str | None) -> RequestFailed:
+    """The classified failure of a non-200 answer (or of an error event inside a stream)."""
+    text = raw.decode("utf-8", "replace")
+    delay = float(retry_after) if retry_after and retry_after.replace(".", "", 1).isdigit() else None
+    if status == 429 or status >= 500:
+        return RequestFailed(f"http_{status}", text, True, delay)
+    if status == 400 and CONTEXT_OVERFLOW_RE.search(text):
+        return RequestFailed("context_overflow", text, False)
+    return RequestFailed(f"http_{status}", text, False)
 
 
 class ServersDown(Exception):
     """No server has been healthy for --server-down-timeout seconds: the run stops (and resumes later)."""
+
+
+class Stopping(Exception):
+    """The run is stopping (SIGINT/SIGTERM): a request not yet sent is not sent; the next run does it."""
 
 
 class Server:
@@ -74,20 +106,25 @@ class ServerPool:
     keep-stop fields. The model DID emit `<|im_end|>` (that is what "stop" on that string means), and
     the draft must learn to predict it, so when finish_reason is "stop" and the text lacks it we append it.
 
-    Faults: each attempt has --request-timeout; timeouts, connection errors, 429, 5xx and malformed
-    answers are retried up to `max_retries` times with exponential backoff and jitter (a Retry-After
-    header is honoured); other 4xx are input errors, never retried (a context-length 400 is
+    Faults: a streamed attempt times out after `queue_timeout` s without its first token or
+    `stall_timeout` s without a byte after it (module doc); timeouts, connection errors, 429, 5xx and
+    malformed answers are retried up to `max_retries` times with exponential backoff and jitter (a
+    Retry-After header is honoured); other 4xx are input errors, never retried (a context-length 400 is
     `context_overflow`). A connection error, timeout or 502/503/504 first probes the server's health:
     if it is down, the attempt is not charged, the server leaves the rotation and is polled every
     `health_interval` s, and the request waits for a healthy server (at most `server_down_timeout` s,
-    then ServersDown stops the run). Requests go to the healthy server with the fewest in flight.
+    then ServersDown stops the run). A timeout from a server that is up is overload: `limit` (an
+    InFlightLimit) halves and the retry waits for a place under it. Requests go to the healthy server
+    with the fewest in flight. `lost` counts the work thrown away: timeouts by phase and the tokens the
+    abandoned attempts had received.
     """
 
     def __init__(self, urls: list[str], model: str | None = None, api_key: str = "EMPTY",
                  temperature: float = 0.0, seed: int | None = None, special_tokens: dict[int, str] | None = None,
                  request_timeout: float = 1800.0, max_retries: int = 3, retry_base_delay: float = 1.0,
                  retry_max_delay: float = 60.0, health_interval: float = 5.0, health_timeout: float = 30.0,
-                 server_down_timeout: float = 3600.0, stop: list[str] | None = None, top_p: float = 1.0):
+                 server_down_timeout: float = 3600.0, stop: list[str] | None = None, top_p: float = 1.0,
+                 stall_timeout: float = 600.0, queue_timeout: float = 14400.0, limit=None):
         self.servers = [Server(u) for u in urls]
         # The target's end-of-turn string(s) (common/text/target_format.py); Kimi's <|im_end|> by default.
         self.stop = list(stop) if stop else [IM_END]
@@ -98,6 +135,11 @@ class ServerPool:
         self.retry_base_delay, self.retry_max_delay = retry_base_delay, retry_max_delay
         self.health_interval, self.health_timeout = health_interval, health_timeout
         self.server_down_timeout = server_down_timeout
+        self.stall_timeout, self.queue_timeout = stall_timeout, queue_timeout
+        self.limit = limit             # common/generation/capacity.InFlightLimit, or None: no limit
+        self.stopping = None           # asyncio.Event set when the run stops: nothing new is sent
+        self.capacity: dict = {}       # url -> what the server said it runs at once (set at start-up)
+        self.lost = Counter({k: 0 for k in LOST_WORK})
         self.headers = {"Authorization": f"Bearer {api_key}"}
         self.session = None
         self._any_up = None  # asyncio.Event: set whenever some server is up
@@ -136,13 +178,7 @@ class ServerPool:
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             raise RequestFailed("connection_error", f"{type(e).__name__}: {e} ({url})", True) from None
         if status != 200:
-            text = raw.decode("utf-8", "replace")
-            delay = float(retry_after) if retry_after and retry_after.replace(".", "", 1).isdigit() else None
-            if status == 429 or status >= 500:
-                raise RequestFailed(f"http_{status}", text, True, delay)
-            if status == 400 and CONTEXT_OVERFLOW_RE.search(text):
-                raise RequestFailed("context_overflow", text, False)
-            raise RequestFailed(f"http_{status}", text, False)
+            raise http_failure(status, raw, retry_after)
         try:
             return json.loads(raw)
         except ValueError:
@@ -215,7 +251,8 @@ class ServerPool:
         return max(delay, min(retry_after, self.retry_max_delay)) if retry_after else delay
 
     # --- generation ----------------------------------------------------------------------------
-    def completion_body(self, prompt_text: str, max_new_tokens: int, temperature: float | None = None) -> dict:
+    def completion_body(self, prompt_text: str, max_new_tokens: int, temperature: float | None = None,
+                        stream: bool = False) -> dict:
         """The /completions request of one prompt (`temperature` None: the pool's own)."""
         temperature = self.temperature if temperature is None else temperature
         body = {"model": self.model, "prompt": prompt_text, "max_tokens": max_new_tokens,
@@ -225,38 +262,100 @@ class ServerPool:
                 # vLLM (>= 0.10.2): also return the emitted ids as choices[0].token_ids. SGLang 0.5.14's
                 # /v1/completions has no such field (only its native /generate returns output_ids).
                 "return_token_ids": True}
+        if stream:  # usage (token counts) comes in a last chunk only when asked for
+            body.update(stream=True, stream_options={"include_usage": True})
         if temperature > 0:   # pinned: a server's generation_config default would apply otherwise
             body["top_p"] = self.top_p
             if self.seed is not None:
                 body["seed"] = self.seed
         return body
 
+    def _slot(self):
+        """A place in flight under the in-flight limit (none without a limit); yields its epoch."""
+        return self.limit.slot() if self.limit is not None else contextlib.nullcontext()
+
     async def generate(self, prompt_text: str, max_new_tokens: int, errors: Counter | None = None) -> dict:
         """One completion, retried as the class doc says. Attempt errors are counted in `errors`
-        by kind; the final failure is raised as RequestFailed (kind = the failures.jsonl reason)."""
-        body = self.completion_body(prompt_text, max_new_tokens)
+        by kind; the final failure is raised as RequestFailed (kind = the failures.jsonl reason);
+        Stopping when the run stops before it is sent."""
+        body = self.completion_body(prompt_text, max_new_tokens, stream=True)
         charged = 0
         while True:
-            server = await self._acquire()
-            server.in_flight += 1
-            server.num_requests += 1
-            try:
-                return self._parse(await self.request("POST", server.url + "/completions", body,
-                                                       self.request_timeout))
-            except RequestFailed as e:
-                if errors is not None:
-                    errors[e.kind] += 1
-                if not e.retryable:
-                    raise
-                failed = e
-            finally:
-                server.in_flight -= 1
+            async with self._slot() as epoch:
+                if self.stopping is not None and self.stopping.is_set():
+                    raise Stopping()
+                server = await self._acquire()
+                server.in_flight += 1
+                server.num_requests += 1
+                try:
+                    result = await self.stream(server, body)
+                    self._report(self.limit.answered() if self.limit is not None else None)
+                    return result
+                except RequestFailed as e:
+                    if errors is not None:
+                        errors[e.kind] += 1
+                    self._count_lost(e)
+                    if not e.retryable:
+                        raise
+                    failed = e
+                finally:
+                    server.in_flight -= 1
             if failed.kind in SERVER_DOWN_KINDS and not await self._is_up(server):
                 continue  # the server is down: wait for one that is up, do not charge this request
+            if failed.kind == "timeout" and self.limit is not None:
+                # Up, yet it let the request time out: more is in flight than it serves. The retry
+                # waits for a place under the lowered limit instead of joining the back of its queue.
+                self._report(self.limit.overload(epoch), f"a request timed out on {server.root}, which is up "
+                                                         f"({failed.detail})")
             charged += 1
             if charged > self.max_retries:
                 raise failed
             await asyncio.sleep(self.backoff(charged, failed.retry_after))
+
+    def _count_lost(self, e: RequestFailed) -> None:
+        if e.kind == "timeout":
+            self.lost["timeouts"] += 1
+            self.lost[f"{e.phase}_timeouts"] += 1
+        self.lost["abandoned_tokens"] += e.tokens
+
+    def _report(self, change: str | None, why: str = "") -> None:
+        if change is not None:
+            limit = self.limit
+            log(f"[01b] {change}" + (f": {why}; it grows back by 1 per {limit.limit} answers, up to "
+                                     f"{limit.ceiling} (floor {limit.floor})" if why else ""))
+
+    async def stream(self, server: Server, body: dict) -> dict:
+        """One streamed attempt (module doc): the joined pieces through `_parse`; RequestFailed otherwise."""
+        import aiohttp
+
+        loop, got = asyncio.get_running_loop(), Streamed()
+        try:
+            async with asyncio.timeout(self.queue_timeout) as deadline:
+                async with self.session.post(server.url + "/completions", json=body,
+                                             timeout=aiohttp.ClientTimeout(total=None)) as r:
+                    if r.status != 200:
+                        raise http_failure(r.status, await r.read(), r.headers.get("Retry-After"))
+                    async for data in r.content.iter_any():
+                        if got.feed(data):
+                            break
+                        if got.events:  # the first token has come: from now on a silence is a stall
+                            deadline.reschedule(loop.time() + self.stall_timeout)
+        except TimeoutError:
+            phase = "stall" if got.events else "queue"
+            limit = self.stall_timeout if got.events else self.queue_timeout
+            raise RequestFailed("timeout", f"{phase}: no {'byte' if got.events else 'first token'} within "
+                                           f"{limit} s from {server.url} ({got.tokens} tokens received)",
+                                True, tokens=got.tokens, phase=phase) from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            raise RequestFailed("connection_error", f"{type(e).__name__}: {e} ({server.url}, {got.tokens} tokens "
+                                                    "received)", True, tokens=got.tokens) from None
+        except RequestFailed as e:
+            e.tokens = got.tokens
+            raise
+        if not got.done:
+            raise RequestFailed("connection_error", f"the stream from {server.url} ended before `data: [DONE]` "
+                                                    f"({got.tokens} tokens received)", True, tokens=got.tokens)
+        return self._parse(got.document())
 
     def _parse(self, data: dict) -> dict:
         try:
@@ -281,3 +380,69 @@ class ServerPool:
         return {"completion": text, "completion_ids": [int(i) for i in ids] if isinstance(ids, list) else None,
                 "finish_reason": finish, "num_prompt_tokens": usage.get("prompt_tokens"),
                 "num_completion_tokens": usage.get("completion_tokens")}
+
+
+class Streamed:
+    """The events of one streamed completion, joined into the document a non-streamed request returns:
+    text pieces in order, token ids where every chunk carries them (vLLM, newer SGLang), the last
+    finish_reason and matched_stop, the last usage (the include_usage chunk, or continuous stats)."""
+
+    def __init__(self):
+        self.text: list = []
+        self.ids: list[int] | None = []
+        self.finish = self.matched = self.usage = None
+        self.events = self.tokens = 0
+        self.done = False
+        self._partial = b""  # a line not complete yet
+
+    def feed(self, data: bytes) -> bool:
+        """Take bytes as they arrive (lines split here: a first chunk carrying a long prompt's ids can
+        outgrow a stream reader's line limit); True at `data: [DONE]`."""
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        return any(self.add(line) for line in lines)
+
+    def add(self, line: bytes) -> bool:
+        """Take one line of the event stream; True at `data: [DONE]`. An error event raises its
+        classified RequestFailed, a data line that is not JSON a bad_response."""
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            return False  # blank separators, comments, `event:` lines
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return True
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            raise RequestFailed("bad_response", f"stream event is not JSON: {payload[:200]!r}", True) from None
+        if not isinstance(event, dict):
+            raise RequestFailed("bad_response", f"stream event is not an object: {payload[:200]!r}", True)
+        self.events += 1
+        error = event.get("error") if "error" in event else (event if event.get("object") == "error" else None)
+        if error is not None:  # vLLM and SGLang send a failure after the 200 as an error event
+            code = error.get("code") if isinstance(error, dict) else None
+            raise http_failure(code if isinstance(code, int) else 500, json.dumps(error).encode(), None)
+        if event.get("usage"):
+            self.usage = event["usage"]
+        for choice in event.get("choices") or []:
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                self._add_choice(choice)
+        return False
+
+    def _add_choice(self, choice: dict) -> None:
+        self.text.append(choice.get("text"))
+        ids = choice.get("token_ids")
+        if isinstance(ids, list) and self.ids is not None:
+            self.ids += ids
+        else:
+            self.ids = None  # a chunk without ids: the server does not send them
+        self.tokens += len(ids) if isinstance(ids, list) else 1
+        if choice.get("finish_reason") is not None:
+            self.finish, self.matched = choice["finish_reason"], choice.get("matched_stop")
+
+    def document(self) -> dict:
+        text = "".join(self.text) if all(isinstance(t, str) for t in self.text) else None
+        choice = {"text": text, "finish_reason": self.finish, "matched_stop": self.matched}
+        if self.ids:
+            choice["token_ids"] = self.ids
+        return {"choices": [choice], "usage": self.usage}
