@@ -22,9 +22,9 @@ target too large for this machine is refused. Each --draft is checked against th
 mode the engine) before anything is written, and measured next to 04's on the same prompts: tau per k and
 temperature with paired intervals (compare.py), or served. Mode `server` (docs/serving.md, docs/sglang.md):
 a baseline and, per draft (04's, every --draft) and --spec-settings, an EAGLE-3 server of --engine (SGLang,
-vLLM), preflighted (EAGLE3 / eagle3, its draft by content, our target, aux layers, warm-up tau), 04's
-checked against replay (--agreement-prompts); tok/s, TTFT, tau and the ratio to the baseline per draft and
---bench-concurrency, and the draft and setting to deploy with its launch line (common/benchmark/deploy.py).
+vLLM), preflighted (EAGLE3 / eagle3, its draft, target, aux layers, warm-up tau), 04's checked against replay,
+all warmed up alike on never-timed prompts, prefix caching off; tok/s, TTFT, tau and the ratio to the baseline
+(interval over --bench-repeats passes) per draft, temperature and concurrency; what to deploy (deploy.py).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from common.benchmark import reference as rb
 from common.benchmark.engines import ENGINES, check_servable
 from common.benchmark.formatting import fmt, fmt_ci
 from common.benchmark.segments import plot_tau_by_position
-from common.benchmark.server_bench import server_main
+from common.benchmark.server_bench import server_main, warm_count
 from common.benchmark.spec_decode import LosslessError
 from common.config import base_parser, parse_args
 from common.draft.export_sglang import load_sglang_export
@@ -140,6 +140,12 @@ def build_parser():
                         "'steps,1,steps+1,adaptive' = SGLang's --speculative-adaptive from that chain")
     s.add_argument("--bench-concurrency", type=int, nargs="+", default=[1, 8],
                    help="concurrent requests per run (batch 1 is always included)")
+    s.add_argument("--bench-repeats", type=int, default=2,
+                   help="timed passes of every (setting, temperature, concurrency): the ratio to the baseline gets "
+                        "a 95%% interval over the paired passes (2: a wide one; 1: none, nothing decided)")
+    s.add_argument("--instant-temperature", type=float, default=None,
+                   help="server mode: the temperature thinking-off prompts are sampled at, at every serving "
+                        "temperature above 0 (a model's own instant-mode temperature; unset: the level's)")
     s.add_argument("--cuda-graph", nargs="+", choices=("on", "off"), default=["on", "off"],
                    help="CUDA-graph modes to run every server in")
     s.add_argument("--baseline-url", default=None,
@@ -177,7 +183,9 @@ def build_parser():
     s.add_argument("--max-retried-requests", type=int, default=0,
                    help="a run with more retried requests than this (connection resets, cut streams, 5xx) gets "
                         "no speed ratio against the baseline: its wall time holds the backoff waits")
-    s.add_argument("--warmup-requests", type=int, default=4, help="preflight warm-up requests (64 tokens each)")
+    s.add_argument("--warmup-requests", type=int, default=4,
+                   help="warm-up requests every server answers before it is timed (64 tokens each, greedy; on "
+                        "held-out prompts that are never timed)")
     s.add_argument("--min-accept-length", type=float, default=1.3,
                    help="preflight refuses a warm-up tau below this (1.0 = chance: only the bonus token)")
     return p
@@ -186,7 +194,7 @@ def build_parser():
 
 
 def load_inputs(args):
-    """Check the upstream folders; return (export dir, 04 manifest, prompt rows)."""
+    """Check the upstream folders; return (export dir, 04 manifest, timed prompt rows, warm-up rows: split_prompts)."""
     draft_dir = stage_dir(args.work_dir, "04_train")
     m04 = require_complete(draft_dir, "04_train")
     export_dir = draft_dir / "export_sglang"
@@ -197,12 +205,31 @@ def load_inputs(args):
     m01c = require_complete(merged, "01c_merge_datasets")
     check_same_tokenizer(m01c["tokenizer"], m04["tokenizer"], merged, "01c_merge_datasets")
     rows = list(iter_jsonl(merged / "benchmark_prompts.jsonl"))
-    if args.num_prompts is not None:
-        rows = spread_over_sources(rows, args.num_prompts)
+    rows, warm = split_prompts(rows, args.num_prompts, warm_count(args) if args.mode == "server" else 0,
+                               merged / "benchmark_prompts.jsonl")
     if not rows:
         raise StageError(f"{merged / 'benchmark_prompts.jsonl'} holds no prompts: re-run 01c with "
                          "--benchmark-size > 0")
-    return export_dir, m04, rows
+    return export_dir, m04, rows, warm
+
+
+def split_prompts(rows: list[dict], num_timed: int | None, num_warm: int, where: Path) -> tuple[list, list]:
+    """(timed rows, warm-up rows), split once. Reference mode (num_warm 0): --num-prompts rows taken in turn
+    from each source (spread_over_sources), or all. Server mode: in that same order, the first --num-prompts
+    (default: all but num_warm) are timed and the next num_warm warm every server up and feed the agreement
+    check, so no server has seen a timed prompt before it is timed (a prefix cache or warm state would favour
+    whichever server saw it)."""
+    if not num_warm:
+        return (rows if num_timed is None else spread_over_sources(rows, num_timed)), []
+    order = spread_over_sources(rows, len(rows))
+    timed = len(order) - num_warm if num_timed is None else num_timed
+    if timed < 1 or timed + num_warm > len(order):
+        raise StageError(f"{where} holds {len(order)} held-out prompts; server mode needs "
+                         f"{'--num-prompts ' + str(num_timed) if num_timed is not None else 'at least one'} timed "
+                         f"and {num_warm} more, never timed, for the warm-up and agreement requests "
+                         "(max of --warmup-requests, --agreement-prompts): lower them or re-run 01c with a larger "
+                         "--benchmark-size")
+    return order[:timed], order[timed:timed + num_warm]
 
 
 def read_capture_points(export_cfg: dict, m04: dict, num_hidden_layers: int) -> list[int]:
@@ -299,11 +326,13 @@ def main(argv=None):
         args.acceptance_temperatures = [args.acceptance_temperatures]
     if any(t < 0 for t in args.acceptance_temperatures) or not 0 < args.acceptance_top_p <= 1:
         raise StageError("--acceptance-temperatures must be >= 0 and --acceptance-top-p in (0, 1]")
+    if args.bench_repeats < 1 or (args.instant_temperature is not None and args.instant_temperature <= 0):
+        raise StageError("--bench-repeats must be >= 1 and --instant-temperature > 0")
     if isinstance(args.draft, str):  # a YAML scalar instead of a list
         args.draft = [args.draft]
     specs = cmp.parse_specs(args.draft)
     out = stage_dir(args.work_dir, STAGE) / args.mode
-    export_dir, m04, rows = load_inputs(args)
+    export_dir, m04, rows, warm_rows = load_inputs(args)
     target_dir = resolve_target(args.target_path, m04, stage_dir(args.work_dir, "04_train"), "04_train")
     checked = cmp.check_drafts(specs, target_dir)  # a draft that does not fit stops 05 before it writes
     # ... and one the engine cannot serve as checked stops it before any server launches
@@ -311,10 +340,11 @@ def main(argv=None):
     if not start_stage(out, args.overwrite, STAGE):
         return
     if args.mode == "server":
-        metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir, served)
+        metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir, served, warm_rows)
         write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
                        inputs={"04_draft": manifest_sha256(stage_dir(args.work_dir, "04_train"))},
-                       counts={"num_prompts": len(rows)}, preflight=metrics["preflight"],
+                       counts={"num_prompts": len(rows), "num_warmup_prompts": len(warm_rows)},
+                       preflight=metrics["preflight"],
                        runs=list(metrics["runs"]), engine=args.engine,
                        **({"drafts": drafts_identity(checked)} if checked else {}),
                        agreement={key: {"exact": a["exact"], "engine_tau": a["engine"]["tau"],

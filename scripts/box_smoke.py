@@ -61,7 +61,8 @@ class Settings:
     vllm_py: str = "build/vllm-venv/bin/python"
     port: int = 30000
     num_train: int = 64          # training prompts (a few dozen)
-    num_heldout: int = 16        # held-out prompts for 05 (benchmark-only)
+    num_heldout: int = 16        # held-out prompts 05 times (benchmark-only), the same in both modes
+    num_warmup: int = 16         # more held-out prompts, never timed: 05 server's warm-up and agreement check
     max_new_tokens: int = 256    # 01b answer budget (tokens)
     bench_new_tokens: int = 128  # 05 answer budget, both modes (tokens)
     train_steps: int = 400       # 04 optimizer steps (GPU)
@@ -102,7 +103,7 @@ def data_specs(s: Settings) -> str:
         {"name": "smoke_train", "adapter": "messages", "path": str(s.data / "train_code.jsonl"),
          "max-records": s.num_train},
         {"name": "smoke_heldout", "adapter": "messages", "path": str(s.data / "heldout.jsonl"),
-         "max-records": s.num_heldout, "benchmark-only": True},
+         "max-records": s.num_heldout + s.num_warmup, "benchmark-only": True},
     ])
 
 
@@ -129,6 +130,8 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
     """The commands, grouped by the points where the driver does something between them."""
     py, w, t = s.py, str(s.work), str(s.target)
     bench = ["--num-prompts", str(s.num_heldout), "--benchmark-max-new-tokens", str(s.bench_new_tokens)]
+    # one timed pass: the smoke compares tau and agreement, not speed (05 then decides no speed ratio)
+    once = ["--bench-repeats", "1"]
     label = {"sglang": "SGLang", "vllm": "vLLM"}[s.engine]
     steps = {
         "build": [Step("00 build the small target", [py, "00_build_smollm2_world.py", "--config",
@@ -162,9 +165,9 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
             Step("05 server (vLLM eagle3, agreement with replay)", [
                 py, "05_benchmark.py", "--work-dir", w, "--mode", "server", "--engine", "vllm",
                 "--vllm-python", s.vllm_py, "--spec-settings", *VLLM_SETTINGS, "--cuda-graph", "off",
-                "--bench-concurrency", "1", "4", "--agreement-prompts", str(s.num_heldout),
+                "--bench-concurrency", "1", "4", "--agreement-prompts", str(s.num_warmup),
                 "--warmup-requests", "2", "--min-accept-length", "1.1", "--baseline-port", str(s.port + 10),
-                "--eagle3-port", str(s.port + 20), *bench],
+                "--eagle3-port", str(s.port + 20), *bench, *once],
                 "vLLM EAGLE-3 serving (05 --mode server --engine vllm: launch, draft loading, preflight, "
                 "agreement with replay)")]
         return steps
@@ -192,7 +195,7 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
             "--cuda-graph", "on", "--bench-concurrency", "1", "--sglang-tp-size", "1",
             "--mem-fraction-static", str(s.mem_fraction), "--sglang-python", s.sglang_py,
             "--warmup-requests", "2", "--min-accept-length", "1.1", "--baseline-port", str(s.port + 10),
-            "--eagle3-port", str(s.port + 20), *bench],
+            "--eagle3-port", str(s.port + 20), *bench, *once],
             "SGLang EAGLE3 serving (05 --mode server: launch, draft loading, preflight)")]
     return steps
 
@@ -269,7 +272,7 @@ def compare_tau(reference_metrics: dict, server_metrics: dict, rel_tol: float) -
     layer = "SGLang's EAGLE3 decoding (05 server) vs reference speculative decoding (05 reference)"
     ref = reference_metrics["by_num_draft_tokens"][str(NUM_DRAFT_TOKENS)]["tau"]
     key = f"{SPEC_SETTING.replace(',', '-')}/graph"
-    run = server_metrics["runs"][key]["by_concurrency"]["1"]
+    run = server_metrics["runs"][key]["by_temperature"]["0"]["by_concurrency"]["1"]  # greedy, batch 1
     if run.get("refused"):  # 05 did not believe the server's counts (server_bench.refuse): no tau to compare
         raise SmokeMismatch(layer, f"05 refused the run: {run['refused']}")
     pooled = run["accept_length_pooled"]

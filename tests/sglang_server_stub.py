@@ -11,6 +11,10 @@ set, `data: {"error": {"message", "type", "code", "retryable"}}` then `data: [DO
 ValueError). `fail_first` answers the first N requests with 503. A speculative server verifies
 `accept_length` tokens per round, so completion_tokens / spec_verify_ct = accept_length.
 
+Started as 05 launches its servers, with the radix cache off (`disable_radix_cache`; False = SGLang's own
+default). Every /generate request is kept (`requests`) with its place in one count shared by all stubs of
+the process (`arrivals`), so a test can tell in which order several servers were asked.
+
 Bad answers, each a 200: `count_scale` multiplies the completion_tokens it reports (the tokens it streams,
 its spec_verify_ct and its own avg_spec_accept_length stay true); `bad_answer` answers POST /generate with
 "html" (a proxy's sign-in page), "truncated" (a whole event holding the first half of its JSON) or
@@ -19,6 +23,7 @@ or "truncated" (the first half of the JSON body, Content-Length and all).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import threading
@@ -26,13 +31,17 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+ARRIVALS = itertools.count()  # one order over every stub server of the process
+
+
 class StubState:
     def __init__(self, algorithm=None, draft_path=None, model_path="/models/target", accept_length=3.0,
                  setting=(3, 1, 4), new_info_path=False, disable_cuda_graph=False, decode_graph="full",
-                 error_message=None, fail_first=0, adaptive=False, count_scale=1, bad_answer=None, bad_info=None):
+                 error_message=None, fail_first=0, adaptive=False, count_scale=1, bad_answer=None, bad_info=None,
+                 disable_radix_cache=True):
         self.server_args = {
             "model_path": model_path, "tokenizer_path": model_path, "tp_size": 1, "pp_size": 1,
-            "dp_size": 1, "mem_fraction_static": 0.85, "disable_radix_cache": False,
+            "dp_size": 1, "mem_fraction_static": 0.85, "disable_radix_cache": disable_radix_cache,
             "disable_cuda_graph": disable_cuda_graph, "enable_two_batch_overlap": False,
             "cuda_graph_config": {"decode": {"backend": "disabled" if disable_cuda_graph else decode_graph,
                                              "max_bs": None, "bs": None, "tc_compiler": "eager"},
@@ -53,6 +62,7 @@ class StubState:
         self.tokens = 0
         self.verify = 0
         self.requests = []
+        self.arrivals = []
         self.lock = threading.Lock()
 
     def info(self) -> dict:
@@ -123,6 +133,7 @@ def make_handler(state: StubState):
             rounds = math.ceil(n / state.accept_length) if spec else n
             with state.lock:
                 state.requests.append(req)
+                state.arrivals.append(next(ARRIVALS))
                 state.tokens += n if spec else 0
                 state.verify += rounds if spec else 0
             self.send_response(200)

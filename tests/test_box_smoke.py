@@ -158,8 +158,8 @@ def test_compare_tau():
     reference = {"by_num_draft_tokens": {"3": {"tau": 2.5}}}
 
     def server(completion, requests, pooled):
-        return {"runs": {"3-1-4/graph": {"by_concurrency": {"1": {
-            "completion_tokens": completion, "num_requests": requests, "accept_length_pooled": pooled}}}}}
+        return {"runs": {"3-1-4/graph": {"by_temperature": {"0": {"by_concurrency": {"1": {
+            "completion_tokens": completion, "num_requests": requests, "accept_length_pooled": pooled}}}}}}}
     # 16 requests, 2016 tokens over 800 verify rounds: 2.52 as reported, 2.5 without the prefill tokens
     res = smoke.compare_tau(reference, server(2016, 16, 2016 / 800), 0.05)
     assert res["server_accept_length_no_prefill"] == pytest.approx(2.5) and res["relative_difference"] < 1e-9

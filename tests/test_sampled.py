@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 
 import pytest
 import torch
@@ -232,19 +233,12 @@ def test_sampled_engine_answers_checked_round_by_round(target):
 
     params, k, max_new = sd.SamplingParams(T_SHARP, 0.9), 3, 12
     prompts = random_prompts(6, target.config.vocab_size, seed=1)
-    answers = []
-    for ids in prompts:
-        # vLLM's accounting: every round judges k drafts, also the last one, whose drafts may run past the
-        # budget (docs/serving.md). So the loop runs k + 1 tokens longer; the engine's answer is cut at
-        # max_new and keeps the rounds that started before the cut, with their full counts.
-        res = sd.speculative_decode(target, PrefixOracle(target, ids[0]), ids, k, max_new + k + 1, set(), POINTS,
-                                    params, smp.generator("cpu", smp.prompt_seed(0, ids, params, "engine")))
-        starts = [1 + sum(res.emitted[:r]) for r in range(len(res.emitted))]   # tokens committed before round r
-        answers.append({"output_ids": res.tokens[:max_new],
-                        "per_step_accepted": [a for a, c in zip(res.accepted, starts) if c < max_new]})
+    answers = [engine_answer(target, ids, k, max_new, params, smp.prompt_seed(0, ids, params, "engine"))
+               for ids in prompts]
     oracle = PrefixOracle(target, 0)   # only its TTT surface is used here, which needs no first token
     got = check_sampled_answers((target, oracle, set(), POINTS), prompts, answers, k, params, max_new, 0)
     assert got["exact"] and got["exact_prompts"] == 6, [r for r in got["per_prompt"] if not r["equal"]]
+    assert got["expected"]["along_answers"]["agree"], got["expected"]["along_answers"]
     assert got["expected"]["ci"][0] <= got["expected"]["difference"] <= got["expected"]["ci"][1]
     i = next(i for i, a in enumerate(answers) if 0 in a["per_step_accepted"][:-1])
     j = answers[i]["per_step_accepted"].index(0)
@@ -252,3 +246,59 @@ def test_sampled_engine_answers_checked_round_by_round(target):
                       + answers[i]["per_step_accepted"][j + 1:])
     bad = check_sampled_answers((target, oracle, set(), POINTS), prompts, answers, k, params, max_new, 0)
     assert not bad["exact"] and bad["exact_prompts"] == 5
+
+
+def engine_answer(target, ids: list[int], k: int, max_new: int, verify: sd.SamplingParams, seed: int) -> dict:
+    """An answer shaped like vLLM's (output ids + per_step_accepted) from the sampled loop under the engines'
+    rule, verifying at `verify`. vLLM's accounting: every round judges k drafts, also the last one, whose
+    drafts may run past the budget (docs/serving.md). So the loop runs k + 1 tokens longer; the answer is
+    cut at max_new and keeps the rounds that started before the cut, with their full counts."""
+    res = sd.speculative_decode(target, PrefixOracle(target, ids[0]), ids, k, max_new + k + 1, set(), POINTS,
+                                verify, smp.generator("cpu", seed))
+    starts = [1 + sum(res.emitted[:r]) for r in range(len(res.emitted))]   # tokens committed before round r
+    return {"output_ids": res.tokens[:max_new],
+            "per_step_accepted": [a for a, c in zip(res.accepted, starts) if c < max_new]}
+
+
+class LoopEngine:
+    """What AgreementCheck.sampled asks of an engine, answered by the sampled loop: it verifies at the
+    request's temperature and top-p, or, with `verify`, at those whatever the request asks."""
+    label = "loop"
+
+    def __init__(self, target, verify: sd.SamplingParams | None = None):
+        self.target, self.verify = target, verify
+
+    def sampling_defect(self):
+        return None
+
+    def request(self, url, ids, max_new_tokens, timeout, sampling):
+        verify = self.verify or sd.SamplingParams(sampling["temperature"], sampling["top_p"])
+        return engine_answer(self.target, ids, 3, max_new_tokens, verify, sampling["seed"])
+
+
+def test_sampled_gate_fails_an_engine_verifying_at_another_temperature(target, tmp_path):
+    """An engine that verifies at 3x the requested temperature with top-p off accepts a draft iff it equals
+    the token it commits, like any engine of the engines' rule: the exact half passes. Along its answers it
+    accepts far fewer drafts than p(d) at the requested T / top-p predicts: 05 stops in one line naming the
+    draft positions with their observed and expected counts. The engine that verifies as asked passes (on
+    8 prompts x 16 tokens, 20 seeds gave |z| <= 2.0 for it and z from -11 to -17 for the 3x one)."""
+    from common.benchmark.agreement import AgreementCheck
+    from common.stage import StageError
+
+    asked = sd.SamplingParams(T_SHARP, 0.95)
+    prompts = random_prompts(8, target.config.vocab_size, seed=2)
+
+    def check(engine, seed):
+        c = AgreementCheck(engine, tmp_path, tmp_path, {}, prompts, 16, 0, 0.0, tmp_path, (asked,), seed)
+        c._models = (target, PrefixOracle(target, 0), set(), POINTS)   # the micro target, not loaded from disk
+        return c.sampled("u", "3-1-4", 3)
+
+    for seed in (0, 1, 2):
+        gate = check(LoopEngine(target), seed)[f"{T_SHARP:g}"]["expected"]["along_answers"]
+        assert gate["enforced"] and gate["agree"] and sum(gate["judged"]) > 60, gate
+    with pytest.raises(StageError) as err:
+        check(LoopEngine(target, verify=sd.SamplingParams(3 * T_SHARP, 1.0)), 0)
+    msg = str(err.value)
+    assert "\n" not in msg and "3-1-4 T=0.02 top-p 0.95: loop accepts" in msg, msg
+    assert re.search(r"judged drafts where p\(d\) expects [\d.]+ \(z -\d+\.\d; by draft position 1: \d+/\d+ vs "
+                     r"[\d.]+, 2: .*beyond 4 standard deviations", msg), msg

