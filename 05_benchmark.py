@@ -24,7 +24,7 @@ temperature with paired intervals (compare.py), or served. Mode `server` (docs/s
 a baseline and, per draft (04's, every --draft) and --spec-settings, an EAGLE-3 server of --engine (SGLang,
 vLLM), preflighted (EAGLE3 / eagle3, its draft, target, aux layers, warm-up tau), 04's checked against replay,
 all warmed up alike on never-timed prompts, prefix caching off; tok/s, TTFT, tau and the ratio to the baseline
-(interval over --bench-repeats passes) per draft, temperature and concurrency; what to deploy (deploy.py).
+(interval over --bench-repeats passes) per draft, temperature, prompt length and concurrency; what to deploy.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM
 
 from common.benchmark import compare as cmp
 from common.benchmark import reference as rb
+from common.benchmark.context import parse_buckets
 from common.benchmark.engines import ENGINES, check_servable
 from common.benchmark.formatting import fmt, fmt_ci
 from common.benchmark.segments import plot_tau_by_position
@@ -140,6 +141,14 @@ def build_parser():
                         "'steps,1,steps+1,adaptive' = SGLang's --speculative-adaptive from that chain")
     s.add_argument("--bench-concurrency", type=int, nargs="+", default=[1, 8],
                    help="concurrent requests per run (batch 1 is always included)")
+    s.add_argument("--bench-context", nargs="+", default=["short"], metavar="short|TOKENS",
+                   help="prompt-length buckets every (setting, T, concurrency) is timed on: short = the held-out "
+                        "prompts as they are; a length L = held-out prompts of about L tokens (0.9 L to L): the "
+                        "split's longest as they stand, else padded with earlier held-out conversations as prior "
+                        "turns in the target's chat format (common/benchmark/context.py); short is always timed")
+    s.add_argument("--bench-context-prompts", type=int, default=None,
+                   help="timed prompts of each --bench-context length bucket (default: as many as the short "
+                        "bucket's, --num-prompts)")
     s.add_argument("--bench-repeats", type=int, default=2,
                    help="timed passes of every (setting, temperature, concurrency): the ratio to the baseline gets "
                         "a 95%% interval over the paired passes (2: a wide one; 1: none, nothing decided)")
@@ -194,7 +203,8 @@ def build_parser():
 
 
 def load_inputs(args):
-    """Check the upstream folders; return (export dir, 04 manifest, timed prompt rows, warm-up rows: split_prompts)."""
+    """Check the upstream folders; return (export dir, 04 manifest, timed prompt rows, warm-up rows: split_prompts,
+    every held-out row but the warm-up ones in the split's order: what --bench-context's buckets are built from)."""
     draft_dir = stage_dir(args.work_dir, "04_train")
     m04 = require_complete(draft_dir, "04_train")
     export_dir = draft_dir / "export_sglang"
@@ -204,13 +214,14 @@ def load_inputs(args):
     merged = stage_dir(args.work_dir, "01c_merge_datasets")
     m01c = require_complete(merged, "01c_merge_datasets")
     check_same_tokenizer(m01c["tokenizer"], m04["tokenizer"], merged, "01c_merge_datasets")
-    rows = list(iter_jsonl(merged / "benchmark_prompts.jsonl"))
-    rows, warm = split_prompts(rows, args.num_prompts, warm_count(args) if args.mode == "server" else 0,
+    held_out = list(iter_jsonl(merged / "benchmark_prompts.jsonl"))
+    rows, warm = split_prompts(held_out, args.num_prompts, warm_count(args) if args.mode == "server" else 0,
                                merged / "benchmark_prompts.jsonl")
     if not rows:
         raise StageError(f"{merged / 'benchmark_prompts.jsonl'} holds no prompts: re-run 01c with "
                          "--benchmark-size > 0")
-    return export_dir, m04, rows, warm
+    never_warm = [r for r in spread_over_sources(held_out, len(held_out)) if all(r is not w for w in warm)]
+    return export_dir, m04, rows, warm, never_warm
 
 
 def split_prompts(rows: list[dict], num_timed: int | None, num_warm: int, where: Path) -> tuple[list, list]:
@@ -328,11 +339,16 @@ def main(argv=None):
         raise StageError("--acceptance-temperatures must be >= 0 and --acceptance-top-p in (0, 1]")
     if args.bench_repeats < 1 or (args.instant_temperature is not None and args.instant_temperature <= 0):
         raise StageError("--bench-repeats must be >= 1 and --instant-temperature > 0")
+    if not isinstance(args.bench_context, list):  # a YAML scalar instead of a list
+        args.bench_context = [args.bench_context]
+    parse_buckets(args.bench_context)  # a bucket that is neither short nor a length stops 05 before it writes
+    if args.bench_context_prompts is not None and args.bench_context_prompts < 1:
+        raise StageError("--bench-context-prompts must be >= 1")
     if isinstance(args.draft, str):  # a YAML scalar instead of a list
         args.draft = [args.draft]
     specs = cmp.parse_specs(args.draft)
     out = stage_dir(args.work_dir, STAGE) / args.mode
-    export_dir, m04, rows, warm_rows = load_inputs(args)
+    export_dir, m04, rows, warm_rows, never_warm = load_inputs(args)
     target_dir = resolve_target(args.target_path, m04, stage_dir(args.work_dir, "04_train"), "04_train")
     checked = cmp.check_drafts(specs, target_dir)  # a draft that does not fit stops 05 before it writes
     # ... and one the engine cannot serve as checked stops it before any server launches
@@ -340,10 +356,13 @@ def main(argv=None):
     if not start_stage(out, args.overwrite, STAGE):
         return
     if args.mode == "server":
-        metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir, served, warm_rows)
+        metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir, served, warm_rows,
+                              never_warm)
         write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
                        inputs={"04_draft": manifest_sha256(stage_dir(args.work_dir, "04_train"))},
-                       counts={"num_prompts": len(rows), "num_warmup_prompts": len(warm_rows)},
+                       counts={"num_prompts": len(rows), "num_warmup_prompts": len(warm_rows),
+                               **{f"num_prompts_context_{b}": rec["num_prompts"]
+                                  for b, rec in metrics["context_buckets"].items() if b != "short"}},
                        preflight=metrics["preflight"],
                        runs=list(metrics["runs"]), engine=args.engine,
                        **({"drafts": drafts_identity(checked)} if checked else {}),

@@ -281,3 +281,109 @@ def test_a_sampled_preset_is_recommended_from_its_serving_temperature(tmp_path):
     section = (tmp_path / "report.md").read_text().split("## What to deploy")[1].split("## Predicted")[0]
     assert "nothing is recommended at this temperature**: the engine cannot verify sampled drafts here (its " in section
     assert "python -m sglang" not in section
+
+
+# ---------------------------------------------------------------- the grid and the load model
+A, B, CD = 0.010, 0.0005, 0.002   # seconds: a decode step's fixed cost, per token in flight, per draft step
+
+
+def load_requests(setting, c: int, tau: float, n_req: int = 4, tokens: int = 120) -> list[dict]:
+    """Per-request records of a run at concurrency c whose every step costs exactly the load model's time:
+    a plain step a + b c, a round c_draft x steps + a + b c n."""
+    steps, n = (0, 1) if setting is None else (setting[0], setting[2])
+    t = CD * steps + A + B * c * n
+    rounds = tokens - 1 if setting is None else round(tokens / tau)
+    return [{"completion_tokens": tokens, "latency_s": TTFT + rounds * t, "ttft_s": TTFT,
+             "spec_verify_ct": None if setting is None else rounds, "source": "a", "thinking": True}
+            for _ in range(n_req)]
+
+
+def load_sweep(concs=(1, 8), contexts=("short",), taus=None, ratios=None) -> dict:
+    """A greedy sweep of the baseline and chains 3-1-4, 5-1-6 at each concurrency and prompt bucket, timed as the
+    load model says (`ratios[(key, ctx, c)]` overrides a cell's measured tok/s ratio, its passes 1% apart)."""
+    taus = taus or {(3, 1, 4): 3.0, (5, 1, 6): 3.6}
+    runs = {"baseline/nograph": {"cuda_graph": False, "setting": None, "by_temperature": {"0": {}}}}
+    for s in taus:
+        runs["-".join(map(str, s)) + "/nograph"] = {"cuda_graph": False, "setting": list(s), "draft": "04",
+                                                    "by_temperature": {"0": {}}}
+    commands = {k: server_command("/m/target", 1, 1, 0.85, False, *(("/m/draft", tuple(e["setting"])) if e["setting"]
+                                                                     else ())) for k, e in runs.items()}
+    for ctx in contexts:
+        for key, e in runs.items():
+            cells = {}
+            for c in concs:
+                setting = e["setting"]
+                cell = level_cell(setting, load_requests(setting, c, taus.get(tuple(setting or ()), 1.0)),
+                                  JITTER if setting else (1, 1))
+                cell["output_tokens_per_s"] *= c    # c requests at once
+                cell["output_tokens_per_s_passes"] = [x * c for x in cell["output_tokens_per_s_passes"]]
+                cells[str(c)] = cell
+            level = e["by_temperature"]["0"]
+            if ctx == "short":
+                level["by_concurrency"] = cells
+            else:
+                level.setdefault("by_context", {})[ctx] = {"by_concurrency": cells}
+    for (key, ctx, c), r in (ratios or {}).items():
+        lv = runs[key]["by_temperature"]["0"]
+        cell = (lv if ctx == "short" else lv["by_context"][ctx])["by_concurrency"][c]
+        base = runs["baseline/nograph"]["by_temperature"]["0"]
+        b = (base if ctx == "short" else base["by_context"][ctx])["by_concurrency"][c]["output_tokens_per_s"]
+        cell["output_tokens_per_s"] = r * b
+        cell["output_tokens_per_s_passes"] = [r * b * j for j in JITTER]
+    return {"engine": "sglang", "target": "/m/target", "draft": "/m/draft", "num_prompts": 4, "max_new_tokens": 120,
+            "runs": runs, "commands": commands, "preflight": {}}
+
+
+def test_the_load_model_fits_a_verify_cost_that_grows_with_the_tokens_in_flight():
+    """Measured at two concurrencies, the baseline's steps and the chains' rounds give a, b and c_draft
+    (t_round = c_draft x steps + a + b x c x n); the predicted ratio falls with the load, down to where the chain
+    stops paying. At one concurrency a and b cannot be told apart: the model says it ASSUMES a = 2b (a 4-token
+    verify ~ 2 plain decode steps), scaled to the measured baseline step. Every number is marked predicted."""
+    from common.benchmark import load_model
+    m = load_sweep(concs=(1, 8))
+    models = deploy.summary(m, None)["by_temperature"]["0"]["load_models"]
+    assert [(x["context"], x["cuda_graph"]) for x in models] == [("short", False)]
+    f = models[0]["fit"]
+    assert f["source"].startswith("fitted")
+    assert (f["a"], f["b"], f["c_draft"]) == (pytest.approx(A, rel=1e-3), pytest.approx(B, rel=1e-3),
+                                              pytest.approx(CD, rel=1e-3))
+    # the verify cost grows with the tokens in flight: a round of 4 tokens at c = 64 costs far more than at c = 1
+    assert load_model.predict_round(f, 3, 64, 4) - load_model.predict_round(f, 3, 1, 4) == pytest.approx(B * 63 * 4)
+    rows = {p["setting"][0]: p for p in models[0]["predicted"]}
+    assert set(rows[3]["ratio_by_concurrency"]) == {"1", "8", "16"}       # measured, and twice the largest
+    r3 = [rows[3]["ratio_by_concurrency"][c] for c in ("1", "8", "16")]
+    assert r3[0] > r3[1] > r3[2] and rows[3]["tau_source"] == "measured"
+    assert r3[0] == pytest.approx(3.0 * (A + B) / (3 * CD + A + B * 4))
+    up = rows[3]["pays_up_to_concurrency"]
+    assert up == pytest.approx((A * 2.0 - CD * 3) / (B * (4 - 3.0)))
+    assert load_model.ratio(f, 3, 3.0, up) == pytest.approx(1.0)
+    one = deploy.summary(load_sweep(concs=(4,)), None)["by_temperature"]["0"]["load_models"][0]["fit"]
+    assert one["source"].startswith("ASSUMED a = 2 b: a 4-token verify")
+    assert one["a"] == pytest.approx(2 * one["b"]) and one["a"] + 4 * one["b"] == pytest.approx(A + B * 4)
+
+
+def test_the_report_names_the_best_setting_per_cell_or_off_and_where_the_recommendation_holds(tmp_path):
+    """A grid of short and ~16K prompts at c = 1 and 8: the per-cell table names the best setting with its interval
+    where one clears 1 and says "off" where none does; metrics keeps the grid; the recommendation at each
+    concurrency (short prompts) says at which cells it still holds; the load model's rows are predictions."""
+    ratios = {("3-1-4/nograph", "short", "1"): 1.3, ("5-1-6/nograph", "short", "1"): 1.2,
+              ("3-1-4/nograph", "short", "8"): 1.25, ("5-1-6/nograph", "short", "8"): 0.9,
+              ("3-1-4/nograph", "16384", "1"): 1.2, ("5-1-6/nograph", "16384", "1"): 0.95,
+              ("3-1-4/nograph", "16384", "8"): 0.7, ("5-1-6/nograph", "16384", "8"): 0.6}
+    m = load_sweep(concs=(1, 8), contexts=("short", "16384"), ratios=ratios)
+    write_report(tmp_path, m)
+    grid = m["deploy"]["by_temperature"]["0"]["grid"]
+    assert {ctx: {c: (x["verdict"], x.get("key")) for c, x in row.items()} for ctx, row in grid.items()} == {
+        "short": {"1": ("best", "3-1-4/nograph"), "8": ("best", "3-1-4/nograph")},
+        "16384": {"1": ("best", "3-1-4/nograph"), "8": ("off", "3-1-4/nograph")}}
+    assert grid["16384"]["8"]["ratio"] == pytest.approx(0.7)
+    best = m["deploy"]["best"]["8"]
+    assert best["holds_at"] == ["short c=1", "short c=8", "16384 c=1"] and best["fails_at"] == ["16384 c=8"]
+    text = (tmp_path / "report.md").read_text()
+    section = text.split("## What to deploy")[1]
+    table = section.split("### Per prompt length and concurrency (greedy, the recommendation's temperature)")[1]
+    assert "| prompts | c=1 | c=8 |" in table
+    assert "| ~16384 tokens | **3-1-4/nograph** x1.20 [" in table and "| off (3-1-4/nograph x0.70 [" in table
+    assert "It holds (interval above 1) at short c=1, short c=8, 16384 c=1; not at 16384 c=8." in section
+    assert "## Predicted, not measured: speed against load" in text and "| setting (predicted) |" in text
+    assert "nograph, prompts of ~16384 tokens: a " in text and "**Every number below is a prediction**" in text

@@ -40,6 +40,8 @@ import statistics
 
 import numpy as np
 
+from common.benchmark import load_model
+from common.benchmark.context import SHORT, context_level, measured_buckets
 from common.benchmark.formatting import fmt
 from common.sglang.server import OURS, is_adaptive
 
@@ -100,11 +102,11 @@ def serving_level(levels: list[str]) -> str:
     return sampled[-1] if sampled else "0"
 
 
-def at_temperature(metrics: dict, t: str) -> dict:
-    """`metrics` seen at one temperature level: each run's by_concurrency is its by_temperature[t]'s (the
-    shape the functions below read)."""
-    runs = {k: {**e, "by_concurrency": e.get("by_temperature", {}).get(t, {}).get("by_concurrency", {})}
-            for k, e in metrics["runs"].items()}
+def at_temperature(metrics: dict, t: str, ctx: str = SHORT) -> dict:
+    """`metrics` seen at one temperature level and prompt bucket (--bench-context; the short prompts by
+    default): each run's by_concurrency is that cell row's (the shape the functions below read)."""
+    runs = {k: {**e, "by_concurrency": context_level(e.get("by_temperature", {}).get(t, {}), ctx).get(
+        "by_concurrency", {})} for k, e in metrics["runs"].items()}
     return {**metrics, "runs": runs}
 
 
@@ -334,16 +336,123 @@ def tau_by_group(metrics: dict, field: str) -> dict:
 
 
 def summary(metrics: dict, reference: dict | None) -> dict:
-    """The report's deploy section as data (metrics.json "deploy"): per temperature level, and `best` =
-    the serving level's (the recommendation)."""
+    """The report's deploy section as data (metrics.json "deploy"): per temperature level - the short prompts'
+    verdicts (`best`, with their launch lines), each prompt-length bucket's (`by_context`), the grid of both
+    (`grid`: bucket x concurrency) and the load model's predictions - and `best` = the serving level's (the
+    recommendation), each with the grid cells it holds at."""
     levels = temperature_levels(metrics)
     serving = serving_level(levels)
-    by_t = {t: level_summary(at_temperature(metrics, t), reference_at(reference, t)) for t in levels}
+    buckets = measured_buckets(metrics)
+    by_t = {}
+    for t in levels:
+        by_t[t] = level_summary(at_temperature(metrics, t), reference_at(reference, t))
+        by_t[t]["by_context"] = {ctx: {"best": best_settings(at_temperature(metrics, t, ctx))} for ctx in buckets[1:]}
+        by_t[t]["load_models"] = [m for ctx in buckets for m in load_models(
+            at_temperature(metrics, t, ctx), reference_at(reference, t) if ctx == SHORT else None, ctx)]
     for t in levels if metrics.get("sampling_defect") else []:
-        for rec in by_t[t]["best"].values() if float(t) > 0 else []:
-            rec["engine_defect"], rec["launch"] = metrics["sampling_defect"], None  # its numbers time the defect
-    return {"serving_temperature": serving, "drafts": metrics.get("drafts") or {}, "by_temperature": by_t,
-            "best": by_t[serving]["best"] if serving in by_t else {}}
+        for best in level_rows(by_t[t]).values() if float(t) > 0 else []:
+            for rec in best.values():
+                rec["engine_defect"], rec["launch"] = metrics["sampling_defect"], None  # its numbers time the defect
+    for t in levels:
+        by_t[t]["grid"] = grid(by_t[t])
+        for rec in by_t[t]["best"].values():
+            if rec["best"]:
+                rec["holds_at"], rec["fails_at"] = holds_at(rec["best"]["key"], by_t[t])
+    return {"serving_temperature": serving, "drafts": metrics.get("drafts") or {}, "buckets": buckets,
+            "by_temperature": by_t, "best": by_t[serving]["best"] if serving in by_t else {}}
+
+
+# ---------------------------------------------------------------- the grid: prompt length x concurrency
+def level_rows(level: dict) -> dict:
+    """{prompt bucket: best_settings' per-concurrency records} of one level's summary, short first."""
+    return {SHORT: level["best"], **{ctx: x["best"] for ctx, x in (level.get("by_context") or {}).items()}}
+
+
+def cell_verdict(rec: dict) -> dict:
+    """One (prompt bucket, concurrency) cell from best_settings' record: "best" (the setting, its ratio and
+    interval), "off" (nothing beats the baseline with its interval above 1: run without speculation there; the
+    closest setting shown), "undecided" (one pass), "nothing valid" (all refused) or "engine defect"."""
+    if rec.get("engine_defect") or rec.get("nothing_valid"):
+        return {"verdict": "engine defect" if rec.get("engine_defect") else "nothing valid"}
+    b = rec["best"] or max((x for x in rec["candidates"] if x.get("ratio") is not None), key=lambda x: x["ratio"],
+                           default=None)
+    verdict = "best" if rec["best"] else "undecided" if rec.get("undecided") else "off"
+    return {"verdict": verdict, **({"key": b["key"], "ratio": b["ratio"], "ratio_ci95": b["ratio_ci95"]} if b else {})}
+
+
+def grid(level: dict) -> dict:
+    """{prompt bucket: {concurrency: cell_verdict}} of one temperature level's summary."""
+    return {ctx: {c: cell_verdict(rec) for c, rec in best.items()} for ctx, best in level_rows(level).items()}
+
+
+def holds_at(key: str, level: dict) -> tuple[list[str], list[str]]:
+    """(cells where run `key` beats the baseline with its interval above 1, the cells where it does not), as
+    "short c=1" / "65536 c=64", over every prompt bucket and concurrency of one level: where a recommendation
+    made on the short prompts at one concurrency still holds."""
+    held, not_held = [], []
+    for ctx, best in level_rows(level).items():
+        for c, rec in best.items():
+            x = next((x for x in rec["candidates"] if x["key"] == key), None)
+            ok = bool(x and x.get("ratio_ci95") and x["ratio_ci95"][0] > 1 and not rec.get("engine_defect"))
+            (held if ok else not_held).append(f"{ctx} c={c}")
+    return held, not_held
+
+
+# ---------------------------------------------------------------- the load model (load_model.py)
+def step_time(reqs: list[dict]) -> float | None:
+    """Seconds per decode step of a baseline run as its requests saw it: decode time over tokens after the first."""
+    steps = sum(max(0, (r["completion_tokens"] or 0) - 1) for r in reqs)
+    if not steps or any(r["ttft_s"] is None for r in reqs):
+        return None
+    return sum(r["latency_s"] - r["ttft_s"] for r in reqs) / steps
+
+
+def load_points(base: list[dict], spec: list[dict]) -> tuple[list[tuple], dict[int, list[float]]]:
+    """(load_model points, {chain steps: measured taus}) from the baseline runs' decode steps and the fixed
+    settings' rounds, at every concurrency each measured with believed counts."""
+    points, taus = [], {}
+    for e in base + spec:
+        for c, s in e["by_concurrency"].items():
+            if not s or s.get("refused") or not s.get("requests"):
+                continue
+            steps, topk, n = (0, 1, 1) if e.get("setting") is None else e["setting"][:3]
+            t = step_time(s["requests"]) if not steps else round_time(s["requests"])
+            if not t or t <= 0:   # no decode step timed (one-token answers): nothing to fit
+                continue
+            points.append((steps, int(c), n, t))
+            if steps and topk == 1 and s.get("accept_length_pooled"):
+                taus.setdefault(steps, []).append(s["accept_length_pooled"])
+    return points, taus
+
+
+def load_models(view: dict, reference: dict | None, ctx: str) -> list[dict]:
+    """The load model per (draft, graph mode) at one temperature level and prompt bucket (`view`:
+    at_temperature's): fitted on its baseline's steps and the draft's fixed settings' rounds at every
+    concurrency, predicting each chain depth's ratio at the measured concurrencies and at twice the largest.
+    tau per depth: measured (the mean over concurrencies), else tau_by_depth (`reference`: 05 reference, for
+    the short prompts of 04's draft)."""
+    runs, out = view["runs"], []
+    drafts = dict.fromkeys(e.get("draft", OURS) for e in runs.values() if e.get("setting") is not None)
+    for draft in drafts:
+        for graph in sorted({bool(e.get("cuda_graph")) for e in runs.values()}):
+            same = [e for e in runs.values() if bool(e.get("cuda_graph")) == graph]
+            base = [e for e in same if e.get("setting") is None]
+            spec = [e for e in same if e.get("setting") is not None and e.get("draft", OURS) == draft
+                    and not is_adaptive(e["setting"])]   # an adaptive setting's steps vary: nothing to fit
+            points, taus = load_points(base, spec)
+            costs = load_model.fit(points)
+            if costs is None or not taus:
+                continue
+            measured = {d: statistics.mean(v) for d, v in taus.items()}
+            top = max([*measured, *[int(k) for k in (reference or {}).get("by_num_draft_tokens", {})]])
+            depth_taus = {**tau_by_depth([d for d in range(1, top + 3) if d not in measured], measured,
+                                         reference if draft == OURS else None),
+                          **{d: {"tau": v, "source": "measured"} for d, v in measured.items()}}
+            concs = sorted({c for _, c, _, _ in points})
+            out.append({"draft": draft, "cuda_graph": graph, "context": ctx, "fit": costs,
+                        "points": [list(p) for p in points],
+                        "predicted": load_model.predictions(costs, depth_taus, concs + [2 * concs[-1]])})
+    return out
 
 
 def level_summary(view: dict, reference: dict | None) -> dict:
@@ -372,18 +481,22 @@ def report_lines(deploy: dict, engine_label: str) -> list[str]:
     drafts = deploy.get("drafts") or {}
     serving = deploy.get("serving_temperature", "0")
     levels = sorted(deploy.get("by_temperature") or {}, key=lambda t: (t != serving, float(t)))
+    several = len(deploy.get("buckets") or [SHORT]) > 1
     lines = ["", "## What to deploy", "",
-             "Per concurrency: the EAGLE-3 setting" + (" (draft and setting)" if len(drafts) > 1 else "")
+             "Per concurrency" + (" (on the short prompts; every prompt length in the grid below)" if several else "")
+             + ": the EAGLE-3 setting" + (" (draft and setting)" if len(drafts) > 1 else "")
              + " with the highest output tok/s against the fastest baseline "
              "whose 95% interval lies above 1 (paired over the sweep's timed passes, pass r of the setting with pass "
              "r of the baseline: it holds the timing noise between passes on these prompts, not the prompt mix; with "
              "2 passes it is wide). The recommendation is taken at the serving temperature (the preset's highest "
              "above 0); the other levels are shown beside it.", ""]
+    if several and serving in (deploy.get("by_temperature") or {}):
+        lines += grid_lines(deploy["by_temperature"][serving]["grid"], serving)
     for t in levels:
         rec = deploy["by_temperature"][t]
         lines += [f"### {level_title(t, serving)}", ""]
         for c, best in rec["best"].items():
-            lines += best_lines(c, best, drafts, engine_label, launch=t == serving)
+            lines += best_lines(c, best, drafts, engine_label, launch=t == serving, holds=several and t == serving)
         lines.append("")
     if any(deploy["by_temperature"][t]["cost_models"] for t in levels):
         lines += ["## Predicted, not measured: untried chain depths (cost model)", "",
@@ -393,14 +506,37 @@ def report_lines(deploy: dict, engine_label: str) -> list[str]:
         for t in levels:
             for m in deploy["by_temperature"][t]["cost_models"]:
                 lines += cost_model_lines(m, t, drafts)
+    lines += load_model_lines((deploy.get("by_temperature") or {}).get(serving, {}).get("load_models"), serving, drafts)
     for field, title in (("tau_by_source", "source dataset"), ("tau_by_thinking", "thinking on/off")):
         for t in levels:
             lines += tau_group_lines(deploy["by_temperature"][t][field], title, t)
     return lines
 
 
-def best_lines(c: str, rec: dict, drafts: dict, engine_label: str, launch: bool) -> list[str]:
-    """One concurrency's verdict at one level; the launch line only where it is the recommendation."""
+def grid_lines(cells: dict, t: str) -> list[str]:
+    """The per-cell table at the serving level: a row per prompt bucket, a column per concurrency; each cell the
+    best setting with its ratio and interval, or "off" (nothing beats the baseline with its interval above 1:
+    run without speculation there), with the closest setting beside it."""
+    concs = sorted({c for row in cells.values() for c in row}, key=int)
+    lines = [f"### Per prompt length and concurrency ({'greedy' if t == '0' else f'T {t}'}, the recommendation's "
+             "temperature)", "", "| prompts | " + " | ".join(f"c={c}" for c in concs) + " |",
+             "|---" * (len(concs) + 1) + "|"]
+    for ctx, row in cells.items():
+        shown = []
+        for c in concs:
+            x = row.get(c) or {"verdict": "-"}
+            ci = x.get("ratio_ci95")
+            num = f"x{fmt(x.get('ratio'))} [{fmt(ci[0])}, {fmt(ci[1])}]" if ci else f"x{fmt(x.get('ratio'))}"
+            shown.append(f"**{x['key']}** {num}" if x["verdict"] == "best" else
+                         f"{x['verdict']} ({x['key']} {num})" if x.get("key") else x["verdict"])
+        lines.append(f"| {ctx if ctx == SHORT else f'~{ctx} tokens'} | " + " | ".join(shown) + " |")
+    return lines + ["", "off = no setting's interval lies above 1 there: run without speculation at that load and "
+                    "prompt length (the closest setting is shown in brackets).", ""]
+
+
+def best_lines(c: str, rec: dict, drafts: dict, engine_label: str, launch: bool, holds: bool = False) -> list[str]:
+    """One concurrency's verdict at one level; the launch line only where it is the recommendation, and with
+    `holds` the grid cells where the same setting also beats the baseline (interval above 1) and where not."""
     b = rec["best"]
     if rec.get("engine_defect"):
         return [f"- **concurrency {c}: nothing is recommended at this temperature**: the engine cannot verify "
@@ -423,10 +559,12 @@ def best_lines(c: str, rec: dict, drafts: dict, engine_label: str, launch: bool)
     else:
         lo, hi = b["ratio_ci95"]
         named = f"draft {b['draft']}, `{drafts[b['draft']]}`; " if len(drafts) > 1 else ""
+        where = (f" It holds (interval above 1) at {', '.join(rec['holds_at']) or 'no cell'}; not at "
+                 f"{', '.join(rec['fails_at']) or 'any other cell'}." if holds and "holds_at" in rec else "")
         lines = [f"- **concurrency {c}: {b['key']}** ({named}steps, topk, draft tokens = {tuple(b['setting'][:3])}"
                  f"{', adaptive' if is_adaptive(b['setting']) else ''}): {fmt(b['tokens_per_s'], 1)} tok/s, "
                  f"**x{fmt(b['ratio'])} [{fmt(lo)}, {fmt(hi)}]** against {rec['baseline']} "
-                 f"({fmt(rec['baseline_tokens_per_s'], 1)} tok/s)." + (f" {engine_label}:" if launch else "")]
+                 f"({fmt(rec['baseline_tokens_per_s'], 1)} tok/s).{where}" + (f" {engine_label}:" if launch else "")]
     if launch and rec.get("launch"):
         lines += ["", "  ```", f"  {rec['launch']}", "  ```"]
     return lines
@@ -450,6 +588,38 @@ def cost_model_lines(m: dict, t: str, drafts: dict) -> list[str]:
                   "|---|---|---|---|---|---|"]
         lines += [f"| {','.join(map(str, p['setting']))} | {1e3 * p['round_s']:.1f} | {p['tau']:.2f} | "
                   f"{p['tau_source']} | {p['tokens_per_s']:.1f} | {fmt(p['ratio'])} |" for p in m["predicted"]]
+        lines.append("")
+    return lines
+
+
+def load_model_lines(models: list[dict] | None, t: str, drafts: dict) -> list[str]:
+    """The load model's section at the serving level: its costs and where they come from (fitted or ASSUMED),
+    and the predicted decode-phase ratio per chain depth and concurrency, every number marked predicted."""
+    if not models:
+        return []
+    concs = sorted({c for m in models for p in m["predicted"] for c in p["ratio_by_concurrency"]}, key=int)
+    lines = ["## Predicted, not measured: speed against load (verify cost growing with the tokens in flight)", "",
+             "t_step = a + b x c (a plain decode step at concurrency c), t_round = c_draft x steps + a + b x c x n "
+             "(c requests verifying n tokens each), fitted on the baseline's steps and the fixed settings' rounds "
+             "(common/benchmark/load_model.py); predicted ratio = tau x t_step / t_round, the decode phase only "
+             f"({'greedy' if t == '0' else f'T {t}'}). **Every number below is a prediction**; measured ratios are "
+             "in the tables above.", ""]
+    for m in models:
+        f = m["fit"]
+        prompts = "short prompts" if m["context"] == SHORT else f"prompts of ~{m['context']} tokens"
+        lines += [f"{m['draft'] + ', ' if len(drafts) > 1 else ''}{'graph' if m['cuda_graph'] else 'nograph'}, "
+                  f"{prompts}: "
+                  f"a {1e3 * f['a']:.2f} ms, b {1e3 * f['b']:.4f} ms per token in flight, c_draft "
+                  f"{1e3 * f['c_draft']:.2f} ms per draft step ({f['source']}; {f['num_points']} points, largest "
+                  f"residual {100 * f['max_relative_residual']:.1f}%).", "",
+                  "| setting (predicted) | tau | tau from | " + " | ".join(f"c={c}" for c in concs)
+                  + " | pays up to c (predicted) |", "|---" * (len(concs) + 4) + "|"]
+        for p in m["predicted"]:
+            up = p["pays_up_to_concurrency"]
+            lines.append(f"| {','.join(map(str, p['setting']))} | {p['tau']:.2f} | {p['tau_source']} | "
+                         + " | ".join(f"x{fmt(p['ratio_by_concurrency'].get(c))}" if c in p["ratio_by_concurrency"]
+                                      else "-" for c in concs)
+                         + f" | {'every load' if up is None else f'{up:.0f}'} |")
         lines.append("")
     return lines
 

@@ -104,6 +104,11 @@ class Engine:
         about the draft), None when it can or nothing is known against it."""
         return None
 
+    def context_length(self) -> tuple[int, str]:
+        """(tokens of prompt + answer a launched server of this engine admits, where that number comes from),
+        for 05's refusal before launch (server_bench.check_context_fits)."""
+        raise NotImplementedError
+
     def window_start(self, url: str):
         """Called right before a measured run; its result goes to window_end."""
         return None
@@ -137,6 +142,15 @@ class SGLangEngine(Engine):
                                  self.draft_attention_backend, srv.target_quantization(self.target_dir) is not None,
                                  prefix_cache=False)
         return cmd, {}
+
+    def context_length(self):
+        # --context-length may come in --server-extra-args; without it SGLang derives it from the target's config
+        given = srv.flag_value(list(self.extra_args), "--context-length")
+        if given is not None:
+            return int(given), "--context-length in --server-extra-args"
+        return (srv.derived_context_length(self.target_dir),
+                f"SGLang's default, derived from {Path(self.target_dir) / 'config.json'}; --server-extra-args "
+                "'--context-length N' sets it")
 
     def check_baseline(self, url):
         info = srv.get_server_info(url)
@@ -202,7 +216,8 @@ class VllmEngine(Engine):
         setting = srv.parse_spec_setting(text)
         if srv.is_adaptive(setting):
             raise StageError(f"--spec-settings {text!r}: adaptive speculation is SGLang's (--speculative-adaptive); "
-                             "vLLM 0.32 has none")
+                             "vLLM 0.32's per-load choice is another one (speculative_config "
+                             "num_speculative_tokens_per_batch_size), which 05 does not launch")
         steps, topk, ndt = setting
         if topk != 1:
             raise StageError(f"--spec-settings {text!r}: vLLM's EAGLE-3 drafts chains only (topk 1)")
@@ -213,6 +228,9 @@ class VllmEngine(Engine):
                                   (draft or self.drafts[0]).path if setting else None, setting[0] if setting else None,
                                   prefix_cache=False)
         return cmd, vllm.server_env(self.settings)
+
+    def context_length(self):
+        return self.settings.max_model_len, "--vllm-max-model-len (vLLM's --max-model-len)"
 
     def _info(self, url):
         info = vllm.get_info(url)

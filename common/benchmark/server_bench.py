@@ -21,6 +21,8 @@ What makes the comparison fair, the same for every server (the baseline included
   "prompt_split"), so no timed prompt reaches a server that has seen it before;
 - prefix caching off on every server (launched with the engine's flag; an attached one refused unless its
   info document says off), since the timed passes answer the same prompts again;
+- the same prompt-length buckets (--bench-context: common/benchmark/context.py), built once from held-out
+  rows never used for warm-up, and timed on every server at every temperature and concurrency: the grid;
 - timed passes at every temperature level (greedy, and each serving temperature of the preset, every request
   pinning every sampling parameter with a fixed seed: request_params), repeated --bench-repeats times: within
   one launched server's life the repeats are separate passes interleaved across temperatures and concurrency
@@ -38,6 +40,7 @@ from pathlib import Path
 from common.benchmark import deploy
 from common.benchmark.engines import ENGINE_LABELS, engine_from_args
 from common.benchmark.formatting import fmt
+from common.benchmark.context import SHORT, bucket_words, context_level, longest_bucket
 from common.benchmark.request_params import request_seed, timed_sampling
 from common.benchmark.sglang_stream import generate_stream
 from common.sglang.server import ADAPTIVE_STEPS, OURS, is_adaptive
@@ -181,22 +184,29 @@ def run_key(setting, cuda_graph: bool, draft=None) -> str:
 
 
 def cells(entry: dict):
-    """(temperature level, concurrency, numbers) of every (T, c) a run measured."""
+    """(temperature level, prompt bucket, concurrency, numbers) of every (T, context, c) a run measured."""
     for t, level in entry.get("by_temperature", {}).items():
-        for c, summ in level["by_concurrency"].items():
-            yield t, c, summ
+        for ctx in [SHORT, *level.get("by_context", {})]:
+            for c, summ in context_level(level, ctx).get("by_concurrency", {}).items():
+                yield t, ctx, c, summ
+
+
+def cell_of(entry: dict | None, t: str, ctx: str, c: str) -> dict | None:
+    """One run's numbers at (T, prompt bucket, concurrency), None when it has none there."""
+    level = (entry or {}).get("by_temperature", {}).get(t)
+    return context_level(level, ctx).get("by_concurrency", {}).get(c) if level else None
 
 
 def add_ratios(metrics: dict, max_retried: int = 0) -> None:
     """speed_ratio = EAGLE3 output tok/s / baseline output tok/s (means over the timed passes) at the same
-    temperature, concurrency and graph mode, with `speed_ratio_ci95` over the paired passes
+    temperature, prompt bucket, concurrency and graph mode, with `speed_ratio_ci95` over the paired passes
     (deploy.pass_interval; None with one pass); refused (None, with `ratio_refused` saying why) when either
     run was refused for its answers, or retried more than `max_retried` requests: its wall time holds backoff
     waits, so the ratio would measure the faults."""
     for key, entry in metrics["runs"].items():
         base = metrics["runs"].get(setting_name(None, entry["cuda_graph"]))
-        for t, c, summ in cells(entry):
-            ref = (base or {}).get("by_temperature", {}).get(t, {}).get("by_concurrency", {}).get(c)
+        for t, ctx, c, summ in cells(entry):
+            ref = cell_of(base, t, ctx, c)
             faulty = [why for why in (run_fault(summ, "this run", max_retried),
                                       None if ref is summ else run_fault(ref, "the baseline run", max_retried)) if why]
             if faulty:
@@ -278,27 +288,16 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
              f"max {metrics['max_new_tokens']} new tokens, {sweep_words(metrics)} Preflight: "
              f"`{json.dumps(metrics.get('preflight', {}))}`."
              + (f" Engine fixes loaded: {'; '.join(metrics['engine_fixes'])}." if metrics.get("engine_fixes") else ""),
-             "",
-             "| draft | setting | T | concurrency | output tok/s | x baseline | 95% CI (passes) | TTFT mean (s) "
-             "| tau (mean) | tau (pooled) | server tau | retried requests |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             ""]
     refused = []
-    for key, entry in metrics["runs"].items():
-        draft = "-" if key.startswith("baseline") else entry.get("draft", OURS)
-        setting = key if draft in ("-", OURS) else key[len(draft) + 1:]
-        for t, c, s in cells(entry):
-            ratio = fmt(s.get("speed_ratio")) if "ratio_refused" not in s else "refused*"
-            ci = s.get("speed_ratio_ci95")
-            if "ratio_refused" in s:
-                refused.append(f"{key} T={t} c={c}: {s['ratio_refused']}")
-            lines.append(f"| {draft} | {setting} | {t} | {c} | {fmt(s['output_tokens_per_s'], 1)} | {ratio} "
-                         f"| {f'[{fmt(ci[0])}, {fmt(ci[1])}]' if ci else '-'} "
-                         f"| {fmt(s['ttft_mean_s'], 3)} | {fmt(s['accept_length_mean'])} "
-                         f"| {fmt(s['accept_length_pooled'])} | {fmt(s.get('server_accept_length'))} "
-                         f"| {s.get('retried_requests', 0)} |")
+    buckets = metrics.get("context_buckets") or {}
+    for ctx in [SHORT, *[b for b in buckets if b != SHORT]]:
+        if len(buckets) > 1:  # one table per prompt bucket once the sweep has several
+            lines += [f"### Timed on {bucket_words(ctx, buckets.get(ctx))}", ""]
+        lines += run_table(metrics, ctx, refused) + [""]
     if refused:
-        lines += [""] + [f"* {r}" for r in refused]
-    lines += ["", "tau = completion_tokens / verify rounds per request (the bonus token and the prefill token "
+        lines += [f"* {r}" for r in refused] + [""]
+    lines += ["tau = completion_tokens / verify rounds per request (the bonus token and the prefill token "
               "included: SGLang's definition); " + SERVER_TAU_NOTE[engine] + " Launch commands: `commands.json`."]
     if metrics.get("agreement"):
         lines += ["", "## Agreement with replay", "",
@@ -316,6 +315,29 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
         lines += sampled_agreement_lines(metrics["agreement"])
     lines += deploy.report_lines(metrics["deploy"], ENGINE_LABELS[engine])
     (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def run_table(metrics: dict, ctx: str, refused: list[str]) -> list[str]:
+    """The measurements of one prompt bucket, a row per (run, T, concurrency); a refused ratio's reason is
+    added to `refused` (the footnotes)."""
+    lines = ["| draft | setting | T | concurrency | output tok/s | x baseline | 95% CI (passes) | TTFT mean (s) "
+             "| tau (mean) | tau (pooled) | server tau | retried requests |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    where = "" if ctx == SHORT else f" context {ctx}"
+    for key, entry in metrics["runs"].items():
+        draft = "-" if key.startswith("baseline") else entry.get("draft", OURS)
+        setting = key if draft in ("-", OURS) else key[len(draft) + 1:]
+        for t, _, c, s in (x for x in cells(entry) if x[1] == ctx):
+            ratio = fmt(s.get("speed_ratio")) if "ratio_refused" not in s else "refused*"
+            ci = s.get("speed_ratio_ci95")
+            if "ratio_refused" in s:
+                refused.append(f"{key} T={t}{where} c={c}: {s['ratio_refused']}")
+            lines.append(f"| {draft} | {setting} | {t} | {c} | {fmt(s['output_tokens_per_s'], 1)} | {ratio} "
+                         f"| {f'[{fmt(ci[0])}, {fmt(ci[1])}]' if ci else '-'} "
+                         f"| {fmt(s['ttft_mean_s'], 3)} | {fmt(s['accept_length_mean'])} "
+                         f"| {fmt(s['accept_length_pooled'])} | {fmt(s.get('server_accept_length'))} "
+                         f"| {s.get('retried_requests', 0)} |")
+    return lines
 
 
 def sweep_words(metrics: dict) -> str:
@@ -397,15 +419,18 @@ def mirror_agreement(url: str, check, request_fn) -> None:
 
 
 def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], request_fn=None,
-                         agreement=None, tags: list[dict] | None = None, warm: list[list[int]] = ()) -> dict:
+                         agreement=None, tags: list[dict] | None = None, warm: list[list[int]] = (),
+                         contexts: dict | None = None) -> dict:
     """The sweep: per CUDA-graph mode, a baseline server and one EAGLE-3 server per (draft, spec setting):
     04's draft and every declared --draft (engine.drafts), each with the same settings, prompts, warm-up,
-    temperature levels, passes and concurrency levels, all measured against the one baseline.
+    temperature levels, prompt buckets, passes and concurrency levels, all measured against the one baseline.
 
-    `prompts` are timed; `warm` (held-out prompts never timed) warm every server up before its first timed
-    request: the preflight's warm-up requests, and the agreement check's (`agreement(url, key, setting)`,
-    05's agreement check, vLLM; it judges 04's draft, and the same requests go unjudged to every other
-    server: mirror_agreement). Every EAGLE-3 server passes the full preflight (the warm-up floor included).
+    `prompts` are timed (the short bucket), and so is each prompt-length bucket of `contexts` ({name:
+    (prompts, tags)}, common/benchmark/context.py), at every temperature and concurrency; `warm` (held-out
+    prompts never timed) warm every server up before its first timed request: the preflight's warm-up
+    requests, and the agreement check's (`agreement(url, key, setting)`, 05's agreement check, vLLM; it judges
+    04's draft, and the same requests go unjudged to every other server: mirror_agreement). Every EAGLE-3
+    server passes the full preflight (the warm-up floor included).
 
     Attached servers (--baseline-url / --eagle3-url) are used as they are (their own setting, graph mode
     and draft - any of engine.drafts, identified by content - read from the info document), after ALL
@@ -426,15 +451,15 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     if not warm:
         raise StageError("server mode warms every server up on held-out prompts it never times: none were given")
     warm_requests = list(warm[:max(1, args.warmup_requests)])
-    tags = tags or [None] * len(prompts)
-    sampling = {t: timed_sampling(prompts, tags, t, args.acceptance_top_p, args.instant_temperature, args.seed)
-                for t in levels}
+    buckets = {SHORT: (prompts, tags or [None] * len(prompts)), **(contexts or {})}
+    sampling = {(t, ctx): timed_sampling(ps, ts, t, args.acceptance_top_p, args.instant_temperature, args.seed)
+                for t in levels for ctx, (ps, ts) in buckets.items()}
     metrics = {"engine": engine.name, "engine_fixes": list(engine.fixes()),
                "target": str(engine.target_dir), "draft": str(engine.draft_dir),
                "drafts": {d.name: str(d.path) for d in engine.drafts},
                "num_prompts": len(prompts), "num_warmup_prompts": len(warm),
                "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": concs,
-               "temperatures": [f"{t:g}" for t in levels], "top_p": args.acceptance_top_p,
+               "temperatures": [f"{t:g}" for t in levels], "contexts": list(buckets), "top_p": args.acceptance_top_p,
                "instant_temperature": args.instant_temperature, "repeats": repeats, "prefix_caching": "off",
                "runs": {}, "commands": {}, "preflight": {}, "agreement": {}, "pass_order": []}
     if any(t > 0 for t in levels):  # a build that cannot verify sampled drafts times its defect, not the draft
@@ -442,7 +467,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
         if metrics["sampling_defect"]:
             print(f"[05] {engine.label} cannot verify sampled drafts here: {metrics['sampling_defect']}. The sampled "
                   "levels are timed, but nothing is recommended from them")
-    collected: dict[tuple, list] = {}   # (run key, T, c) -> its passes, merged once the run is done
+    collected: dict[tuple, list] = {}   # (run key, T, context, c) -> its passes, merged once the run is done
 
     def check(url: str, speculative: bool, draft=None) -> tuple[bool, tuple | None, object]:
         if not speculative:
@@ -470,18 +495,19 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
         metrics["runs"][key] = entry
         return key, entry
 
-    def timed_pass(key: str, entry: dict, level: float, c: int, r: int) -> None:
+    def timed_pass(key: str, entry: dict, level: float, ctx: str, c: int, r: int) -> None:
         url, setting, t = entry["url"], entry["setting"], f"{level:g}"
         start = engine.window_start(url) if setting is not None else None
-        s = run_prompts(url, prompts, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn, tags,
-                        bound=round_bound(setting) if setting is not None else None, sampling=sampling[level])
+        ps, ts = buckets[ctx]
+        s = run_prompts(url, ps, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn, ts,
+                        bound=round_bound(setting) if setting is not None else None, sampling=sampling[(level, ctx)])
         s.update(engine.window_end(url, start) if setting is not None else {"server_accept_length": None})
         why = None if "refused" in s else server_tau_fault(s, c, engine.server_tau_slop)
         if why:
             refuse(s, f"{url}: {why}")
-        collected.setdefault((key, t, str(c)), []).append(s)
-        metrics["pass_order"].append({"run": key, "temperature": t, "concurrency": c, "pass": r})
-        where = f"[05] {key} T={t} c={c} pass {r + 1}/{repeats}"
+        collected.setdefault((key, t, ctx, str(c)), []).append(s)
+        metrics["pass_order"].append({"run": key, "temperature": t, "context": ctx, "concurrency": c, "pass": r})
+        where = f"[05] {key} T={t}{'' if ctx == SHORT else f' context {ctx}'} c={c} pass {r + 1}/{repeats}"
         if "refused" in s:  # one line; the sweep goes on, and the report and deploy leave the run out
             print(f"{where}: REFUSED, its counts are not believed: {s['refused']}")
             return
@@ -492,17 +518,21 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
 
     def sweep(served: list[tuple[str, dict]]) -> None:
         """Every timed pass of `served`: repeat by repeat, each server in turn, and within it every
-        temperature and concurrency level; then each (T, c)'s passes merged."""
+        temperature level, prompt bucket and concurrency level; then each (T, context, c)'s passes merged:
+        the short prompts' under by_temperature[T].by_concurrency (where they always were), a prompt-length
+        bucket's under by_temperature[T].by_context[L].by_concurrency."""
         for r in range(repeats):
             for key, entry in served:
                 for level in levels:
-                    for c in concs:
-                        timed_pass(key, entry, level, c, r)
+                    for ctx in buckets:
+                        for c in concs:
+                            timed_pass(key, entry, level, ctx, c, r)
         for key, entry in served:
             for level in levels:
                 t = f"{level:g}"
-                entry["by_temperature"][t] = {"by_concurrency": {
-                    str(c): merge_passes(collected.pop((key, t, str(c)))) for c in concs}}
+                merged = {ctx: {"by_concurrency": {str(c): merge_passes(collected.pop((key, t, ctx, str(c))))
+                                                   for c in concs}} for ctx in buckets}
+                entry["by_temperature"][t] = {**merged.pop(SHORT), **({"by_context": merged} if merged else {})}
 
     def launched(port: int, graph: bool, setting, draft=None) -> None:
         key = run_key(setting, graph, draft)
@@ -569,12 +599,46 @@ def warm_count(args) -> int:
     return max(1, args.warmup_requests, args.agreement_prompts or 0)
 
 
+def check_context_fits(engine, args, buckets: list[str], prompts: list[list[int]]) -> int:
+    """Refuse, in one line and before any server starts, a sweep whose longest timed prompt (the longest
+    --bench-context bucket, or a short prompt) plus --benchmark-max-new-tokens does not fit the context the
+    launched servers admit (engine.context_length): they would answer it with an error mid-sweep. Servers
+    05 only attaches to are not launched with its flags; they say so themselves. Returns the context length."""
+    have, where = engine.context_length()
+    longest = max([longest_bucket(buckets)] + [len(p) for p in prompts])
+    need = longest + args.benchmark_max_new_tokens
+    if need > have:
+        what = f"--bench-context {longest_bucket(buckets)}" if longest == longest_bucket(buckets) else \
+            f"the longest timed prompt ({longest} tokens)"
+        raise StageError(f"{what} + --benchmark-max-new-tokens {args.benchmark_max_new_tokens} = {need} tokens, but "
+                         f"the {engine.label} servers 05 launches admit {have} ({where}): give them a longer context, "
+                         "or lower the bucket or --benchmark-max-new-tokens")
+    return have
+
+
+def context_buckets(args, pool: list[dict], n: int, target_dir: Path) -> dict[str, list[dict]]:
+    """{bucket name: its timed prompt records} for every prompt-length bucket of --bench-context (the short
+    bucket is 05's timed split itself), built from `pool` (held-out rows never used for warm-up) with the
+    target's tokenizer and chat template (context.bucket_prompts), --bench-context-prompts each (default n)."""
+    from common.benchmark import context
+
+    names = [b for b in context.parse_buckets(args.bench_context) if b != SHORT]
+    if not names:
+        return {}
+    from common.text.tokenizer import load_tokenizer
+
+    encode = context.render_encoder(load_tokenizer(target_dir))
+    count = args.bench_context_prompts or n
+    return {b: context.bucket_prompts(pool, int(b), count, encode) for b in names}
+
+
 def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], target_dir: Path,
-                work_dir: Path, foreign=(), warm_rows: list[dict] = ()) -> dict:
+                work_dir: Path, foreign=(), warm_rows: list[dict] = (), pool: list[dict] = ()) -> dict:
     """05 --mode server after the shared input checks: sweep (+ agreement), metrics.json, report.md, plots.
     `rows` are timed, `warm_rows` (held-out rows never timed: 05's split) warm the servers up and feed the
-    agreement check. `foreign`: the declared drafts as engines.check_servable returned them, served next to
-    04's."""
+    agreement check; the --bench-context buckets are built from `pool` (every held-out row but the warm-up
+    ones). `foreign`: the declared drafts as engines.check_servable returned them, served next to 04's."""
+    from common.benchmark import context
     import shlex
 
     from common.io import write_json
@@ -587,6 +651,9 @@ def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], 
     engine = engine_from_args(args, export_dir, m02b, m04, target_dir, work_dir, foreign)
     prompts = [list(r["prompt_ids"]) for r in rows]
     warm = [list(r["prompt_ids"]) for r in warm_rows]
+    buckets = context.parse_buckets(args.bench_context)
+    admitted = check_context_fits(engine, args, buckets, prompts) if not args.eagle3_url else None
+    built = context_buckets(args, list(pool), len(rows), target_dir)
     agreement = None
     if args.agreement_prompts:
         if not engine.reports_per_round:
@@ -598,8 +665,15 @@ def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], 
                                    args.benchmark_max_new_tokens, args.request_timeout,
                                    args.agreement_tolerance, out, sampling=engine_sampling(args), seed=args.seed)
     tags = [{"source": r.get("source"), "thinking": r.get("thinking")} for r in rows]
-    metrics = run_server_benchmark(args, out, engine, prompts, agreement=agreement, tags=tags, warm=warm)
+    contexts = {b: ([p["prompt_ids"] for p in ps], [{"source": p["source"], "thinking": p["thinking"]} for p in ps])
+                for b, ps in built.items()}
+    metrics = run_server_benchmark(args, out, engine, prompts, agreement=agreement, tags=tags, warm=warm,
+                                   contexts=contexts)
     metrics["prompt_split"] = {"timed": [r.get("id") for r in rows], "warmup": [r.get("id") for r in warm_rows]}
+    metrics["context_length"] = admitted
+    metrics["context_buckets"] = {SHORT: context.bucket_record(
+        [{"id": r.get("id"), "tokens": len(r["prompt_ids"]), "made": "natural"} for r in rows], None),
+        **{b: context.bucket_record(ps, int(b)) for b, ps in built.items()}}
     metrics["deploy"] = deploy.summary(metrics, reference_metrics(work_dir))
     write_json(out / "metrics.json", metrics)
     write_json(out / "commands.json", metrics["commands"])

@@ -162,6 +162,35 @@ def target_quantization(target_dir: str | Path) -> str | None:
     return None
 
 
+# sglang 0.5.14 utils/hf_transformers/common.py: the keys get_context_length reads, first found wins
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                       "max_position_embeddings")
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value argparse keeps for `flag` in argv (`--flag V` or `--flag=V`; the last one wins), else None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def derived_context_length(target_dir: str | Path) -> int:
+    """The context length SGLang derives for a target without --context-length (sglang 0.5.14
+    `get_context_length` on the text config): the first of CONTEXT_LENGTH_KEYS, times the rope scaling factor
+    unless the scaling names original_max_position_embeddings or is llama3's; 2048 without any key."""
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    scaling = text.get("rope_scaling") or {}
+    factor = 1 if not scaling or "original_max_position_embeddings" in scaling or \
+        scaling.get("rope_type") == "llama3" else scaling.get("factor", 1)
+    value = next((text[k] for k in CONTEXT_LENGTH_KEYS if text.get(k) is not None), None)
+    return 2048 if value is None else int(factor * value)
+
+
 def server_command(target: str | Path, port: int, tp_size: int, mem_fraction: float,
                    cuda_graph: bool, draft_dir: str | Path | None = None,
                    setting: tuple[int, int, int] | None = None, python: str = sys.executable,
