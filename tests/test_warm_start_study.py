@@ -49,3 +49,13 @@ def test_report_shows_both_held_out_sets_the_paired_gains_and_the_curves():
     line = next(x for x in table.splitlines() if x.startswith("| 1 | 0 |"))
     assert "+20.0% [+16.7, +23.3]" in line and "-10.0% [-12.5, -7.5]" in line
     assert "- warm_epochs3: 10: 1.700, **20: 1.800**" in table
+
+
+def test_a_row_not_trained_yet_reads_not_run():
+    """A grid spread over sessions: a pair with a row that is not evaluated says so instead of failing."""
+    names = ["04", "standin", "warm_1"]
+    tau = dict(zip(names, (1.5, 1.4, 1.8)))
+    results = {"rows": {"scratch_1": {}, "warm_1": {}}, "in_domain": metrics(names, tau),
+               "general": metrics(names, tau), "selection": {}}
+    line = next(x for x in study.report(results, args()).splitlines() if x.startswith("| 1 | 0 |"))
+    assert "+20.0%" in line and "not run" in line  # warm vs 04 measured; warm_l2sp_1 not run
