@@ -110,7 +110,7 @@ def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], ar
     done = eval_dir / "05_benchmark" / "reference" / "metrics.json"
     if done.is_file() and (eval_dir / "05_benchmark" / "manifest.json").is_file():
         metrics = json.loads(done.read_text())
-        if set(metrics["drafts"]) == {"04", *(n for n, p in drafts.items() if p.resolve() != ours.resolve() / "export_sglang")}:
+        if set(metrics["drafts"]) == {"04", *drafts}:
             print(f"[study] {eval_dir.name}: read back (same drafts)")
             return metrics
     eval_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,8 @@ def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], ar
     stage("05_benchmark").main([
         "--config", str(args.config), "--work-dir", str(eval_dir), "--overwrite", "--loop-prompts", "0",
         "--acceptance-loop-prompts", "0", "--num-draft-tokens", *map(str, args.num_draft_tokens),
-        "--response-cache", str(response_cache), "--cpu-threads", str(args.threads), "--draft", *specs])
+        "--response-cache", str(response_cache), "--cpu-threads", str(args.threads), "--draft", *specs,
+        *(["--acceptance-temperatures", *map(str, args.temperatures)] if args.temperatures else [])])
     return json.loads((eval_dir / "05_benchmark" / "reference" / "metrics.json").read_text())
 
 
@@ -136,6 +137,9 @@ def main(argv=None):
     p.add_argument("--standin-samples", type=int, default=None,
                    help="train the stand-in on this many of the 3,080 general samples (default all; keep it >= 2x "
                         "the largest in-domain share's samples)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=None,
+                   help="05's --acceptance-temperatures (default the preset's: 0 and 1.0; T > 0 samples the target's "
+                        "continuations first, ~12 s per prompt on a 2-core CPU)")
     p.add_argument("--only", choices=("standin", "rows", "eval", "eval_in_domain", "eval_general"), default=None,
                    help="do one part and stop")
     p.add_argument("--rows", nargs="*", default=None, metavar="NAME",

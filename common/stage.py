@@ -141,12 +141,25 @@ def tokenizer_identity(model_dir: str | Path) -> dict:
     return {"path": str(model_dir.resolve()), "sha256": h.hexdigest(), "files": found}
 
 
+# Keys a config.json gets from the library release that wrote it, not from the model: a transformers
+# upgrade re-saving the same model must not make it "another target" (and void every cache made for it).
+WRITER_KEYS = ("transformers_version",)
+
+
+def config_sha256(path: str | Path) -> str:
+    """sha256 of a config.json's content: keys sorted, the writer's keys (WRITER_KEYS) left out."""
+    cfg = json.loads(Path(path).read_text())
+    for key in WRITER_KEYS:
+        cfg.pop(key, None)
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def target_identity(model_dir: str | Path) -> dict:
-    """Identity of the target model: path plus the hash of its config.json."""
+    """Identity of the target model: path plus the hash of its config.json's content (config_sha256)."""
     cfg = Path(model_dir) / "config.json"
     if not cfg.is_file():
         raise StageError(f"{model_dir} has no config.json: --target-path must be a model folder")
-    return {"path": str(Path(model_dir).resolve()), "config_sha256": sha256_file(cfg)}
+    return {"path": str(Path(model_dir).resolve()), "config_sha256": config_sha256(cfg)}
 
 
 def check_same_tokenizer(upstream: dict, current: dict, upstream_dir: str | Path, producer: str) -> None:

@@ -1,5 +1,6 @@
 """The stage contract (common/stage.py, common/config.py, common/io.py)."""
 import argparse
+import json
 
 import pytest
 
@@ -130,3 +131,17 @@ def test_the_plans_commands_repeat_no_preset_value():
             key = w[2:] if w.startswith("--") else None
             if key in presets and i + 1 < len(words) and str(presets[key]) == words[i + 1]:
                 raise AssertionError(f"{line!r} repeats the preset's {key}: {presets[key]}")
+
+
+def test_target_identity_ignores_the_writers_version_but_not_the_model(tmp_path):
+    """A transformers upgrade re-saving the same config.json (new transformers_version, keys reordered)
+    is the same target; a changed model field is not. The shipped response caches depend on this."""
+    from common.stage import target_identity
+
+    cfg = {"model_type": "llama", "hidden_size": 576, "rope_parameters": {"rope_theta": 1e5}, "transformers_version": "5.24.0"}
+    for name, c in {"a": cfg, "b": {**dict(reversed(list(cfg.items()))), "transformers_version": "5.25.0"},
+                    "c": {**cfg, "rope_parameters": {"rope_theta": 1e6}}}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(c, indent=2))
+    ids = {n: target_identity(tmp_path / n)["config_sha256"] for n in "abc"}
+    assert ids["a"] == ids["b"] != ids["c"]
