@@ -37,6 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.benchmark import compare as cmp
+from common.benchmark import deploy
 from common.benchmark import reference as rb
 from common.benchmark.context import parse_buckets
 from common.benchmark.engines import ENGINES, check_servable
@@ -358,6 +359,9 @@ def main(argv=None):
     if args.mode == "server":
         metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir, served, warm_rows,
                               never_warm)
+        if deploy.nothing_measured(metrics["deploy"]):
+            raise StageError(f"every timed run was refused, so nothing valid was measured (why: {out / 'report.md'}); "
+                             "no manifest written: fix the server and run 05 again")
         write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
                        inputs={"04_draft": manifest_sha256(stage_dir(args.work_dir, "04_train"))},
                        counts={"num_prompts": len(rows), "num_warmup_prompts": len(warm_rows),

@@ -739,14 +739,16 @@ def test_a_draft_an_engine_cannot_serve_is_refused_before_any_launch(tmp_path, m
 def test_doubled_completion_tokens_refuse_the_run_by_name_with_the_tau_bound(tmp_path, micro_target, capsys):
     """A server that reports twice the tokens it streamed: 05 used to report tau 6.40 for a 3-1-4 chain and
     recommend it. The run is refused in one line naming the server, the setting, the field, the value and
-    the bound; none of its numbers is kept, and "what to deploy" says nothing valid was measured."""
+    the bound; none of its numbers is kept, "what to deploy" says nothing valid was measured, and 05 exits 1
+    without a manifest (its report kept), so a re-run measures again."""
     export = make_work(tmp_path, micro_target)
     base = StubState(model_path=str(micro_target))
     spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), accept_length=3.0,
                      count_scale=2)
-    with StubServer(base) as b, StubServer(spec) as e:
+    with StubServer(base) as b, StubServer(spec) as e, pytest.raises(StageError, match="nothing valid was measured"):
         run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
     out = tmp_path / "05_benchmark" / "server"
+    assert not (out / "manifest.json").exists()
     m = json.loads((out / "metrics.json").read_text())
     run = m["runs"]["3-1-4/graph"]["by_temperature"]["0"]["by_concurrency"]["1"]
     # 8 tokens in ceil(8 / 3) = 3 rounds, reported as 16: tau 5.33 > (4 x 3 + 1) / 3 = 4.33

@@ -385,6 +385,13 @@ def grid(level: dict) -> dict:
     return {ctx: {c: cell_verdict(rec) for c, rec in best.items()} for ctx, best in level_rows(level).items()}
 
 
+def nothing_measured(summary_: dict) -> bool:
+    """Every (temperature, prompt bucket, concurrency) cell of summary() is "nothing valid": each run, or each
+    baseline, was refused. 05 then stops with exit 1 and writes no manifest (a re-run measures again)."""
+    cells = [x for level in summary_["by_temperature"].values() for row in level["grid"].values() for x in row.values()]
+    return bool(cells) and all(x["verdict"] == "nothing valid" for x in cells)
+
+
 def holds_at(key: str, level: dict) -> tuple[list[str], list[str]]:
     """(cells where run `key` beats the baseline with its interval above 1, the cells where it does not), as
     "short c=1" / "65536 c=64", over every prompt bucket and concurrency of one level: where a recommendation
