@@ -108,7 +108,7 @@ def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], ar
     evaluation of the same drafts is read back (the in-domain and general parts can run as two processes,
     `--only eval_in_domain` / `--only eval_general`, then a plain run writes the table)."""
     done = eval_dir / "05_benchmark" / "reference" / "metrics.json"
-    if done.is_file() and (eval_dir / "05_benchmark" / "manifest.json").is_file():
+    if done.is_file() and (eval_dir / "05_benchmark" / "reference" / "manifest.json").is_file():
         metrics = json.loads(done.read_text())
         if set(metrics["drafts"]) == {"04", *drafts}:
             print(f"[study] {eval_dir.name}: read back (same drafts)")
