@@ -37,6 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import draft_rows as dr  # noqa: E402
+from common.stage import is_complete  # noqa: E402
 
 WORLD_DATA = REPO / "build" / "smollm2" / "data"
 GENERAL_RESPONSES = REPO / "assets" / "smollm2" / "general_responses.jsonl.gz"
@@ -107,9 +108,9 @@ def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], ar
     """05 reference in `eval_dir` (base's 01c, `ours` as 04) with every other draft side by side; a finished
     evaluation of the same drafts is read back (the in-domain and general parts can run as two processes,
     `--only eval_in_domain` / `--only eval_general`, then a plain run writes the table)."""
-    done = eval_dir / "05_benchmark" / "reference" / "metrics.json"
-    if done.is_file() and (eval_dir / "05_benchmark" / "reference" / "manifest.json").is_file():
-        metrics = json.loads(done.read_text())
+    ref = eval_dir / "05_benchmark" / "reference"   # where 05 reference writes its metrics and manifest
+    if is_complete(ref):
+        metrics = json.loads((ref / "metrics.json").read_text())
         if set(metrics["drafts"]) == {"04", *drafts}:
             print(f"[study] {eval_dir.name}: read back (same drafts)")
             return metrics
@@ -123,7 +124,7 @@ def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], ar
         "--acceptance-loop-prompts", "0", "--num-draft-tokens", *map(str, args.num_draft_tokens),
         "--response-cache", str(response_cache), "--cpu-threads", str(args.threads), "--draft", *specs,
         *(["--acceptance-temperatures", *map(str, args.temperatures)] if args.temperatures else [])])
-    return json.loads((eval_dir / "05_benchmark" / "reference" / "metrics.json").read_text())
+    return json.loads((ref / "metrics.json").read_text())
 
 
 def main(argv=None):
