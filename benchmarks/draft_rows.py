@@ -1,10 +1,11 @@
-"""Shared by the draft-comparison benchmarks (ablate_recipe, bench_feature_formats, data_scaling): train
-one 04 run per row in its own work dir beside a base run, and replay every row's draft against the
-same held-out prompts (features computed once), so rows differ only in what the row changes.
+"""Shared by the draft-comparison benchmarks (ablate_recipe, bench_feature_formats, data_scaling,
+warm_start_study, regen_temperature): train one 04 run per row in its own work dir beside a base run,
+and measure every row's draft on the same held-out prompts, so rows differ only in what the row changes.
 
 A row's work dir links the base's upstream folders (01c, 02b, 03 - or its own 02b for a format row)
-and holds its own 04_draft. Evaluation: tau at each k by replay (common/benchmark/reference.py) with
-a 95% bootstrap interval over prompts, and paired differences between rows on the same prompts.
+and holds its own 04_draft. Evaluation: `HeldOut` replays greedily in-process (tau at each k with a 95%
+bootstrap interval over prompts, paired differences between rows); `evaluate` runs 05 reference mode
+with every draft side by side (`--draft`), which adds the serving temperatures and the stored pairs.
 """
 from __future__ import annotations
 
@@ -63,6 +64,13 @@ def train(work: Path, config: Path, flags: dict) -> dict:
             "eval_acc": ev.get("acc"), "eval_tau": ev.get("tau"), "export": str(d / "export_sglang")}
 
 
+def num_train(work: Path, config: Path) -> int:
+    """Training samples of a work dir: all 02b samples but 04's held-out split (by id hash)."""
+    m = importlib.import_module("04_train")
+    args = m.parse_args(m.build_parser(), ["--config", str(config), "--work-dir", str(work)])
+    return m.plan_data(args, work / "02b_hidden_states", False).num_train
+
+
 class HeldOut:
     """The base run's held-out prompts, the target's greedy answers and features: built once."""
 
@@ -108,6 +116,31 @@ class HeldOut:
         keys = ("tau", "tau_ci95", "per_position_acceptance", "per_prompt_emitted", "per_prompt_rounds")
         return {str(k): {key: s[key] for key in keys}
                 for k, s in ((k, summarize(r, k, seed=0)) for k, r in self.replay_set.replay(draft, ks).items())}
+
+
+def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], args, response_cache: Path) -> dict:
+    """05 reference in `eval_dir` (base's 01c, `ours` as 04) with every other draft side by side (`--draft`),
+    at args.num_draft_tokens and args.temperatures (None: the preset's); a finished evaluation of the same
+    drafts is read back, so a script can evaluate in parts (one process per part) and tabulate later."""
+    from common.stage import is_complete
+
+    ref = eval_dir / "05_benchmark" / "reference"   # where 05 reference writes its metrics and manifest
+    if is_complete(ref):
+        metrics = json.loads((ref / "metrics.json").read_text())
+        if set(metrics["drafts"]) == {"04", *drafts}:
+            print(f"[rows] {eval_dir.name}: read back (same drafts)")
+            return metrics
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    link(base, eval_dir, ("01c_merged",))
+    if not (eval_dir / "04_draft").exists():
+        os.symlink(ours.resolve(), eval_dir / "04_draft")
+    specs = [f"{n}={p}" for n, p in drafts.items()]
+    importlib.import_module("05_benchmark").main([
+        "--config", str(args.config), "--work-dir", str(eval_dir), "--overwrite", "--loop-prompts", "0",
+        "--acceptance-loop-prompts", "0", "--num-draft-tokens", *map(str, args.num_draft_tokens),
+        "--response-cache", str(response_cache), "--cpu-threads", str(args.threads), "--draft", *specs,
+        *(["--acceptance-temperatures", *map(str, args.temperatures)] if args.temperatures else [])])
+    return json.loads((ref / "metrics.json").read_text())
 
 
 def target_name(base: Path) -> str:

@@ -9,9 +9,10 @@ in-domain family; SmolLM2's answers shipped in assets/smollm2/general_responses.
   warm        04 --init-from the stand-in (vocab mapped onto the in-domain 03 vocab)
   warm_l2sp   the same with --l2sp-weight
 each with --candidates-per-epoch 1 (the export is the selected candidate; for warm starts the stand-in
-itself is candidate 0). --epochs-curve N adds scratch and warm at the full size for N epochs: their
-selection rows give replay tau per epoch on 04's held-out split, and the chosen epoch.
---warm-learning-rates adds warm rows at the full size with other learning rates (the fine-tune recipe).
+itself is candidate 0). The recipe rows run at the full size or --recipe-share: --epochs-curve N adds
+scratch and warm for N epochs (a candidate per epoch: replay tau on 04's held-out split and the chosen
+epoch; every candidate is also measured on the reported prompts), --warm-learning-rates adds warm rows
+with other learning rates.
 Every draft, the stand-in included, is measured by 05 reference mode side by side (`--draft`): on the
 in-domain held-out prompts (four families never trained on) and on the stand-in's own held-out prompts
 (forgetting), greedy and at T 1.0 / top-p 0.95, k = 3, 5, 7, with paired 95% intervals.
@@ -37,7 +38,6 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import draft_rows as dr  # noqa: E402
-from common.stage import is_complete  # noqa: E402
 
 WORLD_DATA = REPO / "build" / "smollm2" / "data"
 GENERAL_RESPONSES = REPO / "assets" / "smollm2" / "general_responses.jsonl.gz"
@@ -71,13 +71,6 @@ def build_standin_base(work: Path, config: Path) -> None:
     stage("03_build_vocab_mapping").main(common)
 
 
-def num_train(work: Path, config: Path) -> int:
-    """Training samples of a work dir: all 02b samples but 04's held-out split (by id hash)."""
-    m = stage("04_train")
-    args = m.parse_args(m.build_parser(), ["--config", str(config), "--work-dir", str(work)])
-    return m.plan_data(args, work / "02b_hidden_states", False).num_train
-
-
 def row_flags(variant: str, share_samples: int | None, standin: Path, args) -> dict:
     flags = {"seed": args.seed, "candidates-per-epoch": 1, **dict(f.split("=", 1) for f in args.train_flags)}
     if share_samples is not None:
@@ -91,40 +84,18 @@ def row_flags(variant: str, share_samples: int | None, standin: Path, args) -> d
 
 def rows(args, standin: Path) -> dict[str, dict]:
     """{row name: 04 flags} of every in-domain row."""
-    total = num_train(args.base, args.config)
+    total = dr.num_train(args.base, args.config)
     out = {f"{v}_{share:g}": row_flags(v, max(1, round(share * total)), standin, args)
            for share in sorted(args.shares) for v in VARIANTS}
-    for lr in args.warm_learning_rates:   # the fine-tune recipe, at the full size
-        out[f"warm_lr{lr:g}_{max(args.shares):g}"] = {**row_flags("warm", round(max(args.shares) * total), standin, args),
-                                                     "learning-rate": lr}
+    share = max(args.shares) if args.recipe_share is None else args.recipe_share
+    size = None if share == 1 else max(1, round(share * total))
+    for lr in args.warm_learning_rates:   # the fine-tune recipe
+        out[f"warm_lr{lr:g}_{share:g}"] = {**row_flags("warm", size, standin, args), "learning-rate": lr}
     if args.epochs_curve:
         for v in ("scratch", "warm"):
-            out[f"{v}_epochs{args.epochs_curve}"] = {**row_flags(v, None, standin, args),
-                                                     "num-epochs": args.epochs_curve}
+            out[f"{v}{'' if share == 1 else f'_{share:g}'}_epochs{args.epochs_curve}"] = {
+                **row_flags(v, size, standin, args), "num-epochs": args.epochs_curve}
     return out
-
-
-def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], args, response_cache: Path) -> dict:
-    """05 reference in `eval_dir` (base's 01c, `ours` as 04) with every other draft side by side; a finished
-    evaluation of the same drafts is read back (the in-domain and general parts can run as two processes,
-    `--only eval_in_domain` / `--only eval_general`, then a plain run writes the table)."""
-    ref = eval_dir / "05_benchmark" / "reference"   # where 05 reference writes its metrics and manifest
-    if is_complete(ref):
-        metrics = json.loads((ref / "metrics.json").read_text())
-        if set(metrics["drafts"]) == {"04", *drafts}:
-            print(f"[study] {eval_dir.name}: read back (same drafts)")
-            return metrics
-    eval_dir.mkdir(parents=True, exist_ok=True)
-    dr.link(base, eval_dir, ("01c_merged",))
-    if not (eval_dir / "04_draft").exists():
-        os.symlink(ours.resolve(), eval_dir / "04_draft")
-    specs = [f"{n}={p}" for n, p in drafts.items()]
-    stage("05_benchmark").main([
-        "--config", str(args.config), "--work-dir", str(eval_dir), "--overwrite", "--loop-prompts", "0",
-        "--acceptance-loop-prompts", "0", "--num-draft-tokens", *map(str, args.num_draft_tokens),
-        "--response-cache", str(response_cache), "--cpu-threads", str(args.threads), "--draft", *specs,
-        *(["--acceptance-temperatures", *map(str, args.temperatures)] if args.temperatures else [])])
-    return json.loads((ref / "metrics.json").read_text())
 
 
 def main(argv=None):
@@ -132,6 +103,9 @@ def main(argv=None):
     p.add_argument("--shares", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="in-domain shares")
     p.add_argument("--l2sp-weight", type=float, default=0.01, help="the warm_l2sp rows' --l2sp-weight")
     p.add_argument("--epochs-curve", type=int, default=6, help="epochs of the full-size curve rows (0: none)")
+    p.add_argument("--recipe-share", type=float, default=None,
+                   help="in-domain share of the recipe rows, the epochs curve and the learning rates (default the "
+                        "largest --shares; a smaller share costs less and over-trains sooner)")
     p.add_argument("--warm-learning-rates", type=float, nargs="*", default=[],
                    help="extra warm rows at the full size with these learning rates (the preset's is the warm row)")
     p.add_argument("--train-flags", nargs="*", default=[], metavar="FLAG=VALUE", help="extra 04 flags, every row")
@@ -143,6 +117,8 @@ def main(argv=None):
                         "continuations first, ~12 s per prompt on a 2-core CPU)")
     p.add_argument("--only", choices=("standin", "rows", "eval", "eval_in_domain", "eval_general"), default=None,
                    help="do one part and stop")
+    p.add_argument("--tag", default="", help="suffix of the evaluation folders, results and table (a second "
+                   "evaluation of some rows, e.g. at T 1.0, beside the first)")
     p.add_argument("--rows", nargs="*", default=None, metavar="NAME",
                    help="with --only rows: train just these rows (two processes, one core each, split the grid)")
     args = p.parse_args(argv)
@@ -172,21 +148,53 @@ def main(argv=None):
         print(f"[study] not trained yet, left out of this evaluation: {', '.join(not_run)}")
     todo = {n: f for n, f in todo.items() if n not in not_run}
     drafts = {"standin": standin, **{n: exports[n] for n in todo}}
+    for n in todo:   # the curve rows' candidates, each measured on the reported prompts too
+        if "epochs" in n:
+            drafts.update(export_candidates(args.out / "rows" / n))
     ours = args.out / "rows" / f"scratch_{max(args.shares):g}" / "04_draft"
     in_domain = general = None
     if args.only in (None, "eval", "eval_in_domain"):
-        in_domain = evaluate(args.out / "eval_in_domain", args.base, ours, drafts, args,
+        in_domain = dr.evaluate(args.out / f"eval_in_domain{args.tag}", args.base, ours, drafts, args,
                              REPO / "assets" / "smollm2" / "responses.jsonl.gz")
     if args.only in (None, "eval", "eval_general"):
-        general = evaluate(args.out / "eval_general", standin_work, ours, drafts, args, GENERAL_HELDOUT)
+        general = dr.evaluate(args.out / f"eval_general{args.tag}", standin_work, ours, drafts, args, GENERAL_HELDOUT)
     if in_domain is None or general is None:
         return
     results = {"rows": todo, "not_run": not_run, "in_domain": pick(in_domain), "general": pick(general),
                "selection": {n: selection(args.out / "rows" / n) for n in todo}}
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"results{args.tag}.json").write_text(json.dumps(results, indent=1))
     table = report(results, args)
-    (args.out / "table.md").write_text(table)
+    (args.out / f"table{args.tag}.md").write_text(table)
     print(table)
+
+
+def export_candidates(row: Path) -> dict[str, Path]:
+    """{ROW-stepN: folder}: every candidate a curve row's 04 kept (but step 0, the stand-in itself) as an SGLang
+    export in row/candidate_exports (written once), so 05 measures each on the reported prompts: is the one
+    chosen on 04's selection split within 1% of the best there?"""
+    import torch
+
+    from common.draft.export_sglang import export_sglang, load_sglang_export
+    from common.target.head import load_target_head
+    from common.training.selection import load_candidate
+
+    d = row / "04_draft"
+    m = json.loads((d / "manifest.json").read_text())
+    dtype = json.loads((d / "export_sglang" / "config.json").read_text())["torch_dtype"]
+    embed = None
+    out = {}
+    for c in (m.get("selection") or {}).get("candidates", []):
+        if c["step"] == 0:
+            continue
+        dst = row / "candidate_exports" / f"step_{c['step']:06d}"
+        if not (dst / "config.json").is_file():   # export_sglang writes config.json last
+            if embed is None:
+                embed, _ = load_target_head(m["target"]["path"], dtype=torch.float32, with_head=False)
+            model = load_sglang_export(d / "export_sglang", embed)
+            load_candidate(d / "candidates" / f"step_{c['step']:06d}", model)
+            export_sglang(model, dst, [int(p) for p in m["capture_points"]], torch_dtype=dtype)
+        out[f"{row.name}-step{c['step']}"] = dst
+    return out
 
 
 def pick(metrics: dict) -> dict:
@@ -215,6 +223,33 @@ def relative(part: dict, a: str, b: str, t: str, k: str) -> str:
     base = part["drafts"][b]["tau"][t][k]["tau"]
     return (f"{100 * d['difference'] / base:+.1f}% [{100 * d['ci'][0] / base:+.1f}, "
             f"{100 * d['ci'][1] / base:+.1f}]")
+
+
+def curve(row: str, sel: dict, drafts: dict, t: str) -> list[str]:
+    """A curve row's candidates: simulated and replay tau on 04's held-out split, 05's tau of each on the
+    reported prompts (export_candidates; step 0 is the stand-in), the chosen one in bold, and how far the
+    chosen one is from the best there."""
+    k = str(sel["num_draft_tokens"])
+    lines = [f"## Epochs: {row}, tau per candidate at k = {k}, T = {t} (chosen in bold)", "",
+             "| step | simulated (04 held-out) | replay (04 selection split) | 05 reported prompts [95% CI] |",
+             "|---|---|---|---|"]
+    served = {}
+    for c in sel["candidates"]:
+        name = "standin" if c["step"] == 0 else f"{row}-step{c['step']}"
+        got = drafts.get(name, {}).get("tau", {}).get(t, {}).get(k)
+        if got:
+            served[c["step"]] = got["tau"]
+        cells = [str(c["step"]), f"{c['sim_tau']:.3f}" if "sim_tau" in c else "-", f"{c['replay_tau']:.3f}",
+                 f"{got['tau']:.3f} [{got['tau_ci95'][0]:.2f}, {got['tau_ci95'][1]:.2f}]" if got else "not measured"]
+        if c["step"] == sel["chosen_step"]:
+            cells = [f"**{x}**" for x in cells]
+        lines.append("| " + " | ".join(cells) + " |")
+    if sel["chosen_step"] in served:
+        best = max(served, key=served.get)
+        gap = 100 * (served[sel["chosen_step"]] / served[best] - 1)
+        lines += ["", f"Chosen step {sel['chosen_step']} on the reported prompts: {gap:+.1f}% against the best "
+                      f"candidate there (step {best}); the target is within 1%."]
+    return lines
 
 
 def report(results: dict, args) -> str:
@@ -247,13 +282,8 @@ def report(results: dict, args) -> str:
                          f"{relative(ind, f'warm_l2sp_{s}', scratch, t, k)} | {relative(ind, f'warm_{s}', 'standin', t, k)} | "
                          f"{relative(gen, f'warm_{s}', 'standin', t, k)} | {relative(gen, f'warm_l2sp_{s}', 'standin', t, k)} |")
     curves = {n: v for n, v in results["selection"].items() if "epochs" in n and v}
-    if curves:
-        lines += ["", "## Epochs: replay tau on 04's held-out split per candidate (k = "
-                  f"{next(iter(curves.values()))['num_draft_tokens']}), chosen in bold", ""]
-        for n, sel in curves.items():
-            pts = ", ".join((f"**{c['step']}: {c['replay_tau']:.3f}**" if c["step"] == sel["chosen_step"]
-                             else f"{c['step']}: {c['replay_tau']:.3f}") for c in sel["candidates"])
-            lines.append(f"- {n}: {pts}")
+    for n, sel in curves.items():
+        lines += ["", *curve(n, sel, ind["drafts"], temps[0])]
     return "\n".join(lines) + "\n"
 
 

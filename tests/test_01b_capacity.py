@@ -1,4 +1,4 @@
-"""01b sized to the server (issue 24.5), the parts without a server: the capacity documents of SGLang
+"""01b sized to the server, the parts without a server: the capacity documents of SGLang
 and vLLM, the in-flight limit (AIMD), and the streamed pieces joined back into a non-streamed answer.
 The loopback proof against a queueing server is in test_01b_faults.py."""
 import asyncio

@@ -282,7 +282,7 @@ def test_random_kills_then_resume_exactly_once(prepared, micro_target, tmp_path)
 
 
 def test_startup_waits_out_transient_errors(prepared, micro_target, tmp_path):
-    """Issue 13.9: start-up during an outage is waited out like one in mid-run (health polling, retries
+    """Start-up during an outage is waited out like one in mid-run (health polling, retries
     with backoff up to --server-down-timeout); a permanent mismatch still fails at once."""
     work = fresh(prepared, tmp_path)
     with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
@@ -327,7 +327,7 @@ def test_sigterm_during_startup_wait_stops_at_once(prepared, micro_target, tmp_p
 
 
 def test_health_gate_refuses_a_degenerate_target(prepared, micro_target, tmp_path):
-    """Issue 12.6: a target that loops or never ends its turn (the SM12x INT4 MoE failure) is refused
+    """A target that loops or never ends its turn (the SM12x INT4 MoE failure) is refused
     after a few short greedy probes, before any work; the threshold is a flag."""
     work = fresh(prepared, tmp_path)
     with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
@@ -417,7 +417,7 @@ def test_adding_long_context_on_a_resume_is_refused(prepared, micro_target, tmp_
 
 
 def test_a_queueing_server_far_below_the_concurrency_loses_no_work(prepared, micro_target, tmp_path, capsys):
-    """Issue 24.5: an engine runs N = 3 requests at once and holds the rest, sending nothing. At C = 30 the
+    """An engine runs N = 3 requests at once and holds the rest, sending nothing. At C = 30 the
     back of its queue waits longer than --stall-timeout (a total-time timeout would have abandoned it and
     made the engine abort it); streamed, a queue wait is no timeout: the server aborts nothing and the
     records equal those of C = N."""

@@ -53,7 +53,7 @@ def test_extra_args_parsed_like_sglang_argparse():
                 ["--speculative-draft-model", "/other"], ["--speculative-draft-model-path=/other"],
                 ["--disable-cuda-graph"], ["--cuda-graph-backend-decode=full"], ["--tensor-parallel-size", "4"],
                 ["--tp", "4"], ["--model", "/other"], ["--mem", "0.5"],
-                # the draft's quantization and attention backend are 05's (issue 17: a quantized draft
+                # the draft's quantization and attention backend are 05's (a quantized draft
                 # that 04 did not make is refused; the backend has its own flag)
                 ["--speculative-draft-model-quantization", "fp8"], ["--speculative-draft-attention-backend=fa3"]):
         with pytest.raises(StageError, match="may not contain"):

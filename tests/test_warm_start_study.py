@@ -9,7 +9,7 @@ study = importlib.import_module("benchmarks.warm_start_study")
 
 def args(**kw):
     base = dict(seed=0, train_flags=["batch-tokens=2048"], l2sp_weight=0.01, shares=[0.25, 1.0],
-                epochs_curve=3, num_draft_tokens=[3, 5], warm_learning_rates=[1e-4])
+                epochs_curve=3, recipe_share=None, num_draft_tokens=[3, 5], warm_learning_rates=[1e-4])
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -35,12 +35,13 @@ def metrics(names, tau):
 
 def test_report_shows_both_held_out_sets_the_paired_gains_and_the_curves():
     names = ["04", "standin", "scratch_0.25", "warm_0.25", "warm_l2sp_0.25", "warm_1", "warm_l2sp_1",
-             "scratch_epochs3", "warm_epochs3"]
-    tau = dict(zip(names, (1.5, 1.4, 1.3, 1.6, 1.55, 1.8, 1.75, 1.52, 1.82)))
+             "scratch_epochs3", "warm_epochs3", "warm_epochs3-step10", "warm_epochs3-step20"]
+    tau = dict(zip(names, (1.5, 1.4, 1.3, 1.6, 1.55, 1.8, 1.75, 1.52, 1.82, 1.84, 1.82)))
     general = {**tau, "standin": 2.0, "warm_0.25": 1.9, "warm_1": 1.8}
-    rows = {n: {} for n in names if n not in ("04", "standin")} | {"scratch_1": {}}
-    sel = {"num_draft_tokens": 3, "chosen_step": 20, "candidates": [{"step": 10, "replay_tau": 1.7},
-                                                                   {"step": 20, "replay_tau": 1.8}]}
+    rows = {n: {} for n in names if n not in ("04", "standin") and "-step" not in n} | {"scratch_1": {}}
+    sel = {"num_draft_tokens": 3, "chosen_step": 20, "candidates": [
+        {"step": 0, "replay_tau": 1.2}, {"step": 10, "replay_tau": 1.7, "sim_tau": 1.75},
+        {"step": 20, "replay_tau": 1.8, "sim_tau": 1.9}]}
     results = {"rows": rows, "in_domain": metrics(names, tau), "general": metrics(names, general),
                "selection": {"warm_epochs3": sel, "scratch_epochs3": {}}}
     table = study.report(results, args())
@@ -48,7 +49,10 @@ def test_report_shows_both_held_out_sets_the_paired_gains_and_the_curves():
     # share 1: warm vs 04 (the full-size scratch) +20.0%; forgetting on the general set: 1.8 vs 2.0 = -10.0%
     line = next(x for x in table.splitlines() if x.startswith("| 1 | 0 |"))
     assert "+20.0% [+16.7, +23.3]" in line and "-10.0% [-12.5, -7.5]" in line
-    assert "- warm_epochs3: 10: 1.700, **20: 1.800**" in table
+    # the curve: step 0 is the stand-in; selection chose step 20, which is 1.1% below step 10 on 05's prompts
+    assert "| 0 | - | 1.200 | 1.400 [1.30, 1.50] |" in table
+    assert "| **20** | **1.900** | **1.800** | **1.820 [1.72, 1.92]** |" in table
+    assert "Chosen step 20 on the reported prompts: -1.1% against the best candidate there (step 10)" in table
 
 
 def test_a_row_not_trained_yet_reads_not_run():
@@ -59,3 +63,47 @@ def test_a_row_not_trained_yet_reads_not_run():
                "general": metrics(names, tau), "selection": {}}
     line = next(x for x in study.report(results, args()).splitlines() if x.startswith("| 1 | 0 |"))
     assert "+20.0%" in line and "not run" in line  # warm vs 04 measured; warm_l2sp_1 not run
+
+
+def test_candidate_exports_hold_each_candidates_weights(micro_target, tmp_path):
+    """The curve rows' candidates are exported as they were kept (not the chosen one each time), step 0 (the
+    stand-in) left out, and a second call re-uses the exports."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from common.draft.export_sglang import export_sglang
+    from common.training.selection import save_candidate
+    from tests.test_draft_import import random_draft
+
+    row = tmp_path / "warm_0.25_epochs2"
+    d = row / "04_draft"
+    chosen, other = random_draft(micro_target, 300, seed=1), random_draft(micro_target, 300, seed=2)
+    export_sglang(chosen, d / "export_sglang", [2, 4, 5])
+    for step, model in ((0, other), (5, other), (10, chosen)):
+        save_candidate(d, step, model, torch.bfloat16, {"replay_tau": 1.0})
+    (d / "manifest.json").write_text(json.dumps({
+        "target": {"path": str(micro_target)}, "capture_points": [2, 4, 5],
+        "selection": {"chosen_step": 10, "candidates": [{"step": s} for s in (0, 5, 10)]}}))
+    got = study.export_candidates(row)
+    assert sorted(got) == ["warm_0.25_epochs2-step10", "warm_0.25_epochs2-step5"]
+    five, ten = (load_file(str(got[f"warm_0.25_epochs2-step{s}"] / "model.safetensors")) for s in (5, 10))
+    final = load_file(str(d / "export_sglang" / "model.safetensors"))
+    assert all(torch.equal(ten[k], final[k]) for k in final)
+    assert torch.equal(five["fc.weight"], other.fc.weight.detach().to(torch.bfloat16))
+    stamp = (got["warm_0.25_epochs2-step5"] / "config.json").stat().st_mtime_ns
+    study.export_candidates(row)
+    assert (got["warm_0.25_epochs2-step5"] / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_rows_name_the_curve_share(monkeypatch):
+    monkeypatch.setattr(study.dr, "num_train", lambda base, config: 100)
+    a = args(base=None, config=None, shares=[0.5, 1.0], warm_learning_rates=[])
+    full = study.rows(a, Path("/s"))
+    assert full["warm_epochs3"]["num-epochs"] == 3 and "max-train-samples" not in full["warm_epochs3"]
+    quarter = study.rows(args(base=None, config=None, shares=[1.0], warm_learning_rates=[], recipe_share=0.25),
+                         Path("/s"))
+    assert quarter["scratch_0.25_epochs3"]["max-train-samples"] == 25 and "warm_epochs3" not in quarter
+    lr = study.rows(args(base=None, config=None, shares=[1.0], recipe_share=0.25), Path("/s"))["warm_lr0.0001_0.25"]
+    assert lr["learning-rate"] == 1e-4 and lr["max-train-samples"] == 25 and lr["init-from"] == "/s"
