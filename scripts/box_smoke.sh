@@ -5,9 +5,10 @@
 #   bash scripts/box_smoke.sh --dry-run      # print every command, run nothing
 #   TARGET=/models/smollm2 WORK=/data/smoke bash scripts/box_smoke.sh
 # Environment: TARGET (HF target folder, default build/smollm2/target, built when missing), DATA (its
-# train_prompts.jsonl + heldout_prompts.jsonl, default $TARGET/../data), WORK (default runs/box_smoke;
-# the transformers capture goes to ${WORK}_hf), PY (default .venv/bin/python), SGLANG_PY (the python with
-# sglang, default PY), PORT (01b's server; 05 uses PORT+10 and PORT+20). Both work dirs are recreated.
+# train_code.jsonl + heldout.jsonl as 00_build_smollm2_world.py writes them, default $TARGET/../data),
+# WORK (default runs/box_smoke; the transformers capture goes to ${WORK}_hf), PY (default .venv/bin/python),
+# SGLANG_PY (the python with sglang, default PY), PORT (01b's server; 05 uses PORT+10 and PORT+20). Both
+# work dirs are recreated.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PY=${PY:-.venv/bin/python}
