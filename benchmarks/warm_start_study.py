@@ -281,6 +281,13 @@ def report(results: dict, args) -> str:
             lines.append(f"| {s} | {t} | {relative(ind, f'warm_{s}', scratch, t, k)} | "
                          f"{relative(ind, f'warm_l2sp_{s}', scratch, t, k)} | {relative(ind, f'warm_{s}', 'standin', t, k)} | "
                          f"{relative(gen, f'warm_{s}', 'standin', t, k)} | {relative(gen, f'warm_l2sp_{s}', 'standin', t, k)} |")
+    lrs = [n for n in results["rows"] if n.startswith("warm_lr")]
+    if lrs:   # warm_lr{lr}_{share} against warm_{share}, the preset's learning rate
+        lines += ["", f"## Fine-tune learning rate at k = {k}, against the preset's (warm row of the same share)", "",
+                  "| row | T | in-domain | general (forgetting) |", "|---|---|---|---|"]
+        for n in lrs:
+            ref = f"warm_{n.rsplit('_', 1)[1]}"
+            lines += [f"| {n} vs {ref} | {t} | {relative(ind, n, ref, t, k)} | {relative(gen, n, ref, t, k)} |" for t in temps]
     curves = {n: v for n, v in results["selection"].items() if "epochs" in n and v}
     for n, sel in curves.items():
         lines += ["", *curve(n, sel, ind["drafts"], temps[0])]

@@ -35,8 +35,8 @@ def metrics(names, tau):
 
 def test_report_shows_both_held_out_sets_the_paired_gains_and_the_curves():
     names = ["04", "standin", "scratch_0.25", "warm_0.25", "warm_l2sp_0.25", "warm_1", "warm_l2sp_1",
-             "scratch_epochs3", "warm_epochs3", "warm_epochs3-step10", "warm_epochs3-step20"]
-    tau = dict(zip(names, (1.5, 1.4, 1.3, 1.6, 1.55, 1.8, 1.75, 1.52, 1.82, 1.84, 1.82)))
+             "scratch_epochs3", "warm_epochs3", "warm_epochs3-step10", "warm_epochs3-step20", "warm_lr0.0001_1"]
+    tau = dict(zip(names, (1.5, 1.4, 1.3, 1.6, 1.55, 1.8, 1.75, 1.52, 1.82, 1.84, 1.82, 1.71)))
     general = {**tau, "standin": 2.0, "warm_0.25": 1.9, "warm_1": 1.8}
     rows = {n: {} for n in names if n not in ("04", "standin") and "-step" not in n} | {"scratch_1": {}}
     sel = {"num_draft_tokens": 3, "chosen_step": 20, "candidates": [
@@ -52,6 +52,7 @@ def test_report_shows_both_held_out_sets_the_paired_gains_and_the_curves():
     # the curve: step 0 is the stand-in; selection chose step 20, which is 1.1% below step 10 on 05's prompts
     assert "| 0 | - | 1.200 | 1.400 [1.30, 1.50] |" in table
     assert "| **20** | **1.900** | **1.800** | **1.820 [1.72, 1.92]** |" in table
+    assert "| warm_lr0.0001_1 vs warm_1 | 0 | -5.0% [-7.8, -2.2] | -5.0% [-7.8, -2.2] |" in table
     assert "Chosen step 20 on the reported prompts: -1.1% against the best candidate there (step 10)" in table
 
 
