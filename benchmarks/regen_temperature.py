@@ -5,16 +5,18 @@ SmolLM2-135M stands in for Kimi-K2.5. The base work dir (`make bench-real`'s run
 target's greedy answers (01b at T 0, the shipped response cache). This script regenerates the same 01
 prompts at --temperature / --top-p (default Kimi-K2.5's serving setting, T 1.0 / top-p 0.95) with 01b's
 in-process backend, runs 01c -> 02b -> 03 -> 04 on them, and trains the greedy row on the base's own
-01c/02b/03 with the same 04 flags (the preset's recipe, --share of the training samples, a candidate per
+01c/02b/03 (with --sources, both rows on a subset of the base's datasets, each through 01 -> 04) with the
+same 04 flags (the preset's recipe, --share of the training samples, a candidate per
 epoch). 05 reference mode then measures both drafts side by side on the base's held-out prompts, greedy
 and at the preset's serving temperatures, k = 3, 5, 7, with paired 95% intervals. 01c's repetition-loop
 counts (common/text/repetition.py) and 01b's length-cap share of both data sets go in the table.
 
-Each part is a work dir under --out that is skipped when complete (`--only data`, `--only rows`,
-`--only eval`). Costs on a 2-core CPU, one thread: 01b ~20-30 min for the 1,600 prompts, 02b ~15 min,
-04 ~13 min per row at the full size with bf16 autocast.
+Each part is a work dir under --out that is skipped when complete (`--only data` or its halves
+`data_greedy` / `data_sampled`, `--only rows`, `--only eval`). Costs on a 2-core Intel Xeon (AVX-512 bf16),
+one thread: 01b's sampled answers ~3 s a prompt (~67 tok/s; ~80 min for all 1,600, ~50 min for the 1,010
+of --sources smollm2_code), 02b ~450 tok/s, 04 ~0.5 s a step with bf16 autocast.
 
-  python benchmarks/regen_temperature.py --base runs/smollm2 --out runs/regen_temperature
+  python benchmarks/regen_temperature.py --base runs/smollm2 --out runs/regen_temperature --sources smollm2_code
 """
 from __future__ import annotations
 
@@ -49,13 +51,21 @@ def sampled_preset(config: Path, out: Path) -> Path:
     return path
 
 
-def build_sampled_data(work: Path, base: Path, preset: Path, args) -> None:
-    """01 linked from the base; 01b at the serving temperature; 01c, 02b and 03 on those answers."""
-    dr.link(base, work, ("01_prepared",))
+def build_data(work: Path, base: Path, preset: Path, args, sample: bool) -> None:
+    """01 (the base's, linked; with --sources a run of 01 on those datasets only, benchmark-only ones kept),
+    01b greedy or at the serving temperature, then 01c, 02b and 03."""
     common = ["--config", str(preset), "--work-dir", str(work)]
+    if args.sources:
+        datasets = json.loads((base / "01_prepared" / "manifest.json").read_text())["config"]["datasets"]
+        keep = [d for d in datasets if d["name"] in args.sources or d.get("benchmark-only")]
+        if {d["name"] for d in keep} < set(args.sources):
+            raise SystemExit(f"--sources: the base's 01 has {[d['name'] for d in datasets]}")
+        stage("01_prepare_datasets").main([*common, "--datasets", json.dumps(keep)])
+    else:
+        dr.link(base, work, ("01_prepared",))
+    sampling = ["--temperature", str(args.temperature), "--top-p", str(args.top_p), "--seed", str(args.seed)]
     stage("01b_generate_synthetic").main([*common, "--generation-backend", "hf", "--device", "cpu",
-                                          "--temperature", str(args.temperature), "--top-p", str(args.top_p),
-                                          "--seed", str(args.seed), "--hf-batch-size", str(args.hf_batch_size)])
+                                          "--hf-batch-size", str(args.hf_batch_size), *(sampling if sample else [])])
     stage("01c_merge_datasets").main(common)
     stage("02b_extract_hidden_states_sglang").main([*common, "--capture-backend", "hf", "--device", "cpu"])
     stage("03_build_vocab_mapping").main(common)
@@ -130,36 +140,46 @@ def main(argv=None):
     p.add_argument("--top-p", type=float, default=0.95, help="01b's nucleus mass of the new data")
     p.add_argument("--hf-batch-size", type=int, default=32, help="01b's prompts per generate() call")
     p.add_argument("--share", type=float, default=1.0, help="share of the training samples both rows train on")
+    p.add_argument("--sources", nargs="+", default=None, metavar="NAME",
+                   help="train both rows on these 01 datasets only (each row then runs 01 -> 04 on them, the "
+                        "greedy one from the response cache); default all of the base's")
     p.add_argument("--greedy-row", type=Path, default=None,
                    help="a finished 04 work dir on the base with the same flags (e.g. warm_start_study's "
                         "rows/scratch_1): used as the greedy row, after checking its manifest")
     p.add_argument("--train-flags", nargs="*", default=[], metavar="FLAG=VALUE", help="extra 04 flags, both rows")
     p.add_argument("--temperatures", type=float, nargs="+", default=None,
                    help="05's --acceptance-temperatures (default the preset's: 0 and 1.0)")
-    p.add_argument("--only", choices=("data", "rows", "eval"), default=None, help="do one part and stop")
+    p.add_argument("--only", choices=("data", "data_greedy", "data_sampled", "rows", "eval"), default=None,
+                   help="do one part and stop (the two data parts can run as two processes)")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
     sampled = args.out / "sampled"
-    if args.only in (None, "data"):
-        build_sampled_data(sampled, args.base, sampled_preset(args.config, args.out), args)
-    if args.only == "data":
+    # the greedy data: the base's own, or with --sources the same subset as the sampled data, greedily
+    greedy_data = args.out / "greedy" if args.sources else args.base
+    if args.sources and args.only in (None, "data", "data_greedy"):
+        build_data(greedy_data, args.base, args.config, args, sample=False)
+    if args.only in (None, "data", "data_sampled"):
+        build_data(sampled, args.base, sampled_preset(args.config, args.out), args, sample=True)
+    if args.only in ("data", "data_greedy", "data_sampled"):
         return
-    num = max(1, round(args.share * dr.num_train(args.base, args.config)))
-    greedy = args.greedy_row or args.out / "rows" / "greedy"
+    num = max(1, round(args.share * dr.num_train(greedy_data, args.config)))
+    greedy = greedy_data if args.sources else args.greedy_row or args.out / "rows" / "greedy"
     if args.only in (None, "rows"):
-        if args.greedy_row:
+        if args.greedy_row and not args.sources:
             check_row(args.greedy_row, args.base, row_flags(num, args))
         else:
-            dr.link(args.base, greedy, UPSTREAM)
+            if not args.sources:
+                dr.link(args.base, greedy, UPSTREAM)
             dr.train(greedy, args.config, row_flags(num, args))
         dr.train(sampled, sampled_preset(args.config, args.out), row_flags(num, args))
     if args.only == "rows":
         return
     ev = dr.evaluate(args.out / "eval", args.base, greedy / "04_draft",
                      {"sampled_data": sampled / "04_draft" / "export_sglang"}, args, RESPONSES)
-    results = {"data": {"greedy": data_summary(args.base), "sampled": data_summary(sampled)},
+    results = {"data": {"greedy": data_summary(greedy_data), "sampled": data_summary(sampled)},
+               "sources": args.sources,
                "rows": {"04": row_flags(num, args), "sampled_data": row_flags(num, args)},
                "eval": {k: ev[k] for k in ("num_prompts", "drafts", "pairs", "deploy")}}
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
