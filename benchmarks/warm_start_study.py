@@ -291,6 +291,10 @@ def report(results: dict, args) -> str:
     curves = {n: v for n, v in results["selection"].items() if "epochs" in n and v}
     for n, sel in curves.items():
         lines += ["", *curve(n, sel, ind["drafts"], temps[0])]
+    for n in (n for n in results["rows"] if n.startswith("warm") and "epochs" in n):
+        scratch = "scratch" + n[len("warm"):]
+        lines += ["", f"{n} vs {scratch} at k = {k}, in-domain / general: " + "; ".join(
+            f"T {t}: {relative(ind, n, scratch, t, k)} / {relative(gen, n, scratch, t, k)}" for t in temps)]
     return "\n".join(lines) + "\n"
 
 

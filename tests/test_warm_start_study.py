@@ -52,6 +52,7 @@ def test_report_shows_both_held_out_sets_the_paired_gains_and_the_curves():
     # the curve: step 0 is the stand-in; selection chose step 20, which is 1.1% below step 10 on 05's prompts
     assert "| 0 | - | 1.200 | 1.400 [1.30, 1.50] |" in table
     assert "| **20** | **1.900** | **1.800** | **1.820 [1.72, 1.92]** |" in table
+    assert "warm_epochs3 vs scratch_epochs3 at k = 5, in-domain / general: T 0: +19.7% [+16.4, +23.0]" in table
     assert "| warm_lr0.0001_1 vs warm_1 | 0 | -5.0% [-7.8, -2.2] | -5.0% [-7.8, -2.2] |" in table
     assert "Chosen step 20 on the reported prompts: -1.1% against the best candidate there (step 10)" in table
 
