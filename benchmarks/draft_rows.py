@@ -42,6 +42,11 @@ def argv_of(flags: dict) -> list[str]:
     return out
 
 
+def stage(name: str):
+    """A numbered stage's module (e.g. "04_train"), to call its main() in this process."""
+    return importlib.import_module(name)
+
+
 def link(base: Path, work: Path, names: tuple[str, ...]) -> None:
     work.mkdir(parents=True, exist_ok=True)
     for d in names:
@@ -52,7 +57,7 @@ def link(base: Path, work: Path, names: tuple[str, ...]) -> None:
 def train(work: Path, config: Path, flags: dict) -> dict:
     """04 in `work` with the preset and `flags` (resumes if killed); returns a summary of the run."""
     t0 = time.time()
-    importlib.import_module("04_train").main(["--config", str(config), "--work-dir", str(work), *argv_of(flags)])
+    stage("04_train").main(["--config", str(config), "--work-dir", str(work), *argv_of(flags)])
     d = work / "04_draft"
     m04 = json.loads((d / "manifest.json").read_text())
     log = [json.loads(x) for x in (d / "train_log.jsonl").read_text().splitlines()]
@@ -66,7 +71,7 @@ def train(work: Path, config: Path, flags: dict) -> dict:
 
 def num_train(work: Path, config: Path) -> int:
     """Training samples of a work dir: all 02b samples but 04's held-out split (by id hash)."""
-    m = importlib.import_module("04_train")
+    m = stage("04_train")
     args = m.parse_args(m.build_parser(), ["--config", str(config), "--work-dir", str(work)])
     return m.plan_data(args, work / "02b_hidden_states", False).num_train
 
@@ -96,7 +101,7 @@ class HeldOut:
         self.prompts = list(iter_jsonl(base / "01c_merged" / "benchmark_prompts.jsonl"))
         known = None
         if cfg.get("response-cache"):
-            stage05 = importlib.import_module("05_benchmark")
+            stage05 = stage("05_benchmark")
             known = stage05.known_answers(argparse.Namespace(response_cache=REPO / cfg["response-cache"],
                                                              benchmark_max_new_tokens=max_new),
                                           self.target_dir, tok, fmt)
@@ -135,7 +140,7 @@ def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], ar
     if not (eval_dir / "04_draft").exists():
         os.symlink(ours.resolve(), eval_dir / "04_draft")
     specs = [f"{n}={p}" for n, p in drafts.items()]
-    importlib.import_module("05_benchmark").main([
+    stage("05_benchmark").main([
         "--config", str(args.config), "--work-dir", str(eval_dir), "--overwrite", "--loop-prompts", "0",
         "--acceptance-loop-prompts", "0", "--num-draft-tokens", *map(str, args.num_draft_tokens),
         "--response-cache", str(response_cache), "--cpu-threads", str(args.threads), "--draft", *specs,
@@ -204,8 +209,9 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def fmt_tau(e: dict) -> str:
-    return f"{e['tau']:.3f} [{e['tau_ci95'][0]:.3f}, {e['tau_ci95'][1]:.3f}]"
+def fmt_tau(e: dict, ci_digits: int = 3) -> str:
+    lo, hi = e["tau_ci95"]
+    return f"{e['tau']:.3f} [{lo:.{ci_digits}f}, {hi:.{ci_digits}f}]"
 
 
 def fmt_rel(d: dict) -> str:

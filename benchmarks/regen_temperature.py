@@ -20,7 +20,6 @@ of --sources smollm2_code), 02b ~450 tok/s, 04 ~0.5 s a step with bf16 autocast.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -35,10 +34,6 @@ from benchmarks import draft_rows as dr  # noqa: E402
 
 UPSTREAM = ("01c_merged", "02b_hidden_states", "03_vocab")
 RESPONSES = REPO / "assets" / "smollm2" / "responses.jsonl.gz"   # the base's greedy answers (05's too)
-
-
-def stage(name: str):
-    return importlib.import_module(name)
 
 
 def sampled_preset(config: Path, out: Path) -> Path:
@@ -60,15 +55,15 @@ def build_data(work: Path, base: Path, preset: Path, args, sample: bool) -> None
         keep = [d for d in datasets if d["name"] in args.sources or d.get("benchmark-only")]
         if {d["name"] for d in keep} < set(args.sources):
             raise SystemExit(f"--sources: the base's 01 has {[d['name'] for d in datasets]}")
-        stage("01_prepare_datasets").main([*common, "--datasets", json.dumps(keep)])
+        dr.stage("01_prepare_datasets").main([*common, "--datasets", json.dumps(keep)])
     else:
         dr.link(base, work, ("01_prepared",))
     sampling = ["--temperature", str(args.temperature), "--top-p", str(args.top_p), "--seed", str(args.seed)]
-    stage("01b_generate_synthetic").main([*common, "--generation-backend", "hf", "--device", "cpu",
+    dr.stage("01b_generate_synthetic").main([*common, "--generation-backend", "hf", "--device", "cpu",
                                           "--hf-batch-size", str(args.hf_batch_size), *(sampling if sample else [])])
-    stage("01c_merge_datasets").main(common)
-    stage("02b_extract_hidden_states_sglang").main([*common, "--capture-backend", "hf", "--device", "cpu"])
-    stage("03_build_vocab_mapping").main(common)
+    dr.stage("01c_merge_datasets").main(common)
+    dr.stage("02b_extract_hidden_states_sglang").main([*common, "--capture-backend", "hf", "--device", "cpu"])
+    dr.stage("03_build_vocab_mapping").main(common)
 
 
 def row_flags(num_samples: int, args) -> dict:
@@ -126,8 +121,7 @@ def report(results: dict, args) -> str:
     for t in sorted(ev["drafts"]["04"]["tau"], key=float):
         for name in ("04", "sampled_data"):
             cells = [ev["drafts"][name]["tau"][t][k] for k in ks]
-            lines.append(f"| {t} | {name} | " + " | ".join(
-                f"{c['tau']:.3f} [{c['tau_ci95'][0]:.2f}, {c['tau_ci95'][1]:.2f}]" for c in cells) + " |")
+            lines.append(f"| {t} | {name} | " + " | ".join(dr.fmt_tau(c, 2) for c in cells) + " |")
         diffs = [difference(ev["pairs"], "sampled_data", "04", t, k) for k in ks]
         lines.append(f"| {t} | sampled - greedy | " + " | ".join(
             f"{d['difference']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]" for d in diffs) + " |")
@@ -155,13 +149,13 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(args.threads)
-    sampled = args.out / "sampled"
+    sampled, preset = args.out / "sampled", sampled_preset(args.config, args.out)
     # the greedy data: the base's own, or with --sources the same subset as the sampled data, greedily
     greedy_data = args.out / "greedy" if args.sources else args.base
     if args.sources and args.only in (None, "data", "data_greedy"):
         build_data(greedy_data, args.base, args.config, args, sample=False)
     if args.only in (None, "data", "data_sampled"):
-        build_data(sampled, args.base, sampled_preset(args.config, args.out), args, sample=True)
+        build_data(sampled, args.base, preset, args, sample=True)
     if args.only in ("data", "data_greedy", "data_sampled"):
         return
     num = max(1, round(args.share * dr.num_train(greedy_data, args.config)))
@@ -173,7 +167,7 @@ def main(argv=None):
             if not args.sources:
                 dr.link(args.base, greedy, UPSTREAM)
             dr.train(greedy, args.config, row_flags(num, args))
-        dr.train(sampled, sampled_preset(args.config, args.out), row_flags(num, args))
+        dr.train(sampled, preset, row_flags(num, args))
     if args.only == "rows":
         return
     ev = dr.evaluate(args.out / "eval", args.base, greedy / "04_draft",

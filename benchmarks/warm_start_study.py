@@ -27,9 +27,7 @@ a 2-core AVX2 CPU in fp32: 02b of the stand-in ~0.5 h, its 04 ~1.5 h at one samp
 """
 from __future__ import annotations
 
-import importlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -46,10 +44,6 @@ VARIANTS = ("scratch", "warm", "warm_l2sp")
 UPSTREAM = ("01c_merged", "02b_hidden_states", "03_vocab")
 
 
-def stage(name: str):
-    return importlib.import_module(name)
-
-
 def build_standin_base(work: Path, config: Path) -> None:
     """01 -> 03 on the general set: its answers come from the shipped cache (01b's openai backend is never
     asked: every prompt is a cache hit), its held-out prompts are benchmark-only."""
@@ -62,13 +56,13 @@ def build_standin_base(work: Path, config: Path) -> None:
         {"name": "general_heldout", "adapter": "messages", "path": str(WORLD_DATA / "general_heldout.jsonl"),
          "benchmark-only": True}])
     common = ["--config", str(config), "--work-dir", str(work)]
-    stage("01_prepare_datasets").main([*common, "--datasets", datasets, "--max-new-tokens", "160"])
-    stage("01b_generate_synthetic").main([*common, "--max-new-tokens", "160",
+    dr.stage("01_prepare_datasets").main([*common, "--datasets", datasets, "--max-new-tokens", "160"])
+    dr.stage("01b_generate_synthetic").main([*common, "--max-new-tokens", "160",
                                           "--generation-backend", "openai", "--response-cache", str(GENERAL_RESPONSES),
                                           "--server-url", "http://127.0.0.1:9/v1", "--served-model-name", "smollm2"])
-    stage("01c_merge_datasets").main(common)
-    stage("02b_extract_hidden_states_sglang").main([*common, "--capture-backend", "hf", "--device", "cpu"])
-    stage("03_build_vocab_mapping").main(common)
+    dr.stage("01c_merge_datasets").main(common)
+    dr.stage("02b_extract_hidden_states_sglang").main([*common, "--capture-backend", "hf", "--device", "cpu"])
+    dr.stage("03_build_vocab_mapping").main(common)
 
 
 def row_flags(variant: str, share_samples: int | None, standin: Path, args) -> dict:
@@ -102,12 +96,12 @@ def main(argv=None):
     p = dr.parser(__doc__, "in-domain work dir with 01c, 02b, 03 complete (make bench-real's runs/smollm2)")
     p.add_argument("--shares", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="in-domain shares")
     p.add_argument("--l2sp-weight", type=float, default=0.01, help="the warm_l2sp rows' --l2sp-weight")
-    p.add_argument("--epochs-curve", type=int, default=6, help="epochs of the full-size curve rows (0: none)")
+    p.add_argument("--epochs-curve", type=int, default=6, help="epochs of the curve rows (0: none)")
     p.add_argument("--recipe-share", type=float, default=None,
                    help="in-domain share of the recipe rows, the epochs curve and the learning rates (default the "
                         "largest --shares; a smaller share costs less and over-trains sooner)")
     p.add_argument("--warm-learning-rates", type=float, nargs="*", default=[],
-                   help="extra warm rows at the full size with these learning rates (the preset's is the warm row)")
+                   help="extra warm rows (at --recipe-share) with these learning rates (the preset's is the warm row)")
     p.add_argument("--train-flags", nargs="*", default=[], metavar="FLAG=VALUE", help="extra 04 flags, every row")
     p.add_argument("--standin-samples", type=int, default=None,
                    help="train the stand-in on this many of the 3,080 general samples (default all; keep it >= 2x "
@@ -208,8 +202,7 @@ def selection(work: Path) -> dict:
 
 
 def cell(drafts: dict, name: str, t: str, k: str) -> str:
-    c = drafts[name]["tau"][t][k]
-    return f"{c['tau']:.3f} [{c['tau_ci95'][0]:.2f}, {c['tau_ci95'][1]:.2f}]"
+    return dr.fmt_tau(drafts[name]["tau"][t][k], 2)
 
 
 def relative(part: dict, a: str, b: str, t: str, k: str) -> str:
@@ -240,7 +233,7 @@ def curve(row: str, sel: dict, drafts: dict, t: str) -> list[str]:
         if got:
             served[c["step"]] = got["tau"]
         cells = [str(c["step"]), f"{c['sim_tau']:.3f}" if "sim_tau" in c else "-", f"{c['replay_tau']:.3f}",
-                 f"{got['tau']:.3f} [{got['tau_ci95'][0]:.2f}, {got['tau_ci95'][1]:.2f}]" if got else "not measured"]
+                 dr.fmt_tau(got, 2) if got else "not measured"]
         if c["step"] == sel["chosen_step"]:
             cells = [f"**{x}**" for x in cells]
         lines.append("| " + " | ".join(cells) + " |")
