@@ -146,6 +146,9 @@ def main(argv=None):
     p.add_argument("--only", choices=("data", "data_greedy", "data_sampled", "rows", "eval"), default=None,
                    help="do one part and stop (the two data parts can run as two processes)")
     args = p.parse_args(argv)
+    if args.sources and args.greedy_row:
+        raise SystemExit("--greedy-row trains on all of the base's datasets; with --sources the greedy row is "
+                         "this script's own (drop one of the two)")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -161,7 +164,7 @@ def main(argv=None):
     num = max(1, round(args.share * dr.num_train(greedy_data, args.config)))
     greedy = greedy_data if args.sources else args.greedy_row or args.out / "rows" / "greedy"
     if args.only in (None, "rows"):
-        if args.greedy_row and not args.sources:
+        if args.greedy_row:
             check_row(args.greedy_row, args.base, row_flags(num, args))
         else:
             if not args.sources:

@@ -75,3 +75,13 @@ def test_a_greedy_row_from_elsewhere_is_checked(tmp_path):
           {**inputs, "02b_hidden_states/manifest.json": "0" * 64})
     with pytest.raises(SystemExit, match="other 02b/03"):
         regen.check_row(row, base, flags)
+
+
+def test_a_greedy_row_from_elsewhere_is_refused_with_sources(tmp_path):
+    """--greedy-row was trained on all the base's datasets: beside --sources it would compare other data."""
+    import pytest
+
+    with pytest.raises(SystemExit, match="--greedy-row trains on all"):
+        regen.main(["--base", str(tmp_path), "--out", str(tmp_path / "o"), "--sources", "code",
+                    "--greedy-row", str(tmp_path / "row")])
+    assert not (tmp_path / "o").exists()
