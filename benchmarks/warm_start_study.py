@@ -11,8 +11,8 @@ in-domain family; SmolLM2's answers shipped in assets/smollm2/general_responses.
 each with --candidates-per-epoch 1 (the export is the selected candidate; for warm starts the stand-in
 itself is candidate 0). The recipe rows run at the full size or --recipe-share: --epochs-curve N adds
 scratch and warm for N epochs (a candidate per epoch: replay tau on 04's held-out split and the chosen
-epoch; every candidate is also measured on the reported prompts), --warm-learning-rates adds warm rows
-with other learning rates.
+epoch; every candidate is also measured on the reported prompts), --warm-recipes adds warm rows
+that change one flag of the fine-tune recipe (learning rate, warm-up, L2-SP weight).
 Every draft, the stand-in included, is measured by 05 reference mode side by side (`--draft`): on the
 in-domain held-out prompts (four families never trained on) and on the stand-in's own held-out prompts
 (forgetting), greedy and at T 1.0 / top-p 0.95, k = 3, 5, 7, with paired 95% intervals.
@@ -27,7 +27,9 @@ a 2-core AVX2 CPU in fp32: 02b of the stand-in ~0.5 h, its 04 ~1.5 h at one samp
 """
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -41,6 +43,20 @@ WORLD_DATA = REPO / "build" / "smollm2" / "data"
 GENERAL_RESPONSES = REPO / "assets" / "smollm2" / "general_responses.jsonl.gz"
 GENERAL_HELDOUT = REPO / "assets" / "smollm2" / "general_heldout_responses.jsonl.gz"
 VARIANTS = ("scratch", "warm", "warm_l2sp")
+RECIPE_FLAGS = {"learning-rate": "lr", "warmup-ratio": "warmup", "l2sp-weight": "l2sp"}   # 04 flag: row name
+RECIPE_ROW = re.compile(r"^warm_(%s)\d" % "|".join(RECIPE_FLAGS.values()))   # warm_lr0.0001_0.25, not warm_l2sp_1
+
+
+def recipe(text: str) -> str:
+    """A --warm-recipes item: FLAG=VALUE with a flag the recipe rows vary and a number."""
+    flag, _, value = text.partition("=")
+    if flag not in RECIPE_FLAGS:
+        raise argparse.ArgumentTypeError(f"{flag!r}: the recipe rows vary {', '.join(RECIPE_FLAGS)}")
+    try:
+        float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value is not a number") from None
+    return text
 UPSTREAM = ("01c_merged", "02b_hidden_states", "03_vocab")
 
 
@@ -83,8 +99,9 @@ def rows(args, standin: Path) -> dict[str, dict]:
            for share in sorted(args.shares) for v in VARIANTS}
     share = max(args.shares) if args.recipe_share is None else args.recipe_share
     size = None if share == 1 else max(1, round(share * total))
-    for lr in args.warm_learning_rates:   # the fine-tune recipe
-        out[f"warm_lr{lr:g}_{share:g}"] = {**row_flags("warm", size, standin, args), "learning-rate": lr}
+    for flag, value in (v.split("=", 1) for v in args.warm_recipes):   # the fine-tune recipe
+        out[f"warm_{RECIPE_FLAGS[flag]}{float(value):g}_{share:g}"] = {**row_flags("warm", size, standin, args),
+                                                                        flag: float(value)}
     if args.epochs_curve:
         for v in ("scratch", "warm"):
             out[f"{v}{'' if share == 1 else f'_{share:g}'}_epochs{args.epochs_curve}"] = {
@@ -98,10 +115,11 @@ def main(argv=None):
     p.add_argument("--l2sp-weight", type=float, default=0.01, help="the warm_l2sp rows' --l2sp-weight")
     p.add_argument("--epochs-curve", type=int, default=6, help="epochs of the curve rows (0: none)")
     p.add_argument("--recipe-share", type=float, default=None,
-                   help="in-domain share of the recipe rows, the epochs curve and the learning rates (default the "
+                   help="in-domain share of the recipe rows, the epochs curve and --warm-recipes (default the "
                         "largest --shares; a smaller share costs less and over-trains sooner)")
-    p.add_argument("--warm-learning-rates", type=float, nargs="*", default=[],
-                   help="extra warm rows (at --recipe-share) with these learning rates (the preset's is the warm row)")
+    p.add_argument("--warm-recipes", nargs="*", default=[], metavar="FLAG=VALUE", type=recipe,
+                   help="extra warm rows (at --recipe-share), each changing one 04 flag of the warm row: "
+                        f"{', '.join(RECIPE_FLAGS)} (e.g. learning-rate=1e-4 warmup-ratio=0.2 l2sp-weight=1)")
     p.add_argument("--train-flags", nargs="*", default=[], metavar="FLAG=VALUE", help="extra 04 flags, every row")
     p.add_argument("--standin-samples", type=int, default=None,
                    help="train the stand-in on this many of the 3,080 general samples (default all; keep it >= 2x "
@@ -274,11 +292,11 @@ def report(results: dict, args) -> str:
             lines.append(f"| {s} | {t} | {relative(ind, f'warm_{s}', scratch, t, k)} | "
                          f"{relative(ind, f'warm_l2sp_{s}', scratch, t, k)} | {relative(ind, f'warm_{s}', 'standin', t, k)} | "
                          f"{relative(gen, f'warm_{s}', 'standin', t, k)} | {relative(gen, f'warm_l2sp_{s}', 'standin', t, k)} |")
-    lrs = [n for n in results["rows"] if n.startswith("warm_lr")]
-    if lrs:   # warm_lr{lr}_{share} against warm_{share}, the preset's learning rate
-        lines += ["", f"## Fine-tune learning rate at k = {k}, against the preset's (warm row of the same share)", "",
+    recipes = [n for n in results["rows"] if RECIPE_ROW.match(n)]
+    if recipes:   # warm_{flag}{value}_{share} against warm_{share}, the preset's recipe
+        lines += ["", f"## Fine-tune recipe at k = {k}, against the preset's (warm row of the same share)", "",
                   "| row | T | in-domain | general (forgetting) |", "|---|---|---|---|"]
-        for n in lrs:
+        for n in recipes:
             ref = f"warm_{n.rsplit('_', 1)[1]}"
             lines += [f"| {n} vs {ref} | {t} | {relative(ind, n, ref, t, k)} | {relative(gen, n, ref, t, k)} |" for t in temps]
     curves = {n: v for n, v in results["selection"].items() if "epochs" in n and v}

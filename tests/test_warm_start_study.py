@@ -9,7 +9,7 @@ study = importlib.import_module("benchmarks.warm_start_study")
 
 def args(**kw):
     base = dict(seed=0, train_flags=["batch-tokens=2048"], l2sp_weight=0.01, shares=[0.25, 1.0],
-                epochs_curve=3, recipe_share=None, num_draft_tokens=[3, 5], warm_learning_rates=[1e-4])
+                epochs_curve=3, recipe_share=None, num_draft_tokens=[3, 5], warm_recipes=["learning-rate=1e-4"])
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -101,11 +101,28 @@ def test_candidate_exports_hold_each_candidates_weights(micro_target, tmp_path):
 
 def test_rows_name_the_curve_share(monkeypatch):
     monkeypatch.setattr(study.dr, "num_train", lambda base, config: 100)
-    a = args(base=None, config=None, shares=[0.5, 1.0], warm_learning_rates=[])
+    a = args(base=None, config=None, shares=[0.5, 1.0], warm_recipes=[])
     full = study.rows(a, Path("/s"))
     assert full["warm_epochs3"]["num-epochs"] == 3 and "max-train-samples" not in full["warm_epochs3"]
-    quarter = study.rows(args(base=None, config=None, shares=[1.0], warm_learning_rates=[], recipe_share=0.25),
+    quarter = study.rows(args(base=None, config=None, shares=[1.0], warm_recipes=[], recipe_share=0.25),
                          Path("/s"))
     assert quarter["scratch_0.25_epochs3"]["max-train-samples"] == 25 and "warm_epochs3" not in quarter
     lr = study.rows(args(base=None, config=None, shares=[1.0], recipe_share=0.25), Path("/s"))["warm_lr0.0001_0.25"]
     assert lr["learning-rate"] == 1e-4 and lr["max-train-samples"] == 25 and lr["init-from"] == "/s"
+
+
+def test_recipe_rows_change_one_flag_and_are_told_from_the_l2sp_variant(monkeypatch):
+    import pytest
+
+    monkeypatch.setattr(study.dr, "num_train", lambda base, config: 100)
+    a = args(base=None, config=None, shares=[1.0], recipe_share=0.25,
+             warm_recipes=["warmup-ratio=0.2", "l2sp-weight=1", "learning-rate=1e-3"])
+    rows = study.rows(a, Path("/s"))
+    warm = study.row_flags("warm", 25, Path("/s"), a)   # the preset's warm row at 25 samples
+    assert rows["warm_warmup0.2_0.25"] == {**warm, "warmup-ratio": 0.2}
+    assert rows["warm_l2sp1_0.25"] == {**warm, "l2sp-weight": 1.0}
+    assert rows["warm_lr0.001_0.25"] == {**warm, "learning-rate": 1e-3}
+    assert [n for n in rows if study.RECIPE_ROW.match(n)] == ["warm_warmup0.2_0.25", "warm_l2sp1_0.25", "warm_lr0.001_0.25"]
+    for bad in ("num-epochs=3", "learning-rate=fast"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            study.recipe(bad)
