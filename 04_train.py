@@ -57,73 +57,52 @@ from common.training.teacher import step_counts, teacher_from_topk, teacher_targ
 from common.training.warm_start import VOCAB_MODES, WarmStart, anchors, init_from, l2sp_penalty
 
 STAGE = "04_train"
-# Flags whose change makes a checkpoint's data cursor, schedule or recipe meaningless: resume refuses them.
-PLAN_KEYS = ("seed", "batch_tokens", "max_samples_per_batch", "max_seq_len", "eval_fraction", "num_epochs",
-             "max_steps", "max_train_samples", "ttt_steps", "learning_rate", "warmup_ratio", "adam_betas", "init", "init_std",
-             "loss_normalization", "draft_num_attention_heads", "draft_num_key_value_heads",
-             "draft_intermediate_size", "init_from", "init_vocab", "l2sp_weight", "candidates_per_epoch",
-             "select_num_draft_tokens", "loss")
+PLAN = "(resume refuses a change)"   # in a group's title: its flags are the plan a checkpoint was made with
 
 
 def build_parser():
     p = base_parser(__doc__)
-    g = p.add_argument_group("train")
-    g.add_argument("--target-path", type=Path, default=None,
-                   help="optional: the target model folder; refused if it differs from the 02b one")
-    g.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll depth (steps)")
-    g.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW peak learning rate")
-    g.add_argument("--num-epochs", type=int, default=10, help="passes over the training samples")
-    g.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (the schedule ends there)")
-    g.add_argument("--max-train-samples", type=int, default=None,
-                   help="train on this many samples only (count), chosen by a seeded hash of the sample id, so "
-                        "smaller sets are subsets of larger ones (data-scaling curves, ablations)")
-    g.add_argument("--warmup-ratio", type=float, default=0.015, help="share of steps with linear warmup")
-    g.add_argument("--grad-clip", type=float, default=0.5, help="global gradient-norm clip")
-    g.add_argument("--batch-tokens", type=int, default=4096,
-                   help="token budget per batch = optimizer step, all ranks together (samples x longest)")
-    g.add_argument("--max-samples-per-batch", type=int, default=None,
-                   help="cap on samples per batch besides the token budget (1 = one sample per step)")
-    g.add_argument("--max-seq-len", type=int, default=4096,
-                   help="longest sample used (tokens); 01c drops longer ones, 04 truncates any left")
-    g.add_argument("--eval-fraction", type=float, default=0.02,
-                   help="share of samples held out for eval, chosen by a hash of the sample id")
-    g.add_argument("--eval-every", type=int, default=500, help="held-out eval interval (steps)")
-    g.add_argument("--save-every", type=int, default=1000, help="checkpoint interval (steps)")
-    g.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept (>= 2)")
-    g.add_argument("--log-every", type=int, default=10, help="log interval (steps)")
-    g.add_argument("--stop-at-step", type=int, default=None,
-                   help="checkpoint and stop at this step without exporting (time-boxed jobs); re-run to go on")
-    g.add_argument("--draft-num-attention-heads", type=int, default=None,
+    d = p.add_argument_group(f"draft shape and init {PLAN}")
+    d.add_argument("--draft-num-attention-heads", type=int, default=None,
                    help="draft attention heads (default: the target's; head_dim = hidden / heads)")
-    g.add_argument("--draft-num-key-value-heads", type=int, default=None,
+    d.add_argument("--draft-num-key-value-heads", type=int, default=None,
                    help="draft KV heads (default: min(8, heads) when it divides heads, else heads)")
-    g.add_argument("--draft-intermediate-size", type=int, default=None,
+    d.add_argument("--draft-intermediate-size", type=int, default=None,
                    help="draft MLP width (default: the target's dense intermediate_size)")
-    g.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("BETA1", "BETA2"),
-                   help="AdamW betas")
-    g.add_argument("--init", choices=("default", "normal"), default="default",
+    d.add_argument("--init", choices=("default", "normal"), default="default",
                    help="weights of the draft's linear layers: PyTorch's default init or normal(0, --init-std)")
-    g.add_argument("--init-std", type=float, default=0.02, help="std of --init normal")
-    g.add_argument("--loss-normalization", choices=("supervised", "batch"), default="supervised",
+    d.add_argument("--init-std", type=float, default=0.02, help="std of --init normal")
+    d.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
+    r = p.add_argument_group(f"recipe {PLAN}")
+    r.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll depth (steps)")
+    r.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW peak learning rate")
+    r.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("BETA1", "BETA2"),
+                   help="AdamW betas")
+    r.add_argument("--grad-clip", type=float, default=0.5, help="global gradient-norm clip")
+    r.add_argument("--loss-normalization", choices=("supervised", "batch"), default="supervised",
                    help="divide each TTT step's summed soft-CE by its supervised positions, or by samples x "
                         "padded length of the batch (B*T, as SpecForge)")
-    g.add_argument("--loss", choices=("kl", "lk_alpha", "lk_lambda"), default="kl",
+    r.add_argument("--loss", choices=("kl", "lk_alpha", "lk_lambda"), default="kl",
                    help="per-position TTT objective: kl = soft cross-entropy against the teacher (EAGLE); the LK "
                         "losses of arXiv 2602.23881 target the acceptance rate alpha = sum_v min(p, q) directly: "
                         "lk_alpha = -log alpha, lk_lambda = lam*KL + (1-lam)*(1-alpha), lam = exp(-3 * mean "
                         "alpha) per step (common/training/loss.py)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
-    g.add_argument("--device", default=None, help="cpu|cuda (default: cuda if available; torchrun: one GPU per rank)")
-    g.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
-                   help="bf16: autocast matmuls and attention over fp32 master weights, bf16 teacher head; "
-                        "auto = bf16 on CUDA, and on a CPU whose bf16 GEMM is measured fast at start-up "
-                        "(common/training/precision.py), else fp32")
-    g.add_argument("--prefetch-batches", type=int, default=2,
-                   help="batches read and collated ahead on a background thread (0 = read in the loop)")
-    g.add_argument("--shard-optimizer", choices=("auto", "on", "off"), default="auto",
-                   help="ZeRO-1 AdamW state sharding under torchrun; auto = on when the fp32 weights, grads and "
-                        "moments would take > 15%% of one GPU")
-    w = p.add_argument_group("warm start and checkpoint selection (docs/design.md section 12)")
+    s = p.add_argument_group(f"data and schedule {PLAN}")
+    s.add_argument("--num-epochs", type=int, default=10, help="passes over the training samples")
+    s.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (the schedule ends there)")
+    s.add_argument("--max-train-samples", type=int, default=None,
+                   help="train on this many samples only (count), chosen by a seeded hash of the sample id, so "
+                        "smaller sets are subsets of larger ones (data-scaling curves, ablations)")
+    s.add_argument("--warmup-ratio", type=float, default=0.015, help="share of steps with linear warmup")
+    s.add_argument("--batch-tokens", type=int, default=4096,
+                   help="token budget per batch = optimizer step, all ranks together (samples x longest)")
+    s.add_argument("--max-samples-per-batch", type=int, default=None,
+                   help="cap on samples per batch besides the token budget (1 = one sample per step)")
+    s.add_argument("--max-seq-len", type=int, default=4096,
+                   help="longest sample used (tokens); 01c drops longer ones, 04 truncates any left")
+    s.add_argument("--eval-fraction", type=float, default=0.02,
+                   help="share of samples held out for eval, chosen by a hash of the sample id")
+    w = p.add_argument_group(f"warm start and checkpoint selection (docs/design.md section 12) {PLAN}")
     w.add_argument("--init-from", type=Path, default=None,
                    help="fine-tune this EAGLE-3 draft (SGLang layout, e.g. a public Kimi draft or 04's "
                         "export_sglang/, or the speculators layout); checked against the target and the 02b "
@@ -139,7 +118,37 @@ def build_parser():
                         "replay tau on the held-out selection split and export the best (0 = export the last)")
     w.add_argument("--select-num-draft-tokens", type=int, default=3,
                    help="chain length k of the selection's replay tau (the served setting: 3 = SGLang 3,1,4)")
+    c = p.add_argument_group("checkpoints and logging")
+    c.add_argument("--eval-every", type=int, default=500, help="held-out eval interval (steps)")
+    c.add_argument("--save-every", type=int, default=1000, help="checkpoint interval (steps)")
+    c.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept (>= 2)")
+    c.add_argument("--log-every", type=int, default=10, help="log interval (steps)")
+    c.add_argument("--stop-at-step", type=int, default=None,
+                   help="checkpoint and stop at this step without exporting (time-boxed jobs); re-run to go on")
+    rt = p.add_argument_group("runtime")
+    rt.add_argument("--target-path", type=Path, default=None,
+                    help="optional: the target model folder; refused if it differs from the 02b one")
+    rt.add_argument("--device", default=None,
+                    help="cpu|cuda (default: cuda if available; torchrun: one GPU per rank)")
+    rt.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                    help="bf16: autocast matmuls and attention over fp32 master weights, bf16 teacher head; "
+                         "auto = bf16 on CUDA, and on a CPU whose bf16 GEMM is measured fast at start-up "
+                         "(common/training/precision.py), else fp32")
+    rt.add_argument("--prefetch-batches", type=int, default=2,
+                    help="batches read and collated ahead on a background thread (0 = read in the loop)")
+    rt.add_argument("--shard-optimizer", choices=("auto", "on", "off"), default="auto",
+                    help="ZeRO-1 AdamW state sharding under torchrun; auto = on when the fp32 weights, grads and "
+                         "moments would take > 15%% of one GPU")
     return p
+
+
+def plan_keys(parser) -> tuple[str, ...]:
+    """The flags of the groups marked PLAN: a checkpoint's data cursor, schedule or weights mean nothing
+    under other values of them, so resume refuses a change (a flag added to such a group is covered)."""
+    return tuple(a.dest for g in parser._action_groups if g.title.endswith(PLAN) for a in g._group_actions)
+
+
+PLAN_KEYS = plan_keys(build_parser())
 
 
 def cosine_with_warmup(warmup: int, total: int):

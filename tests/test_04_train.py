@@ -76,7 +76,8 @@ def test_resume_equals_uninterrupted(upstream, tmp_path):
         train.main(["--work-dir", str(b), *flags, "--batch-tokens", "128"])
     for changed, name in ((["--adam-betas", "0.9", "0.999"], "adam_betas"), (["--init", "normal"], "init"),
                           (["--loss-normalization", "batch"], "loss_normalization"),
-                          (["--max-samples-per-batch", "1"], "max_samples_per_batch")):
+                          (["--max-samples-per-batch", "1"], "max_samples_per_batch"),
+                          (["--grad-clip", "1.0"], "grad_clip")):
         with pytest.raises(StageError, match=name):
             train.main(["--work-dir", str(b), *flags, *changed])
     train.main(["--work-dir", str(b), *flags])
@@ -92,6 +93,20 @@ def test_resume_equals_uninterrupted(upstream, tmp_path):
         assert ra["split"] == rb["split"] and abs(ra["loss"][0] - rb["loss"][0]) < 1e-5
         assert abs(ra["tau"] - rb["tau"]) < 1e-6
     assert not (b / "04_draft" / "checkpoints" / "step_000009").exists()
+
+
+def test_the_plan_is_every_flag_of_the_marked_groups():
+    """Resume refuses a change of the recipe, schedule, draft and warm-start flags and of no runtime one; a
+    flag added to a marked group joins the plan without a second list to keep."""
+    plan = set(train.PLAN_KEYS)
+    assert {"seed", "learning_rate", "grad_clip", "warmup_ratio", "batch_tokens", "loss", "init_from",
+            "l2sp_weight", "candidates_per_epoch", "draft_intermediate_size"} <= plan
+    assert not plan & {"eval_every", "save_every", "keep_checkpoints", "log_every", "stop_at_step", "device",
+                       "precision", "prefetch_batches", "shard_optimizer", "target_path", "work_dir", "overwrite"}
+    p = train.build_parser()
+    recipe = next(g for g in p._action_groups if g.title.startswith("recipe"))
+    recipe.add_argument("--new-recipe-knob", type=float, default=1.0)
+    assert set(train.plan_keys(p)) == plan | {"new_recipe_knob"}
 
 
 def test_refuses_missing_upstream_and_other_target(upstream, tmp_path, other_micro_target):
