@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import io
 import json
-import platform
 import random
 import shutil
 import tarfile
@@ -35,8 +34,8 @@ from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
 from common.config import base_parser, parse_args
 from common.io import write_jsonl
-from common.stage import (StageError, package_versions, read_manifest, sha256_file, start_stage, target_identity,
-                          tokenizer_identity, torch_threads, write_manifest)
+from common.stage import (StageError, host_info, package_versions, read_manifest, sha256_file, start_stage,
+                          target_identity, tokenizer_identity, torch_threads, write_manifest)
 from common.text.chat_format import render_prompt
 from common.worlds import tiny_tasks as tw
 from common.worlds import tiny_train as tt
@@ -103,17 +102,6 @@ def build_parser():
     g.add_argument("--tiny-eval-new-tokens", type=int, default=192,
                    help="greedy tokens per gate prompt at most (tokens)")
     return p
-
-
-def cpu_name() -> str:
-    """The CPU model (its kernels decide the float rounding a build trains with)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def log_time(name: str, t0: float) -> float:
@@ -290,7 +278,7 @@ def build(args, tiny_dir: Path) -> None:
           f"{quality['mean_response_tokens']} tokens/response | build {total:.0f} s")
     write_manifest(
         tiny_dir, STAGE, args, source="build", build_settings=build_settings(args),
-        built_on={"cpu": cpu_name(), "machine": platform.machine(),
+        built_on={**host_info(),
                   **{k: v for k, v in package_versions().items() if k in ("torch", "transformers", "tokenizers")}},
         tokenizer=tokenizer_identity(target_dir), target=target_identity(target_dir),
         target_path=str(target_dir), prompts_path=str(data_dir / "prompts.jsonl"),

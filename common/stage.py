@@ -4,6 +4,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -194,6 +196,26 @@ def package_versions() -> dict:
     return versions
 
 
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")   # what decides fp32 vs bf16 speed on a CPU
+
+
+def host_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """The machine a stage ran on: CPU model, its vector features that matter here and the core count, so
+    a number quoted from a manifest names its CPU (the same model name may or may not have AVX-512 bf16)."""
+    name, flags = None, set()
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name is None:
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": name or platform.processor() or platform.machine(), "machine": platform.machine(),
+            "cores": os.cpu_count(), "cpu_features": [f for f in CPU_FEATURES if f in flags]}
+
+
 def write_manifest(out_dir: str | Path, stage: str, args, **fields) -> dict:
     """Write manifest.json last: the marker that the stage finished. Returns what was written."""
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
@@ -204,6 +226,7 @@ def write_manifest(out_dir: str | Path, stage: str, args, **fields) -> dict:
         **fields,
         "versions": package_versions(),
         "git_revision": git_revision(),
+        "host": host_info(),
     }
     write_json(Path(out_dir) / MANIFEST, json.loads(json.dumps(manifest, default=str)))
     return manifest

@@ -60,6 +60,18 @@ def test_start_stage_complete_is_noop_unless_overwrite(tmp_path, capsys):
     assert stage.start_stage(out, overwrite=True, stage="09_test") and not stage.is_complete(out)
 
 
+def test_a_manifest_names_the_machine(tmp_path):
+    """Numbers quoted from a manifest name their CPU: the model, the vector features that decide fp32 against
+    bf16 speed (two machines with one model name differ there) and the cores."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 avx512f amx_bf16 sse\n\n"
+                       "processor\t: 1\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 avx512f amx_bf16 sse\n")
+    host = stage.host_info(cpuinfo)
+    assert host["cpu"] == "Some Xeon" and host["cpu_features"] == ["avx2", "avx512f", "amx_bf16"]
+    m = stage.write_manifest(tmp_path / "s", "t", argparse.Namespace(a=1))
+    assert m["host"]["cores"] >= 1 and stage.read_manifest(tmp_path / "s")["host"] == m["host"]
+
+
 def test_require_complete_names_the_producer(tmp_path):
     with pytest.raises(stage.StageError, match="01b_generate_synthetic.py"):
         stage.require_complete(tmp_path / "missing", "01b_generate_synthetic")
