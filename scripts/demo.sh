@@ -24,7 +24,7 @@ for stage in 01_prepare_datasets.py 01b_generate_synthetic.py 01c_merge_datasets
 done
 report="$WORK/05_benchmark/reference/report.md"
 if [ -f "$report" ]; then
-  echo; sed -n '/^| k /,/^$/p' "$report"
+  echo; "$PY" benchmarks/demo_table.py "$WORK"   # the README's result block, from 05's files
   if [ "$BUILDER" = 00_build_tiny_world.py ]; then
     # The draft can only be as good as what it imitates: show how varied the target's own text is.
     "$PY" -c "import json,sys; q=json.load(open(sys.argv[1]))['quality']; print('tiny target quality:', ', '.join(f'{k} {q[k]}' for k in ('held_out_loss','distinct_token_ids','repeated_4gram_rate','ends_with_im_end_share')))" build/tiny-kimi/manifest.json

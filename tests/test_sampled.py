@@ -215,6 +215,12 @@ def test_main_reports_greedy_and_sampled_side_by_side(micro_target, target, prom
     assert f"tau T={T_SHARP:g}" in report and "tau T=0" in report and "sampled loop" in report
     assert list((tmp_path / "replay_cache").glob(f"*_T{T_SHARP:g}_topp0.9_seed0.jsonl"))
     assert json.loads((out / "manifest.json").read_text())["tau_by_temperature"][f"{T_SHARP:g}"].keys() == {"2"}
+    # the README's block, printed from these files (benchmarks/demo_table.py)
+    block = importlib.import_module("benchmarks.demo_table").block(tmp_path)
+    row = f"| 2 | {m['by_num_draft_tokens']['2']['tau']:.2f} | "
+    assert row in block and f"| tau T={T_SHARP:g} | 95% CI |" in block and "| loop tau (1) |" in block
+    assert f"{e['tau']:.2f} | [{e['tau_ci95'][0]:.2f}, {e['tau_ci95'][1]:.2f}] |" in block
+    assert "The sampled loop (3 prompts)" in block and " cores)" in block
 
 
 def _without_speed(per_k: dict) -> dict:
