@@ -8,7 +8,7 @@ Tiny:   python 01_prepare_datasets.py --config configs/tiny.yaml --work-dir runs
 
 Each dataset (a hub id with config and split, or local JSONL / JSON / parquet) is mapped to chat
 records by its adapter (common/datasets/), cut to a prompt whose next assistant turn the target writes
-in 01b (the v4 mix's `cut`, `thinking-ratio`, `filters`, `max-records`: common/datasets/mix.py), its
+in 01b (the mix's `cut`, `thinking-ratio`, `filters`, `max-records`: common/datasets/mix.py), its
 tool-call ids rewritten to Kimi's `functions.NAME:IDX` (Kimi-format targets only) and literal
 special-token strings scrubbed. The target's text format (its template, end of turn, whether it renders
 thinking, tools and tool calls; common/text/target_format.py) decides what survives, and is recorded.
@@ -29,8 +29,7 @@ from datasets import load_dataset
 from jinja2 import TemplateError
 
 from common.config import base_parser, parse_args
-from common.datasets.adapters import ADAPTERS, BadRow
-from common.datasets.mix import V4_SPEC_KEYS, FilteredRow, check_v4_spec, expand_row, length_partition
+from common.datasets.mix import ADAPTERS, MIX_SPEC_KEYS, BadRow, FilteredRow, check_mix_spec, expand_row, length_partition
 from common.io import write_jsonl
 from common.stage import (StageError, is_complete, read_manifest, stage_dir, start_stage, target_identity,
                           tokenizer_identity, write_manifest)
@@ -40,7 +39,7 @@ from common.text.tokenizer import load_tokenizer
 
 STAGE = "01_prepare_datasets"
 SPEC_KEYS = {"name", "adapter", "path", "hf-id", "hf-config", "split", "max-rows", "complete",
-             "max-records", "benchmark-only"} | V4_SPEC_KEYS
+             "max-records", "benchmark-only"} | MIX_SPEC_KEYS
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -108,7 +107,7 @@ def check_specs(specs) -> list[dict]:
         if spec.get("benchmark-only") and spec.get("complete"):
             raise StageError(f"dataset {name}: benchmark-only prompts need no answer; drop `complete`")
         try:
-            check_v4_spec(spec)
+            check_mix_spec(spec)
         except ValueError as e:
             raise StageError(str(e)) from None
     return specs

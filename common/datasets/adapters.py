@@ -3,7 +3,7 @@
 An adapter takes `(row: dict, index: int)` and returns `(key, messages, tools, meta)`, or raises
 `BadRow(reason)` so that 01 can skip the row and count the reason. Adapters only map fields; what is
 common to every family (dropping turns before the first user turn, cutting to a prompt, tool-call id
-rewriting, special-token scrubbing, validation) happens in `unify()` / `finish_record()`.
+rewriting, special-token scrubbing, validation) happens in `common.datasets.mix.expand_row` / `finish_record()`.
 Families (schemas: docs/design.md section 8):
   messages       {"id"|"prompt_id"|"uuid"|..., "messages": [OpenAI messages] (list or JSON text),
                   "tools"?: [OpenAI tool schemas] (list or JSON text)}   (ultrachat, SWE traces, demo)
@@ -257,24 +257,6 @@ def adapt_instruction(row: dict, index: int):
     return row_key(row, index), [{"role": "user", "content": text}], None, {}
 
 
-ADAPTERS = {"messages": adapt_messages, "conversations": adapt_conversations,
-            "instruction": adapt_instruction}
-
-
-def unify(row: dict, index: int, adapter: str, source: str, scrub: re.Pattern, thinking: bool,
-          complete: bool = False) -> tuple[dict, int]:
-    """Raw row -> unified record (docs/formats.md) and the number of special-token strings scrubbed.
-
-    Prompt-only (`complete=False`): trailing assistant turns (not written by the target) are cut so
-    the record ends with a user or tool message. `complete=True` keeps a final assistant turn (data
-    the target itself wrote) and requires it.
-    """
-    key, messages, tools, meta = ADAPTERS[adapter](row, index)
-    messages, dropped = drop_leading_turns(messages)
-    return finish_record(key, messages, tools, add_repair(meta, "leading_turns_dropped", dropped), source,
-                         scrub, thinking, complete)
-
-
 def drop_leading_turns(messages: list[dict]) -> tuple[list[dict], int]:
     """Drop the assistant and tool turns before the first user turn (system turns stay); returns
     (messages, number dropped). Split conversations (ShareGPT) often open with the bot's turn, a
@@ -289,7 +271,7 @@ def drop_leading_turns(messages: list[dict]) -> tuple[list[dict], int]:
 def finish_record(key: str, messages: list[dict], tools: list[dict] | None, meta: dict, source: str,
                   scrub: re.Pattern, thinking: bool, complete: bool = False,
                   kimi_tool_ids: bool = True) -> tuple[dict, int]:
-    """The family-independent half of `unify`: an adapter's output -> record and scrub count.
+    """The family-independent half of 01's work on a row: an adapter's output -> record and scrub count.
     `kimi_tool_ids`: rewrite tool-call ids to Kimi's form (only for a Kimi-format target)."""
     if not complete:
         while messages and messages[-1]["role"] == "assistant":

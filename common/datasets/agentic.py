@@ -1,4 +1,4 @@
-"""v4 adapters for agent and function-calling datasets: native tool calls, and text-encoded calls parsed.
+"""The mix's adapters for agent and function-calling datasets: native tool calls, and text-encoded calls parsed.
 
 Each adapter is `fn(row, index, **options) -> (key, messages, tools, meta)` (the contract of
 common/datasets/adapters.py) and raises `BadRow(reason)` for a broken row or `FilteredRow(reason)` for a good row

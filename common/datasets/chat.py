@@ -1,4 +1,4 @@
-"""v4 adapters for code-instruction, reasoning and general-chat datasets (prompt sources).
+"""The mix's adapters for code-instruction, reasoning and general-chat datasets (prompt sources).
 
 Same contract as common/datasets/agentic.py: `fn(row, index, **options) -> (key, messages, tools,
 meta)`, `BadRow` for broken rows, `FilteredRow` for rows a filter drops. Every answer here was written

@@ -1,9 +1,10 @@
-"""The v4 dataset mix: adapter registry, per-dataset options, trajectory cutting, thinking ratio, length partition.
+"""The dataset mix: the adapter registry, per-dataset options, trajectory cutting, thinking ratio, length partition.
 
-`V4_ADAPTERS` maps adapter names to `fn(row, index)` with the contract of common/datasets/adapters.py (each with
-its default filters); importing this module registers them in `common.datasets.adapters.ADAPTERS`.
+`ADAPTERS` maps every adapter name a --datasets entry may give to `fn(row, index, **filters)` with the contract
+of common/datasets/adapters.py: the generic shapes (any dataset stored that way) and one adapter per dataset of
+the mix (train_plan_v4.md section 1), whose keyword options are the entry's filters.
 `expand_row(row, index, spec, ...)` is what 01 calls for every dataset: the entry's `filters` become
-adapter options (v4 adapters), the conversation is cut at one or more assistant turns (`cut`: last |
+adapter options, the conversation is cut at one or more assistant turns (`cut`: last |
 random | every), each cut gets thinking on or off by the entry's `thinking-ratio`, and every cut goes
 through common.datasets.adapters.finish_record (id rewriting, scrubbing, validation). Per-dataset keys it reads:
   cut             last (default) | random (one turn, RNG keyed by seed and row key) |
@@ -14,6 +15,8 @@ through common.datasets.adapters.finish_record (id rewriting, scrubbing, validat
   filters         mapping of adapter options, kebab-case (resolved-only, min-test-score, languages, ...)
 Before cutting, turns before the first user turn are dropped (common.datasets.adapters.drop_leading_turns);
 agent trajectories are never cut after the result of their episode-ending tool (EPISODE_END_TOOLS).
+
+Adding a dataset adapter: docs/design.md section 8.
 """
 from __future__ import annotations
 
@@ -21,18 +24,23 @@ import inspect
 import random
 from collections import Counter
 
-from common.datasets.adapters import ADAPTERS, BadRow, add_repair, drop_leading_turns, finish_record
+from common.datasets.adapters import (BadRow, adapt_conversations, adapt_instruction, adapt_messages, add_repair,
+                                      drop_leading_turns, finish_record)
 from common.datasets.agentic import (FilteredRow, adapt_hermes, adapt_open_swe, adapt_swe_rebench,
                                      adapt_swe_smith, adapt_toolace, adapt_toucan, adapt_xlam)
 from common.datasets.chat import (adapt_magicoder_evol, adapt_magicoder_oss, adapt_opc_sft,
                                   adapt_opencodeinstruct, adapt_opencodereasoning, adapt_openthoughts,
                                   adapt_sharegpt, adapt_ultrachat, adapt_wildchat)
 
-__all__ = ["V4_ADAPTERS", "RAW_ADAPTERS", "FilteredRow", "BadRow", "expand_row", "cut_trajectory",
-           "thinking_for", "length_partition", "check_v4_spec", "V4_SPEC_KEYS", "CUT_MODES"]
+__all__ = ["ADAPTERS", "GENERIC_ADAPTERS", "FilteredRow", "BadRow", "expand_row", "cut_trajectory",
+           "thinking_for", "length_partition", "check_mix_spec", "MIX_SPEC_KEYS", "CUT_MODES"]
 
-# name -> (adapter, family). Families as in the mix table of train_plan_v4.md section 1.
-RAW_ADAPTERS = {
+# Any dataset stored in one of these shapes; no filters.
+GENERIC_ADAPTERS = {"messages": adapt_messages, "conversations": adapt_conversations,
+                    "instruction": adapt_instruction}
+# name -> adapter, by family as in the mix table of train_plan_v4.md section 1.
+ADAPTERS = {
+    **GENERIC_ADAPTERS,
     "swe_rebench": adapt_swe_rebench,          # SWE trajectories, OpenAI tool calls
     "open_swe": adapt_open_swe,
     "swe_smith": adapt_swe_smith,
@@ -57,7 +65,7 @@ CUT_MODES = ("last", "random", "every")
 # https://github.com/All-Hands-AI/OpenHands); SWE-agent (SWE-smith): `submit` (SWE_AGENT_TOOLS).
 EPISODE_END_TOOLS = {"swe_rebench": frozenset({"finish"}), "open_swe": frozenset({"finish"}),
                      "swe_smith": frozenset({"submit"})}
-V4_SPEC_KEYS = {"cut", "thinking-ratio", "filters"}
+MIX_SPEC_KEYS = {"cut", "thinking-ratio", "filters"}
 
 
 def name_tool_results(messages: list[dict]) -> list[dict]:
@@ -68,32 +76,12 @@ def name_tool_results(messages: list[dict]) -> list[dict]:
             and m.get("tool_call_id") in names else m for m in messages]
 
 
-def _registered(name: str):
-    raw = RAW_ADAPTERS[name]
-
-    def adapter(row: dict, index: int):
-        key, messages, tools, meta = raw(row, index)
-        return key, name_tool_results(messages), tools, meta
-
-    adapter.__name__ = adapter.__qualname__ = f"v4_{name}"
-    adapter.__doc__ = raw.__doc__
-    return adapter
-
-
-V4_ADAPTERS = {name: _registered(name) for name in RAW_ADAPTERS}
-# Registered by name so 01 (and common.datasets.adapters.unify) find them; a name taken by another adapter is
-# an error, not a silent override.
-_taken = sorted(n for n in V4_ADAPTERS if n in ADAPTERS and ADAPTERS[n].__name__ != f"v4_{n}")
-assert not _taken, f"v4 adapter names already used in common.datasets.adapters: {_taken}"
-ADAPTERS.update(V4_ADAPTERS)
-
-
 def adapter_options(spec: dict) -> dict:
     """The entry's `filters` as keyword arguments of its adapter; ValueError names unknown ones."""
     filters = spec.get("filters") or {}
     if not isinstance(filters, dict):
         raise ValueError(f"dataset {spec.get('name')}: filters must be a mapping, not {type(filters).__name__}")
-    fn = RAW_ADAPTERS[spec["adapter"]]
+    fn = ADAPTERS[spec["adapter"]]
     params = [p for p in inspect.signature(fn).parameters][2:]
     options = {k.replace("-", "_"): v for k, v in filters.items()}
     unknown = sorted(k for k in options if k not in params)
@@ -105,18 +93,16 @@ def adapter_options(spec: dict) -> dict:
     return options
 
 
-def check_v4_spec(spec: dict) -> None:
-    """Validate the v4 keys of one --datasets entry (ValueError with a message for the user)."""
+def check_mix_spec(spec: dict) -> None:
+    """Validate the mix keys of one --datasets entry whose adapter is known (ValueError with a message for the
+    user)."""
     name = spec.get("name")
     if spec.get("cut", "last") not in CUT_MODES:
         raise ValueError(f"dataset {name}: cut {spec.get('cut')!r} is not one of {CUT_MODES}")
     ratio = spec.get("thinking-ratio")
     if ratio is not None and not (isinstance(ratio, (int, float)) and 0 <= ratio <= 1):
         raise ValueError(f"dataset {name}: thinking-ratio {ratio!r} is not a number in [0, 1]")
-    if spec.get("filters") and spec.get("adapter") not in RAW_ADAPTERS:
-        raise ValueError(f"dataset {name}: filters need a v4 adapter ({', '.join(RAW_ADAPTERS)})")
-    if spec.get("adapter") in RAW_ADAPTERS:
-        adapter_options(spec)
+    adapter_options(spec)
 
 
 def cut_trajectory(key: str, messages: list[dict], mode: str = "last", seed: int = 0,
@@ -188,11 +174,8 @@ def expand_row(row: dict, index: int, spec: dict, scrub, seed: int = 0, thinking
     `meta["repairs"]` are added to `repairs` once per row (not per cut), and only when it is used.
     """
     name, complete = spec["adapter"], bool(spec.get("complete", False))
-    if name in RAW_ADAPTERS:
-        key, messages, tools, meta = RAW_ADAPTERS[name](row, index, **adapter_options(spec))
-        messages = name_tool_results(messages)
-    else:
-        key, messages, tools, meta = ADAPTERS[name](row, index)
+    key, messages, tools, meta = ADAPTERS[name](row, index, **adapter_options(spec))
+    messages = name_tool_results(messages)
     messages, dropped = drop_leading_turns(messages)
     meta = add_repair(dict(meta), "leading_turns_dropped", dropped)
     ratio = spec.get("thinking-ratio", thinking_ratio)  # the entry's, else the stage-wide one
@@ -201,7 +184,7 @@ def expand_row(row: dict, index: int, spec: dict, scrub, seed: int = 0, thinking
                           EPISODE_END_TOOLS.get(name, frozenset()))
     for cut_key, msgs, turn in cuts:
         pre = {"key": cut_key, "messages": msgs, "tools": tools,
-               "meta": {**meta, "cut_turn": turn} if turn is not None and name in RAW_ADAPTERS else dict(meta)}
+               "meta": {**meta, "cut_turn": turn} if turn is not None and name not in GENERIC_ADAPTERS else dict(meta)}
         th = thinking if ratio is None else thinking_for(f"{spec['name']}/{cut_key}", ratio, seed)
         if complete and not msgs[-1].get("reasoning_content"):
             th = False  # a kept answer without reasoning is an instant-mode answer, never `<think></think>`

@@ -1,4 +1,4 @@
-"""v4 adapters on hand-written rows in each dataset's real schema; cut modes, thinking ratio, partitions;
+"""The mix's adapters on hand-written rows in each dataset's real schema; cut modes, thinking ratio, partitions;
 and 01 -> 01b -> 01c on every fixture with the real Kimi-K2.5 tokenizer and template (golden strings)."""
 import importlib
 import json
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from common.datasets.adapters import ADAPTERS
-from common.datasets.mix import (RAW_ADAPTERS, V4_ADAPTERS, BadRow, FilteredRow, check_v4_spec,
-                                cut_trajectory, expand_row, length_partition, thinking_for)
+from common.datasets.mix import (ADAPTERS, GENERIC_ADAPTERS, BadRow, FilteredRow, check_mix_spec, cut_trajectory,
+                                expand_row, length_partition, thinking_for)
 from common.io import iter_jsonl, read_json
 
-FIX = Path(__file__).parent / "fixtures" / "v4"
+FIX = Path(__file__).parent / "fixtures" / "mix"
+MIX = sorted(set(ADAPTERS) - set(GENERIC_ADAPTERS))   # one adapter per dataset of the mix
 IM_END, THINK, THINK_END = 163586, 163606, 163607
 
 
@@ -68,7 +68,7 @@ EXPECTED = {
 }
 
 
-# Per-dataset v4 keys of the end-to-end run: Kimi-K2 data kept as complete instant-mode samples, one
+# Per-dataset mix keys of the end-to-end run: Kimi-K2 data kept as complete instant-mode samples, one
 # trajectory cut at every turn with half the cuts thinking.
 CHAIN_SPECS = {"toucan": {"complete": True, "thinking-ratio": 0.0}, "swe_rebench": {"cut": "every", "thinking-ratio": 0.5}}
 # Length flags of the end-to-end run, chosen from the fixture prompts' token counts so that all
@@ -80,9 +80,8 @@ CHAIN_LONG = {"swe_rebench": ["r0#turn3"], "swe_smith": ["x__y.abc.1.t0", "x__y.
 
 
 def test_every_adapter_is_registered_and_covered():
-    assert set(EXPECTED) == set(RAW_ADAPTERS) == set(V4_ADAPTERS) and len(RAW_ADAPTERS) >= 12
-    assert all(ADAPTERS[n] is V4_ADAPTERS[n] for n in V4_ADAPTERS)
-    assert sorted(p.stem for p in FIX.glob("*.jsonl")) == sorted(RAW_ADAPTERS)
+    assert sorted(EXPECTED) == MIX and len(MIX) >= 12
+    assert sorted(p.stem for p in FIX.glob("*.jsonl")) == MIX
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -203,12 +202,14 @@ def test_stage_thinking_ratio_flag(tmp_path):
 
 
 def test_spec_errors():
-    check_v4_spec({"name": "a", "adapter": "wildchat", "cut": "every", "thinking-ratio": 0.3,
+    check_mix_spec({"name": "a", "adapter": "wildchat", "cut": "every", "thinking-ratio": 0.3,
                    "filters": {"languages": ["English"], "drop-toxic": True}})
     for bad, msg in (({"cut": "middle"}, "cut"), ({"thinking-ratio": 1.5}, "thinking-ratio"),
                      ({"filters": {"min-test-score": 1}}, "no filter")):
         with pytest.raises(ValueError, match=msg):
-            check_v4_spec({"name": "a", "adapter": "wildchat", **bad})
+            check_mix_spec({"name": "a", "adapter": "wildchat", **bad})
+    with pytest.raises(ValueError, match="adapter messages has no filter.*it takes none"):
+        check_mix_spec({"name": "a", "adapter": "messages", "filters": {"languages": ["English"]}})
 
 
 # ---- end to end: 01 -> 01b -> 01c with the real Kimi-K2.5 tokenizer and chat template ----------------
@@ -241,7 +242,7 @@ TOUCAN_U0_TEXT = (
 @pytest.fixture(scope="module")
 def kimi_chain(tmp_path_factory):
     """The bundled K2.5 tokenizer folder plus a random 2-layer DeepseekV3 over its 163,840 ids (so the
-    hf backend can write completions), then 01 -> 01b -> 01c on every v4 fixture."""
+    hf backend can write completions), then 01 -> 01b -> 01c on every mix fixture."""
     import torch  # noqa: F401  (the model below)
 
     from common.text.kimi_tokenizer import write_kimi_k25_model_dir
@@ -257,7 +258,7 @@ def kimi_chain(tmp_path_factory):
                                              n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
                                              intermediate_size=32)).save_pretrained(str(target))
     specs = [{"name": n, "adapter": n, "path": str(FIX / f"{n}.jsonl"), **CHAIN_SPECS.get(n, {})}
-             for n in sorted(RAW_ADAPTERS)]
+             for n in MIX]
     work = tmp / "work"
     importlib.import_module("01_prepare_datasets").main(
         ["--work-dir", str(work), "--target-path", str(target), "--datasets", json.dumps(specs), *CHAIN_LENGTHS])
@@ -274,7 +275,7 @@ def test_chain_counts(kimi_chain):
     work, _ = kimi_chain
     m01 = read_json(work / "01_prepared" / "manifest.json")["counts"]
     recs = {n: {r["id"].split("/", 1)[1]: r for r in iter_jsonl(work / "01_prepared" / n / "records.jsonl")}
-            for n in RAW_ADAPTERS}
+            for n in MIX}
     for name, (ids, broken, filtered) in EXPECTED.items():
         want = {"swe_rebench": ["r0#turn1", "r0#turn2", "r0#turn3"], "swe_smith": ids[:2]}.get(name, ids)
         assert sorted(recs[name]) == sorted(want), name
@@ -293,12 +294,12 @@ def test_chain_counts(kimi_chain):
     # swe_rebench/r0#turn2 (both thinking).
     assert stats["totals"]["dropped"] == {"duplicate": 2}
     assert stats["totals"]["num_samples"] == sum(len(r) for r in recs.values()) - 2 == 26
-    assert set(stats["per_source"]) == set(RAW_ADAPTERS)
+    assert set(stats["per_source"]) == set(MIX)
 
 
 def test_chain_golden_text_and_masks(kimi_chain):
     work, tok = kimi_chain
-    gen = {r["id"]: r for n in RAW_ADAPTERS for r in iter_jsonl(work / "01b_generated" / n / "generated.jsonl")}
+    gen = {r["id"]: r for n in MIX for r in iter_jsonl(work / "01b_generated" / n / "generated.jsonl")}
     data = {r["id"]: r for r in iter_jsonl(work / "01c_merged" / "tokenized_data.jsonl")}
     assert gen["hermes_fc/h0"]["prompt"] == HERMES_H0_PROMPT and gen["hermes_fc/h0"]["origin"] == "target"
     u0 = gen["toucan/u0"]
@@ -317,7 +318,7 @@ def test_chain_golden_text_and_masks(kimi_chain):
     assert tok.decode(h["input_ids"][first - 4:first]) == "<|im_assistant|>assistant<|im_middle|><think>"
     assert h["input_ids"][:first] == tok(HERMES_H0_PROMPT, add_special_tokens=False)["input_ids"]
     assert len(data) == 26
-    recs = {r["id"]: r for n in RAW_ADAPTERS for r in iter_jsonl(work / "01_prepared" / n / "records.jsonl")}
+    recs = {r["id"]: r for n in MIX for r in iter_jsonl(work / "01_prepared" / n / "records.jsonl")}
     for sid, s in data.items():  # every sample: prompt masked, the generated suffix supervised
         n_p = s["n_prompt_tokens"]
         opening = [THINK] if recs[sid]["thinking"] else [THINK, THINK_END]
@@ -330,8 +331,8 @@ def test_chain_golden_text_and_masks(kimi_chain):
     assert data["opc_sft/00000002"]["input_ids"].count(THINK) == 1  # the scrubbed literal <think> did not survive
 
 
-def test_config_datasets_v4():
-    """The v4 preset: keys are stage flags, entries valid, caps sum to 100K and each has a source."""
+def test_the_mix_preset():
+    """The mix preset (configs/datasets_v4.yaml): keys are stage flags, entries valid, caps sum to 100K and each has a source."""
     import yaml
 
     from common.config import all_stage_flags
@@ -342,11 +343,11 @@ def test_config_datasets_v4():
     allowed = prep.SPEC_KEYS | {"cut", "thinking-ratio", "filters", "max-records"}
     names = [d["name"] for d in cfg["datasets"]]
     for d in cfg["datasets"]:
-        assert set(d) <= allowed and d["adapter"] in RAW_ADAPTERS, d["name"]
-        check_v4_spec(d)
+        assert set(d) <= allowed and d["adapter"] in MIX, d["name"]
+        check_mix_spec(d)
         assert d["max-records"] >= cfg["dataset-caps"][d["name"]] and d["max-rows"] >= d["max-records"] / 2
     assert set(cfg["dataset-caps"]) == set(names) and sum(cfg["dataset-caps"].values()) == 100_000
-    assert {d["adapter"] for d in cfg["datasets"]} == set(RAW_ADAPTERS)  # every adapter is used
+    assert {d["adapter"] for d in cfg["datasets"]} == set(MIX)  # every adapter is used
     share = sum(cfg["dataset-caps"][d["name"]] * d["thinking-ratio"] for d in cfg["datasets"]) / 100_000
     assert round(share, 2) == 0.64  # the share train_plan_v4.md states
 
