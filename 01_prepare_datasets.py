@@ -69,7 +69,9 @@ def build_parser():
     g.add_argument("--thinking-ratio", type=float, default=None,
                    help="share of prompts rendered with thinking on, per record id, for datasets without "
                         "their own thinking-ratio; none: --thinking for all")
-    g.add_argument("--seed", type=int, default=0, help="seed of random trajectory cuts and thinking choices")
+    g.add_argument("--mix-seed", type=int, default=0,
+                   help="seed of the data mix: random trajectory cuts and thinking choices here, held-out choice and "
+                        "subsampling in 01c (one key for both in a preset)")
     g.add_argument("--max-new-tokens", type=int, default=4096, help="generation cap per response (tokens)")
     g.add_argument("--max-context", type=int, default=10240,
                    help="prompt + response limit of the normal partition (tokens)")
@@ -202,7 +204,7 @@ def prepare_one(spec: dict, out: Path, scrub: re.Pattern, args, tok, tok_id: dic
             try:
                 if isinstance(row, BadRow):
                     raise row
-                expanded = expand_row(row, index, spec, scrub, args.seed, args.thinking, args.thinking_ratio,
+                expanded = expand_row(row, index, spec, scrub, args.mix_seed, args.thinking, args.thinking_ratio,
                                       repaired, kimi_tool_ids=text_format.kimi)
             except FilteredRow as e:
                 filtered[e.reason] += 1
@@ -299,7 +301,7 @@ def main(argv=None):
             old = read_manifest(sub)
             # A folder left by an interrupted run is reused only if it was made the same way.
             same = all(old["config"].get(k) == getattr(args, k) for k in
-                       ("thinking", "thinking_ratio", "seed", "max_new_tokens", "max_context", "long_context",
+                       ("thinking", "thinking_ratio", "mix_seed", "max_new_tokens", "max_context", "long_context",
                         "tools_not_rendered"))
             if old.get("dataset") == spec and old["tokenizer"]["sha256"] == tok_id["sha256"] and same:
                 print(f"[01] {spec['name']}: complete from an earlier run, kept")

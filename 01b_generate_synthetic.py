@@ -77,7 +77,8 @@ def build_parser():
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling mass (0-1], with --temperature > 0 (Kimi-K2.5 is served at T 1.0, top-p 0.95)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (only used when temperature > 0)")
+    g.add_argument("--generation-seed", type=int, default=0,
+                   help="the requests' sampling seed (only used when temperature > 0)")
     g.add_argument("--datasets-only", nargs="+", default=None, metavar="NAME",
                    help="generate only these datasets of 01 (the stage manifest waits for the rest)")
     g.add_argument("--response-cache", type=Path, default=None,
@@ -87,7 +88,7 @@ def build_parser():
                    help="re-run only the ids in failures.jsonl (any reason), also of complete datasets")
     g.add_argument("--allow-mixed-settings", action="store_true",
                    help="resume a dataset whose records were made with another model, --max-new-tokens, "
-                        "--temperature, --top-p, --seed or tokenizer/template (refused by default)")
+                        "--temperature, --top-p, --generation-seed or tokenizer/template (refused by default)")
     g = p.add_argument_group("generate: openai backend")
     g.add_argument("--server-url", action=ServerUrls, default="http://127.0.0.1:30000/v1",
                    help="OpenAI-compatible base URL ending in /v1; repeat for several servers (requests go to "
@@ -219,7 +220,7 @@ def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, text_f
     specials = {i: t.content for i, t in tok.added_tokens_decoder.items() if t.special}
     limit = backends.setdefault("in_flight", InFlightLimit(args.concurrency + args.long_concurrency))
     pool = ServerPool(args.server_url, args.served_model_name, args.api_key, args.temperature,
-                      args.seed if args.temperature > 0 else None, specials, args.request_timeout,
+                      args.generation_seed if args.temperature > 0 else None, specials, args.request_timeout,
                       args.request_retries, args.retry_base_delay, args.retry_max_delay,
                       args.health_interval, args.health_timeout, args.server_down_timeout,
                       stop=list(text_format.stop_strings), top_p=args.top_p, stall_timeout=args.stall_timeout,
@@ -252,7 +253,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
     # What decides the text (the server's model name is known after its start-up checks), checked
     # against the records already written; duplicate ids (an unlocked older 01b) are repaired.
     settings = generation_settings(args.generation_backend, str(target) if args.generation_backend == "hf" else None,
-                                   args.max_new_tokens, args.temperature, args.seed, ids["tokenizer"]["sha256"],
+                                   args.max_new_tokens, args.temperature, args.generation_seed, ids["tokenizer"]["sha256"],
                                    text_format.stop_strings if text_format is not None else (), args.max_context, args.long_context,
                                    args.top_p)
     prompt_settings = {"tokenizer_sha256": settings["tokenizer_sha256"]}  # rows the target did not write
@@ -309,7 +310,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
             elif todo:
                 if "hf" not in backends:  # one model load for all datasets of this run
                     backends["hf"] = HFBackend(target, tok, text_format.stop_ids, hf_device(args), args.temperature,
-                                               args.seed, args.top_p)
+                                               args.generation_seed, args.top_p)
                 run_hf(backends["hf"], todo, write, args.hf_batch_size, bars["normal"])
         finally:
             cpu = time.process_time() - cpu0

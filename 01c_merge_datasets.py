@@ -64,7 +64,8 @@ def build_parser():
                    help="dataset name -> kept fraction in (0, 1] (after filters; upsampling belongs to "
                         "the trainer's sampler, not to stored hidden states)")
     g.add_argument("--benchmark-size", type=int, default=64, help="held-out prompts for 05_benchmark (count)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the held-out choice and of subsampling")
+    g.add_argument("--mix-seed", type=int, default=0,
+                   help="seed of the data mix: the held-out choice and subsampling here, cuts and thinking choices in 01")
     g.add_argument("--drop-length-finished", action=argparse.BooleanOptionalAction, default=False,
                    help="drop answers that hit the token cap (finish_reason length); default: train on them, "
                         "they are the target's own tokens and only lack the end of turn (docs/formats.md)")
@@ -187,7 +188,7 @@ def hold_out(rows: list[dict], args) -> tuple[set[str], list[dict]]:
         raise StageError(f"--benchmark-size {args.benchmark_size} would hold out all {len(answered)} answered "
                          "samples and leave none to train on; lower it (benchmark-only datasets are held out "
                          "on top of it)")
-    rng = random.Random(args.seed)
+    rng = random.Random(args.mix_seed)
     bench_ids = set(rng.sample(answered, args.benchmark_size)) | {r["id"] for r in rows if r["origin"] == "prompt"}
     return bench_ids, [r for r in rows if r["id"] in bench_ids]
 
@@ -257,7 +258,7 @@ def apply_mix(per_source: dict, names: list[str], args, dropped) -> list[tuple]:
             k = min(k, int(args.dataset_caps[name]))
         if k < len(items):
             dropped[name]["capped"] += len(items) - k
-            keep = sorted(random.Random(f"{args.seed}/{name}").sample(range(len(items)), k))
+            keep = sorted(random.Random(f"{args.mix_seed}/{name}").sample(range(len(items)), k))
             items = [items[i] for i in keep]
         selected += items
     if not selected:

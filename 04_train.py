@@ -72,7 +72,7 @@ def build_parser():
     d.add_argument("--init", choices=("default", "normal"), default="default",
                    help="weights of the draft's linear layers: PyTorch's default init or normal(0, --init-std)")
     d.add_argument("--init-std", type=float, default=0.02, help="std of --init normal")
-    d.add_argument("--seed", type=int, default=0, help="seed of the init and the data order")
+    d.add_argument("--train-seed", type=int, default=0, help="seed of the init and the data order")
     r = p.add_argument_group(f"recipe {PLAN}")
     r.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll depth (steps)")
     r.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW peak learning rate")
@@ -264,7 +264,7 @@ def build_draft(args, inputs: Inputs, imported: ImportedDraft | None, device, bf
     else:
         cfg = draft_config(tcfg, int(inputs.m03["draft_vocab_size"]), args.draft_num_attention_heads,
                            args.draft_num_key_value_heads, args.draft_intermediate_size)
-        torch.manual_seed(args.seed)
+        torch.manual_seed(args.train_seed)
         model = Eagle3DraftModel(cfg)
         if args.init == "normal":
             model.init_normal_(args.init_std)
@@ -330,11 +330,11 @@ def plan_data(args, hs_dir: Path, verbose: bool, reported_ids: set[str] = frozen
     held = set(eval_idx)
     train_idx = [i for i in range(len(data.entries)) if i not in held]
     if args.max_train_samples is not None:  # nested subsets: the first N of one seeded hash order
-        rank = lambda i: hashlib.sha256(f"{args.seed}:{data.entries[i][3]}".encode()).digest()  # noqa: E731
+        rank = lambda i: hashlib.sha256(f"{args.train_seed}:{data.entries[i][3]}".encode()).digest()  # noqa: E731
         train_idx = sorted(sorted(train_idx, key=rank)[:args.max_train_samples])
     if not train_idx:
         raise StageError(f"no training samples in {hs_dir} after holding out {len(eval_idx)} for eval")
-    epochs = [make_batches(epoch_order(data.entries, train_idx, args.seed, e), lengths, args.batch_tokens,
+    epochs = [make_batches(epoch_order(data.entries, train_idx, args.train_seed, e), lengths, args.batch_tokens,
                            args.max_seq_len, args.max_samples_per_batch) for e in range(args.num_epochs)]
     total = sum(len(e) for e in epochs)
     total = min(total, args.max_steps) if args.max_steps is not None else total

@@ -54,7 +54,7 @@ def main(argv=None):
     held = None   # built on the first row that needs it: a table of finished rows needs no target
     out_json = args.out / "results.json"
     results = dr.load_results(out_json)
-    common = {"num-epochs": args.epochs, "max-train-samples": args.max_train_samples, "seed": args.seed}
+    common = {"num-epochs": args.epochs, "max-train-samples": args.max_train_samples, "train-seed": args.seed}
     for name, flags in rows.items():
         if name in results and results[name]["flags"] == flags:
             print(f"[ablate] {name}: done before, kept")

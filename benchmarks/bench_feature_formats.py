@@ -96,7 +96,7 @@ def main(argv=None):
     held = None   # built on the first row that needs it: a table of finished rows needs no target
     out_json = args.out / "results.json"
     results = dr.load_results(out_json)
-    flags = {"num-epochs": args.epochs, "max-train-samples": args.max_train_samples, "seed": args.seed,
+    flags = {"num-epochs": args.epochs, "max-train-samples": args.max_train_samples, "train-seed": args.seed,
              **dict(f.split("=", 1) for f in args.train_flags)}
     for name in rows:
         if name in results and results[name]["flags"] == flags:

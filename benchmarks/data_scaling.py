@@ -55,7 +55,7 @@ def main(argv=None):
     held = None   # built on the first point that needs it: a table of finished points needs no target
     out_json = args.out / "results.json"
     results = dr.load_results(out_json)
-    flags = {"seed": args.seed, **dict(f.split("=", 1) for f in args.train_flags)}
+    flags = {"train-seed": args.seed, **dict(f.split("=", 1) for f in args.train_flags)}
     if args.epochs is not None:
         flags["num-epochs"] = args.epochs
     total = None

@@ -29,7 +29,7 @@ def parser(doc: str, base_help: str) -> argparse.ArgumentParser:
     p.add_argument("--base", type=Path, required=True, help=base_help)
     p.add_argument("--out", type=Path, required=True, help="output folder (results.json, table.md, its 04 runs)")
     p.add_argument("--config", type=Path, default=REPO / "configs" / "smollm2.yaml", help="the preset")
-    p.add_argument("--seed", type=int, default=0, help="04's seed (init, data order) for every row")
+    p.add_argument("--seed", type=int, default=0, help="04's --train-seed (init, data order) for every row")
     p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[3, 5, 7], help="k values to replay")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     return p

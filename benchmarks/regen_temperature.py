@@ -58,7 +58,7 @@ def build_data(work: Path, base: Path, preset: Path, args, sample: bool) -> None
         dr.stage("01_prepare_datasets").main([*common, "--datasets", json.dumps(keep)])
     else:
         dr.link(base, work, ("01_prepared",))
-    sampling = ["--temperature", str(args.temperature), "--top-p", str(args.top_p), "--seed", str(args.seed)]
+    sampling = ["--temperature", str(args.temperature), "--top-p", str(args.top_p), "--generation-seed", str(args.seed)]
     dr.stage("01b_generate_synthetic").main([*common, "--generation-backend", "hf", "--device", "cpu",
                                           "--hf-batch-size", str(args.hf_batch_size), *(sampling if sample else [])])
     dr.stage("01c_merge_datasets").main(common)
@@ -68,7 +68,7 @@ def build_data(work: Path, base: Path, preset: Path, args, sample: bool) -> None
 
 def row_flags(num_samples: int, args) -> dict:
     """The 04 flags of both rows: the preset's recipe, the same sample count, a candidate per epoch."""
-    return {"seed": args.seed, "candidates-per-epoch": 1, "max-train-samples": num_samples,
+    return {"train-seed": args.seed, "candidates-per-epoch": 1, "max-train-samples": num_samples,
             **dict(f.split("=", 1) for f in args.train_flags)}
 
 

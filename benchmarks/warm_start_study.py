@@ -82,7 +82,7 @@ def build_standin_base(work: Path, config: Path) -> None:
 
 
 def row_flags(variant: str, share_samples: int | None, standin: Path, args) -> dict:
-    flags = {"seed": args.seed, "candidates-per-epoch": 1, **dict(f.split("=", 1) for f in args.train_flags)}
+    flags = {"train-seed": args.seed, "candidates-per-epoch": 1, **dict(f.split("=", 1) for f in args.train_flags)}
     if share_samples is not None:
         flags["max-train-samples"] = share_samples
     if variant != "scratch":
@@ -138,7 +138,7 @@ def main(argv=None):
     if args.only in (None, "standin"):
         build_standin_base(standin_work, args.config)
         size = {"max-train-samples": args.standin_samples} if args.standin_samples else {}
-        dr.train(standin_work, args.config, {"seed": args.seed, **size, **dict(f.split("=", 1) for f in args.train_flags)})
+        dr.train(standin_work, args.config, {"train-seed": args.seed, **size, **dict(f.split("=", 1) for f in args.train_flags)})
     standin = standin_work / "04_draft" / "export_sglang"
     todo = rows(args, standin)
     if args.only in (None, "rows"):

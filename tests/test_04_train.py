@@ -99,7 +99,7 @@ def test_the_plan_is_every_flag_of_the_marked_groups():
     """Resume refuses a change of the recipe, schedule, draft and warm-start flags and of no runtime one; a
     flag added to a marked group joins the plan without a second list to keep."""
     plan = set(train.PLAN_KEYS)
-    assert {"seed", "learning_rate", "grad_clip", "warmup_ratio", "batch_tokens", "loss", "init_from",
+    assert {"train_seed", "learning_rate", "grad_clip", "warmup_ratio", "batch_tokens", "loss", "init_from",
             "l2sp_weight", "candidates_per_epoch", "draft_intermediate_size"} <= plan
     assert not plan & {"eval_every", "save_every", "keep_checkpoints", "log_every", "stop_at_step", "device",
                        "precision", "prefetch_batches", "shard_optimizer", "target_path", "work_dir", "overwrite"}

@@ -125,6 +125,24 @@ def test_the_real_runs_two_presets_combine_on_every_stage(monkeypatch):
     assert not set(mix) & set(kimi), "the mix file holds the mix alone; everything else is kimi-k2.5.yaml's"
 
 
+def test_each_seed_has_one_purpose(monkeypatch, tmp_path):
+    """The mix's seed (01's cuts and thinking, 01c's held-out choice) is not the draft's init and data order
+    nor 01b's sampling seed: reshuffling the mix in its preset leaves 01b's and 04's seeds alone."""
+    import importlib
+
+    monkeypatch.chdir(stage.REPO_ROOT)
+    reshuffled = tmp_path / "mix.yaml"
+    reshuffled.write_text((stage.REPO_ROOT / "configs" / "datasets_v4.yaml").read_text().replace("mix-seed: 0", "mix-seed: 7"))
+    argv = ["--config", "configs/kimi-k2.5.yaml", "--config", str(reshuffled), "--work-dir", "/w"]
+    seeds = {}
+    for name in stage.STAGE_DIRS:
+        args = vars(config.parse_args(importlib.import_module(name).build_parser(), argv))
+        seeds[name] = {k: v for k, v in args.items() if k.endswith("seed")}
+    assert seeds["01_prepare_datasets"] == seeds["01c_merge_datasets"] == {"mix_seed": 7}
+    assert seeds["01b_generate_synthetic"] == {"generation_seed": 0} and seeds["04_train"] == {"train_seed": 0}
+    assert not any("mix_seed" in s for n, s in seeds.items() if n not in ("01_prepare_datasets", "01c_merge_datasets"))
+
+
 def test_the_plans_commands_repeat_no_preset_value():
     """A flag the presets already set, passed by hand with the preset's own value in train_plan_v4.md's
     real-run commands (those with $CFG), is noise that can drift; the plan passes only what differs."""

@@ -61,17 +61,17 @@ def test_a_greedy_row_from_elsewhere_is_checked(tmp_path):
     row = tmp_path / "row"
     (row / "04_draft").mkdir(parents=True)
     inputs = input_manifests(base, base / "02b_hidden_states", base / "03_vocab")
-    flags = {"seed": 0, "candidates-per-epoch": 1, "max-train-samples": 100}
+    flags = {"train-seed": 0, "candidates-per-epoch": 1, "max-train-samples": 100}
 
     def write(config, inputs):
         (row / "04_draft" / "manifest.json").write_text(json.dumps({"config": config, "inputs": inputs}))
 
-    write({"seed": 0, "candidates_per_epoch": 1, "max_train_samples": 100}, inputs)
+    write({"train_seed": 0, "candidates_per_epoch": 1, "max_train_samples": 100}, inputs)
     regen.check_row(row, base, flags)
-    write({"seed": 0, "candidates_per_epoch": 1, "max_train_samples": 50}, inputs)
+    write({"train_seed": 0, "candidates_per_epoch": 1, "max_train_samples": 50}, inputs)
     with pytest.raises(SystemExit, match="max-train-samples"):
         regen.check_row(row, base, flags)
-    write({"seed": 0, "candidates_per_epoch": 1, "max_train_samples": 100},
+    write({"train_seed": 0, "candidates_per_epoch": 1, "max_train_samples": 100},
           {**inputs, "02b_hidden_states/manifest.json": "0" * 64})
     with pytest.raises(SystemExit, match="other 02b/03"):
         regen.check_row(row, base, flags)

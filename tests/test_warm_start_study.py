@@ -16,7 +16,7 @@ def args(**kw):
 def test_row_flags():
     standin = Path("/s/export_sglang")
     assert study.row_flags("scratch", 10, standin, args()) == {
-        "seed": 0, "candidates-per-epoch": 1, "batch-tokens": "2048", "max-train-samples": 10}
+        "train-seed": 0, "candidates-per-epoch": 1, "batch-tokens": "2048", "max-train-samples": 10}
     warm = study.row_flags("warm_l2sp", None, standin, args())
     assert warm["init-from"] == str(standin) and warm["init-vocab"] == "map" and warm["l2sp-weight"] == 0.01
     assert "max-train-samples" not in warm and "l2sp-weight" not in study.row_flags("warm", 5, standin, args())
