@@ -1,6 +1,7 @@
 """The stage contract (common/stage.py, common/config.py, common/io.py)."""
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +112,27 @@ def test_the_real_runs_two_presets_combine_on_every_stage(monkeypatch):
     assert (args.concurrency, args.long_context, args.long_concurrency) == (160, 16384, 16)
     mix, kimi = (config.load_config(stage.REPO_ROOT / "configs" / f) for f in ("datasets_v4.yaml", "kimi-k2.5.yaml"))
     assert not set(mix) & set(kimi), "the mix file holds the mix alone; everything else is kimi-k2.5.yaml's"
+
+
+@pytest.mark.parametrize("preset", ["tiny.yaml", "smollm2.yaml"])
+def test_each_small_preset_parses_on_every_stage(preset, monkeypatch):
+    """One preset holds keys for the whole chain: it parses on every stage (each ignores the others' keys), and
+    05 and 05b, one script with a --mode until they split, each take the preset's values of their own flags."""
+    import importlib
+
+    monkeypatch.chdir(stage.REPO_ROOT)
+    cli = ["--config", f"configs/{preset}", "--work-dir", "/w"]
+    parsed = {name: config.parse_args(importlib.import_module(name).build_parser(), cli) for name in stage.STAGE_DIRS}
+    values = config.load_config(stage.REPO_ROOT / "configs" / preset)
+    for name in ("05_benchmark", "05b_serve_benchmark"):
+        own = config.declared_flags(stage.REPO_ROOT / f"{name}.py")
+        for key in set(values) & own:
+            got = getattr(parsed[name], key.replace("-", "_"))
+            assert (str(got) if isinstance(got, Path) else got) == values[key], (preset, name, key)
+    if preset == "smollm2.yaml":   # keys of each half of the old 05, and the keys both read
+        assert parsed["05_benchmark"].num_draft_tokens == [3, 5, 7] and parsed["05b_serve_benchmark"].engine == "vllm"
+        for name in ("05_benchmark", "05b_serve_benchmark"):
+            assert parsed[name].acceptance_temperatures == [0, 1.0] and parsed[name].benchmark_max_new_tokens == 256
 
 
 def test_the_plans_commands_repeat_no_preset_value():
