@@ -145,7 +145,7 @@ def check_fits(target_dir: Path, device: str) -> None:
     else:
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
     if need > 0.9 * have:
-        raise StageError(f"reference mode loads the target in float32 on one device: ~{need / 2**30:,.0f} GiB for "
+        raise StageError(f"05 loads the target in float32 on one device: ~{need / 2**30:,.0f} GiB for "
                          f"{target_dir}, more than {where} ({have / 2**30:,.0f} GiB). Measure this target "
                          "with 05b_serve_benchmark.py (SGLang), which serves it sharded and quantized as in production")
 

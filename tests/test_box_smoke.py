@@ -169,8 +169,8 @@ def test_compare_tau():
 
 def test_a_failed_step_names_its_layer(capsys):
     smoke = load_smoke()
-    step = smoke.Step("05 server", [sys.executable, "-c", "raise SystemExit(3)"], "SGLang EAGLE3 serving")
-    with pytest.raises(smoke.SmokeMismatch, match="SGLang EAGLE3 serving disagrees: `05 server` exited with status 3"):
+    step = smoke.Step("05b serve", [sys.executable, "-c", "raise SystemExit(3)"], "SGLang EAGLE3 serving")
+    with pytest.raises(smoke.SmokeMismatch, match="SGLang EAGLE3 serving disagrees: `05b serve` exited with status 3"):
         smoke.run_step(step, dry_run=False)
     smoke.run_step(step, dry_run=True)  # printed, not run
     assert "raise SystemExit(3)" in capsys.readouterr().out

@@ -449,7 +449,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     concs = sorted({1, *[int(c) for c in args.bench_concurrency]})
     levels, repeats = serve_levels(args), max(1, int(args.bench_repeats))
     if not warm:
-        raise StageError("server mode warms every server up on held-out prompts it never times: none were given")
+        raise StageError("05b warms every server up on held-out prompts it never times: none were given")
     warm_requests = list(warm[:max(1, args.warmup_requests)])
     buckets = {SHORT: (prompts, tags or [None] * len(prompts)), **(contexts or {})}
     sampling = {(t, ctx): timed_sampling(ps, ts, t, args.acceptance_top_p, args.instant_temperature, args.seed)
