@@ -1,4 +1,4 @@
-# make demo: the whole chain on the tiny Kimi-shaped world (CPU). make test: the test suite (what CI runs).
+# make demo: the chain but 05b (no engine) on the tiny Kimi-shaped world (CPU). make test: the suite (CI's).
 # make test-fast: the suite without the real-engine tier (no engine venv needed), for the edit-test loop.
 # make bench-real: the whole chain on SmolLM2-135M-Instruct, the real small target (CPU, ~45 min).
 # make engine: the serving engine's own venv (vLLM's CPU build, build/vllm-venv); make test needs it.
