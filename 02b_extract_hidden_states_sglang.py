@@ -52,7 +52,7 @@ def build_parser():
                    help="how the target runs: hf = transformers forward with output_hidden_states; "
                         "sglang = SGLang model runner (GPU; run under torchrun --nproc_per_node TP)")
     g.add_argument("--sglang-tp-size", type=int, default=1,
-                   help="SGLang tensor-parallel size (GPUs) for the target, in 02b and 05's servers")
+                   help="SGLang tensor-parallel size (GPUs) for the target, in 02b and 05b's servers")
     g.add_argument("--mem-fraction-static", type=float, default=0.85,
                    help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
     g.add_argument("--capture-engine-args", default=None,

@@ -2,33 +2,24 @@
 
 Reads:  <work-dir>/04_draft/export_sglang/{config.json,model.safetensors} (+ 04_draft/manifest.json),
         <work-dir>/01c_merged/benchmark_prompts.jsonl (+ manifest.json), the target from the manifests;
-        every --draft NAME=PATH (an EAGLE-3 folder, SGLang or speculators layout; server mode: the one the
-        engine loads)
+        every --draft NAME=PATH (an EAGLE-3 folder, SGLang or speculators layout)
 Writes: <work-dir>/05_benchmark/reference/{metrics.json,report.md,acceptance.png,tau_by_position.png,
         manifest.json}
-        <work-dir>/05_benchmark/server/{metrics.json,report.md,tokens_per_s.png,accept_length.png,
-        commands.json,server_logs/,agreement/,manifest.json} (server mode; also reads 02b_hidden_states/manifest.json)
-Real:   python 05_benchmark.py --config configs/kimi-k2.5.yaml --config configs/datasets_v4.yaml
-            --work-dir /data/eagle3 --mode server
+Real:   python 05_benchmark.py --config configs/smollm2.yaml --work-dir runs/smollm2
+            (Kimi-K2.5 does not fit one device in float32: it is measured served, by 05b_serve_benchmark.py)
 Tiny:   python 05_benchmark.py --config configs/tiny.yaml --work-dir runs/tiny
-            (vLLM on SmolLM2: --config configs/smollm2.yaml --work-dir runs/smollm2 --mode server --engine vllm)
 
-Mode `reference` (common/benchmark/reference.py): the HF target and the draft loaded from the SGLang
-export as an engine does; tau by replay against the target's greedy continuation (exact), and under
-sampling at --acceptance-temperatures (common/benchmark/sampled.py), with 95% bootstrap intervals, split
-by segment, output position and source (common/benchmark/segments.py); real speculative decoding on
---loop-prompts prompts must equal target-only decoding and its statistics the replay's. Float32; a
-target too large for this machine is refused. Each --draft is checked against the target (and in server
-mode the engine) before anything is written, and measured next to 04's on the same prompts: tau per k and
-temperature with paired intervals (compare.py), or served. Mode `server` (docs/serving.md, docs/sglang.md):
-a baseline and, per draft (04's, every --draft) and --spec-settings, an EAGLE-3 server of --engine (SGLang,
-vLLM), preflighted (EAGLE3 / eagle3, its draft, target, aux layers, warm-up tau), 04's checked against replay,
-all warmed up alike on never-timed prompts, prefix caching off; tok/s, TTFT, tau and the ratio to the baseline
-(interval over --bench-repeats passes) per draft, temperature, prompt length and concurrency; what to deploy.
+The HF target and the draft loaded from the SGLang export as an engine does (common/benchmark/reference.py);
+tau by replay against the target's greedy continuation (exact), and under sampling at
+--acceptance-temperatures (common/benchmark/sampled.py), with 95% bootstrap intervals, split by segment,
+output position and source (common/benchmark/segments.py); real speculative decoding on --loop-prompts
+prompts must equal target-only decoding and its statistics the replay's. Float32; a target too large for
+this machine is refused. Each --draft is checked against the target before anything is written and
+replayed next to 04's on the same prompts: tau per k and temperature with paired intervals (compare.py).
+The serving benchmark (engines, the sweep, what to deploy) is 05b_serve_benchmark.py.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -37,54 +28,37 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.benchmark import compare as cmp
-from common.benchmark import deploy
 from common.benchmark import reference as rb
-from common.benchmark.context import parse_buckets
-from common.benchmark.engines import ENGINES, check_servable
 from common.benchmark.formatting import fmt, fmt_ci
+from common.benchmark.inputs import (Repeated, check_shared_flags, drafts_identity, given_mode, load_inputs,
+                                     target_and_drafts)
 from common.benchmark.segments import plot_tau_by_position
-from common.benchmark.server_bench import server_main, warm_count
 from common.benchmark.spec_decode import LosslessError
 from common.config import base_parser, parse_args
 from common.draft.export_sglang import load_sglang_export
 from common.draft.model import Eagle3DraftModel
 from common.generation.hf_backend import hf_generator
 from common.generation.response_cache import ResponseCache, cache_identity
-from common.io import iter_jsonl, read_json, write_json
-from common.stage import (StageError, check_same_tokenizer, manifest_sha256, require_complete,
-                          resolve_target, stage_dir, start_stage, write_manifest)
+from common.io import read_json, write_json
+from common.stage import StageError, input_manifests, stage_dir, start_stage, write_manifest
 from common.target import head as target_head
 from common.target.capture import load_target_config, target_dims, validate_capture_points
 from common.text.target_format import load_target_format
 from common.text.tokenizer import load_tokenizer
 
 STAGE = "05_benchmark"
-MODES = ("reference", "server")
-
-
-class Repeated(argparse.Action):
-    """A list flag that may be given more than once (`--draft a=X --draft b=Y`, or `--draft a=X b=Y`); its
-    first use on the command line replaces a preset's list instead of adding to it (the command line wins)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        current = getattr(namespace, self.dest, None)
-        fresh = current is self.default or not isinstance(current, list)   # the default or parse_args' marker
-        setattr(namespace, self.dest, ([] if fresh else current) + list(values))
 
 
 def build_parser():
     p = base_parser(__doc__)
     g = p.add_argument_group("benchmark")
-    g.add_argument("--mode", choices=MODES, default="reference",
-                   help="reference = HF target + exported draft in transformers; server = SGLang servers")
     g.add_argument("--num-draft-tokens", type=int, nargs="+", default=[5],
                    help="tokens k the draft proposes per verify round (several values = a sweep); "
                         "SGLang topk 1: --speculative-num-steps k, --speculative-num-draft-tokens k+1")
     g.add_argument("--draft", nargs="+", action=Repeated, default=[], metavar="NAME=PATH",
                    help="another EAGLE-3 draft folder (SGLang or speculators layout: a public Kimi draft, SpecForge "
-                        "output, an earlier 04 export) measured next to 04's on the same prompts: replayed "
-                        "(reference) or served at every setting against the same baseline (server; SGLang loads "
-                        "the SGLang layout only); repeatable; a preset gives a list of NAME=PATH strings")
+                        "output, an earlier 04 export) replayed next to 04's on the same prompts; repeatable; a "
+                        "preset gives a list of NAME=PATH strings (05b_serve_benchmark.py serves them instead)")
     g.add_argument("--benchmark-max-new-tokens", type=int, default=256,
                    help="generation cap per benchmark response (tokens)")
     g.add_argument("--num-prompts", type=int, default=None,
@@ -96,152 +70,33 @@ def build_parser():
                         "continuations / loops (per prompt: common/benchmark/sampled.py prompt_seed)")
     g.add_argument("--acceptance-temperatures", type=float, nargs="+", default=[0.0],
                    help="sampling temperatures tau is measured at, side by side (0 = greedy, the exact replay; "
-                        "T > 0: the target samples at T and --acceptance-top-p, docs/design.md section 11); "
-                        "server mode, vllm: the agreement check also sends sampled requests at each T > 0. Not "
+                        "T > 0: the target samples at T and --acceptance-top-p, docs/design.md section 11). Not "
                         "01b's --temperature, which is the generation temperature")
     g.add_argument("--acceptance-top-p", type=float, default=1.0,
                    help="top-p (0-1] of the target's sampling at every temperature > 0")
     g.add_argument("--acceptance-rule", choices=("engine", "textbook"), default="engine",
-                   help="reference, T > 0: engine = the draft proposes its argmax, accepted w.p. p(d) (vLLM "
-                        "0.32, SGLang 0.5.14 defaults); textbook = the draft samples from q at T, accepted "
-                        "w.p. min(1, p/q)")
+                   help="T > 0: engine = the draft proposes its argmax, accepted w.p. p(d) (vLLM 0.32, SGLang "
+                        "0.5.14 defaults); textbook = the draft samples from q at T, accepted w.p. min(1, p/q)")
     g.add_argument("--acceptance-loop-prompts", type=int, default=None,
-                   help="reference, T > 0: prompts (the first N) that run the real sampled loop, compared with "
-                        "the sampled replay (default: --loop-prompts; 0: replay only)")
+                   help="T > 0: prompts (the first N) that run the real sampled loop, compared with the sampled "
+                        "replay (default: --loop-prompts; 0: replay only)")
     g.add_argument("--loop-prompts", type=int, default=None,
-                   help="reference: prompts (the first N) that also run the step-by-step loop for the lossless "
-                        "check and the speed ratio (default: all; 0: replay only)")
+                   help="prompts (the first N) that also run the step-by-step loop for the lossless check and the "
+                        "speed ratio (default: all; 0: replay only)")
     g.add_argument("--loop-untrained", action="store_true",
-                   help="reference: run the untrained draft through the loop too (it costs a target-only "
-                        "decode per prompt and k; its tau comes from replay anyway)")
+                   help="run the untrained draft through the loop too (it costs a target-only decode per prompt "
+                        "and k; its tau comes from replay anyway)")
     g.add_argument("--replay-cache-dir", type=Path, default=Path("build/replay_cache"),
-                   help="reference: where the target's greedy answers are cached (keyed by its weights)")
+                   help="where the target's greedy answers are cached (keyed by its weights)")
     g.add_argument("--response-cache", type=Path, default=None,
-                   help="reference: a response cache file (01b --response-cache) whose greedy answers to the "
-                        "benchmark prompts, when it has them for this target, stand in for generating them")
+                   help="a response cache file (01b --response-cache) whose greedy answers to the benchmark "
+                        "prompts, when it has them for this target, stand in for generating them")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where target and draft run (default: cuda if available)")
     g.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on CPU (threads); batch-1 decoding of a small model is "
                         "latency-bound and extra threads mostly add synchronisation")
-    s = p.add_argument_group("server mode (SGLang or vLLM; docs/sglang.md, docs/serving.md)")
-    s.add_argument("--engine", choices=ENGINES, default="sglang",
-                   help="serving engine: sglang (the GPU box) or vllm (its CPU build serves the CPU worlds)")
-    s.add_argument("--draft-format", choices=("sglang", "speculators"), default="sglang",
-                   help="vllm: which of 04's exports the EAGLE-3 server loads (export_sglang/ or "
-                        "export_speculators/); SGLang always loads export_sglang/")
-    s.add_argument("--agreement-prompts", type=int, default=0,
-                   help="vllm: the first N prompts answered one at a time on every EAGLE-3 server of 04's draft "
-                        "and their per-round acceptance compared with replay of the same draft on the same tokens "
-                        "(0: off; needs the target in float32 on this machine; --draft ones are not checked)")
-    s.add_argument("--agreement-tolerance", type=float, default=0.0,
-                   help="largest relative tau difference the agreement check allows (0: every round equal, "
-                        "as float32 gives)")
-    s.add_argument("--spec-settings", nargs="+", default=["3,1,4", "5,1,6", "7,1,8"],
-                   help="EAGLE3 settings 'steps,topk,num_draft_tokens' to sweep (topk > 1 = tree); "
-                        "'steps,1,steps+1,adaptive' = SGLang's --speculative-adaptive from that chain")
-    s.add_argument("--bench-concurrency", type=int, nargs="+", default=[1, 8],
-                   help="concurrent requests per run (batch 1 is always included)")
-    s.add_argument("--bench-context", nargs="+", default=["short"], metavar="short|TOKENS",
-                   help="prompt-length buckets every (setting, T, concurrency) is timed on: short = the held-out "
-                        "prompts as they are; a length L = held-out prompts of about L tokens (0.9 L to L): the "
-                        "split's longest as they stand, else padded with earlier held-out conversations as prior "
-                        "turns in the target's chat format (common/benchmark/context.py); short is always timed")
-    s.add_argument("--bench-context-prompts", type=int, default=None,
-                   help="timed prompts of each --bench-context length bucket (default: as many as the short "
-                        "bucket's, --num-prompts)")
-    s.add_argument("--bench-repeats", type=int, default=2,
-                   help="timed passes of every (setting, temperature, concurrency): the ratio to the baseline gets "
-                        "a 95%% interval over the paired passes (2: a wide one; 1: none, nothing decided)")
-    s.add_argument("--instant-temperature", type=float, default=None,
-                   help="server mode: the temperature thinking-off prompts are sampled at, at every serving "
-                        "temperature above 0 (a model's own instant-mode temperature; unset: the level's)")
-    s.add_argument("--cuda-graph", nargs="+", choices=("on", "off"), default=["on", "off"],
-                   help="CUDA-graph modes to run every server in")
-    s.add_argument("--baseline-url", default=None,
-                   help="attach to this running baseline server instead (alone: the EAGLE-3 settings are "
-                        "launched next to it, in its graph mode)")
-    s.add_argument("--eagle3-url", default=None, help="attach to this running EAGLE3 server instead")
-    s.add_argument("--baseline-port", type=int, default=30010, help="port of launched baseline servers")
-    s.add_argument("--eagle3-port", type=int, default=30020, help="port of launched EAGLE3 servers")
-    s.add_argument("--sglang-tp-size", type=int, default=1, help="SGLang tensor-parallel size (GPUs)")
-    s.add_argument("--mem-fraction-static", type=float, default=0.85,
-                   help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
-    s.add_argument("--sglang-draft-attention-backend", default=None,
-                   help="the draft's attention backend (--speculative-draft-attention-backend); unset, the MHA "
-                        "draft inherits the target's, which fails next to an MLA backend such as trtllm_mla")
-    s.add_argument("--server-extra-args", default="", help="extra launch_server arguments (one string)")
-    s.add_argument("--sglang-python", default=sys.executable, help="python that has sglang installed")
-    v = p.add_argument_group("vLLM servers (--engine vllm; docs/serving.md)")
-    v.add_argument("--vllm-python", default="build/vllm-venv/bin/python",
-                   help="python of the engine venv (`make engine` builds build/vllm-venv)")
-    v.add_argument("--vllm-dtype", default="float32", help="vLLM --dtype of target and draft")
-    v.add_argument("--vllm-kv-cache-space", type=float, default=2.0,
-                   help="VLLM_CPU_KVCACHE_SPACE: KV cache of the CPU build (GiB)")
-    v.add_argument("--vllm-threads", type=int, default=1, help="OMP_NUM_THREADS of the server (threads)")
-    v.add_argument("--vllm-thread-binding", default="nobind",
-                   help="VLLM_CPU_OMP_THREADS_BIND: nobind, auto, or a core list such as 0-1")
-    v.add_argument("--vllm-max-model-len", type=int, default=2048, help="vLLM --max-model-len (tokens)")
-    v.add_argument("--vllm-preload-iomp", action="store_true",
-                   help="LD_PRELOAD the engine venv's Intel OpenMP (vLLM: speculative decoding on x86 CPUs "
-                        "is slow without it)")
-    v.add_argument("--vllm-fix-sampling", action="store_true",
-                   help="load scripts/vllm_cpu_fix into the servers: vllm-cpu 0.32 loses every sampled "
-                        "request's temperature and top-p in its rejection sampler (docs/design.md section 11)")
-    s.add_argument("--server-timeout", type=float, default=3600, help="seconds to wait for readiness")
-    s.add_argument("--request-timeout", type=float, default=1800, help="seconds for one request")
-    s.add_argument("--max-retried-requests", type=int, default=0,
-                   help="a run with more retried requests than this (connection resets, cut streams, 5xx) gets "
-                        "no speed ratio against the baseline: its wall time holds the backoff waits")
-    s.add_argument("--warmup-requests", type=int, default=4,
-                   help="warm-up requests every server answers before it is timed (64 tokens each, greedy; on "
-                        "held-out prompts that are never timed)")
-    s.add_argument("--min-accept-length", type=float, default=1.3,
-                   help="preflight refuses a warm-up tau below this (1.0 = chance: only the bonus token)")
     return p
-
-
-
-
-def load_inputs(args):
-    """Check the upstream folders; return (export dir, 04 manifest, timed prompt rows, warm-up rows: split_prompts,
-    every held-out row but the warm-up ones in the split's order: what --bench-context's buckets are built from)."""
-    draft_dir = stage_dir(args.work_dir, "04_train")
-    m04 = require_complete(draft_dir, "04_train")
-    export_dir = draft_dir / "export_sglang"
-    if not (export_dir / "config.json").is_file() or not (export_dir / "model.safetensors").is_file():
-        raise StageError(f"{export_dir} lacks config.json/model.safetensors: re-run `python 04_train.py "
-                         "--overwrite`")
-    merged = stage_dir(args.work_dir, "01c_merge_datasets")
-    m01c = require_complete(merged, "01c_merge_datasets")
-    check_same_tokenizer(m01c["tokenizer"], m04["tokenizer"], merged, "01c_merge_datasets")
-    held_out = list(iter_jsonl(merged / "benchmark_prompts.jsonl"))
-    rows, warm = split_prompts(held_out, args.num_prompts, warm_count(args) if args.mode == "server" else 0,
-                               merged / "benchmark_prompts.jsonl")
-    if not rows:
-        raise StageError(f"{merged / 'benchmark_prompts.jsonl'} holds no prompts: re-run 01c with "
-                         "--benchmark-size > 0")
-    never_warm = [r for r in spread_over_sources(held_out, len(held_out)) if all(r is not w for w in warm)]
-    return export_dir, m04, rows, warm, never_warm
-
-
-def split_prompts(rows: list[dict], num_timed: int | None, num_warm: int, where: Path) -> tuple[list, list]:
-    """(timed rows, warm-up rows), split once. Reference mode (num_warm 0): --num-prompts rows taken in turn
-    from each source (spread_over_sources), or all. Server mode: in that same order, the first --num-prompts
-    (default: all but num_warm) are timed and the next num_warm warm every server up and feed the agreement
-    check, so no server has seen a timed prompt before it is timed (a prefix cache or warm state would favour
-    whichever server saw it)."""
-    if not num_warm:
-        return (rows if num_timed is None else spread_over_sources(rows, num_timed)), []
-    order = spread_over_sources(rows, len(rows))
-    timed = len(order) - num_warm if num_timed is None else num_timed
-    if timed < 1 or timed + num_warm > len(order):
-        raise StageError(f"{where} holds {len(order)} held-out prompts; server mode needs "
-                         f"{'--num-prompts ' + str(num_timed) if num_timed is not None else 'at least one'} timed "
-                         f"and {num_warm} more, never timed, for the warm-up and agreement requests "
-                         "(max of --warmup-requests, --agreement-prompts): lower them or re-run 01c with a larger "
-                         "--benchmark-size")
-    return order[:timed], order[timed:timed + num_warm]
 
 
 def read_capture_points(export_cfg: dict, m04: dict, num_hidden_layers: int) -> list[int]:
@@ -283,27 +138,16 @@ def load_models(target_dir: Path, export_dir: Path, device: str, seed: int):
 
 def check_fits(target_dir: Path, device: str) -> None:
     """Refuse a target whose float32 weights cannot fit this machine (Kimi-K2.5: ~1T parameters):
-    reference mode loads the whole model with transformers; SGLang serves it (--mode server)."""
+    05 loads the whole model with transformers; SGLang serves it (05b_serve_benchmark.py)."""
     need = 4 * target_head.estimate_num_parameters(target_head.read_target_text_config(target_dir))
     if device == "cuda":
         have, where = torch.cuda.get_device_properties(0).total_memory, "GPU 0"
     else:
         have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
     if need > 0.9 * have:
-        raise StageError(f"reference mode loads the target in float32 on one device: ~{need / 2**30:,.0f} GiB for "
+        raise StageError(f"05 loads the target in float32 on one device: ~{need / 2**30:,.0f} GiB for "
                          f"{target_dir}, more than {where} ({have / 2**30:,.0f} GiB). Measure this target "
-                         "with --mode server (SGLang), which serves it sharded and quantized as in production")
-
-
-def spread_over_sources(rows: list[dict], n: int) -> list[dict]:
-    """n rows taken in turn from each source, each source in file order: 01c writes the held-out prompts
-    source by source, so the first n alone could leave whole datasets (the tool calls) out."""
-    order, seen, keys = {}, {}, []
-    for r in rows:
-        src = order.setdefault(r.get("source"), len(order))
-        keys.append((seen.get(src, 0), src))
-        seen[src] = seen.get(src, 0) + 1
-    return [rows[i] for i in sorted(range(len(rows)), key=keys.__getitem__)[:n]]
+                         "with 05b_serve_benchmark.py (SGLang), which serves it sharded and quantized as in production")
 
 
 def known_answers(args, target_dir: Path, tok, text_format):
@@ -323,59 +167,31 @@ def known_answers(args, target_dir: Path, tok, text_format):
     return lookup
 
 
-def drafts_identity(checked: dict) -> dict:
-    """The manifest's record of the --draft folders: {name: {path, layout, sha256}}."""
-    return {n: {key: d.identity()[key] for key in ("path", "layout", "sha256")} for n, (d, _) in checked.items()}
+def refuse_mode(argv: list[str]) -> None:
+    """05 had a --mode until its serving half became 05b: an old command line stops with the script to run
+    instead of argparse's "unrecognized arguments"."""
+    mode = given_mode(argv)
+    if mode == "server":
+        raise StageError("--mode server: the serving benchmark is now its own stage, `python 05b_serve_benchmark.py` "
+                         "(the same flags without --mode; it writes 05_benchmark/server/ as before)")
+    if mode is not None:
+        raise StageError(f"--mode {mode}: 05_benchmark.py is the reference benchmark alone now; drop --mode "
+                         "(the serving benchmark is 05b_serve_benchmark.py)")
 
 
 def main(argv=None):
+    refuse_mode(sys.argv[1:] if argv is None else list(argv))
     args = parse_args(build_parser(), argv)
     if isinstance(args.num_draft_tokens, int):  # a YAML scalar instead of a list
         args.num_draft_tokens = [args.num_draft_tokens]
-    if any(k < 1 for k in args.num_draft_tokens) or args.benchmark_max_new_tokens < 1:
-        raise StageError("--num-draft-tokens and --benchmark-max-new-tokens must be >= 1")
-    if isinstance(args.acceptance_temperatures, (int, float)):  # a YAML scalar instead of a list
-        args.acceptance_temperatures = [args.acceptance_temperatures]
-    if any(t < 0 for t in args.acceptance_temperatures) or not 0 < args.acceptance_top_p <= 1:
-        raise StageError("--acceptance-temperatures must be >= 0 and --acceptance-top-p in (0, 1]")
-    if args.bench_repeats < 1 or (args.instant_temperature is not None and args.instant_temperature <= 0):
-        raise StageError("--bench-repeats must be >= 1 and --instant-temperature > 0")
-    if not isinstance(args.bench_context, list):  # a YAML scalar instead of a list
-        args.bench_context = [args.bench_context]
-    parse_buckets(args.bench_context)  # a bucket that is neither short nor a length stops 05 before it writes
-    if args.bench_context_prompts is not None and args.bench_context_prompts < 1:
-        raise StageError("--bench-context-prompts must be >= 1")
-    if isinstance(args.draft, str):  # a YAML scalar instead of a list
-        args.draft = [args.draft]
-    specs = cmp.parse_specs(args.draft)
-    out = stage_dir(args.work_dir, STAGE) / args.mode
-    export_dir, m04, rows, warm_rows, never_warm = load_inputs(args)
-    target_dir = resolve_target(args.target_path, m04, stage_dir(args.work_dir, "04_train"), "04_train")
-    checked = cmp.check_drafts(specs, target_dir)  # a draft that does not fit stops 05 before it writes
-    # ... and one the engine cannot serve as checked stops it before any server launches
-    served = check_servable(args.engine, checked, target_dir) if args.mode == "server" else []
+    if any(k < 1 for k in args.num_draft_tokens):
+        raise StageError("--num-draft-tokens must be >= 1")
+    check_shared_flags(args)
+    out = stage_dir(args.work_dir, STAGE)
+    export_dir, m04, rows, _, _ = load_inputs(args.work_dir, args.num_prompts)
+    target_dir, checked = target_and_drafts(args, m04)
     if not start_stage(out, args.overwrite, STAGE):
         return
-    if args.mode == "server":
-        metrics = server_main(args, out, export_dir, m04, rows, target_dir, args.work_dir, served, warm_rows,
-                              never_warm)
-        if deploy.nothing_measured(metrics["deploy"]):
-            raise StageError(f"every timed run was refused, so nothing valid was measured (why: {out / 'report.md'}); "
-                             "no manifest written: fix the server and run 05 again")
-        write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
-                       inputs={"04_draft": manifest_sha256(stage_dir(args.work_dir, "04_train"))},
-                       counts={"num_prompts": len(rows), "num_warmup_prompts": len(warm_rows),
-                               **{f"num_prompts_context_{b}": rec["num_prompts"]
-                                  for b, rec in metrics["context_buckets"].items() if b != "short"}},
-                       preflight=metrics["preflight"],
-                       runs=list(metrics["runs"]), engine=args.engine,
-                       **({"drafts": drafts_identity(checked)} if checked else {}),
-                       agreement={key: {"exact": a["exact"], "engine_tau": a["engine"]["tau"],
-                                        "replay_tau": a["replay"]["tau"]}
-                                  for key, a in metrics["agreement"].items()})
-        print(f"[05] wrote {out}")
-        return
-
     dims = target_dims(load_target_config(target_dir))
     export_cfg = read_json(export_dir / "config.json")
     points = read_capture_points(export_cfg, m04, dims["num_hidden_layers"])
@@ -429,8 +245,8 @@ def main(argv=None):
         raise LosslessError(f"{len(mismatches)} speculative outputs differ from target-only greedy "
                             f"decoding; details in {out / 'mismatches.json'} (no manifest written)")
     write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
-                   inputs={"04_draft": manifest_sha256(stage_dir(args.work_dir, "04_train")),
-                           "01c_merged": manifest_sha256(stage_dir(args.work_dir, "01c_merge_datasets"))},
+                   inputs=input_manifests(args.work_dir, stage_dir(args.work_dir, "04_train"),
+                                          stage_dir(args.work_dir, "01c_merge_datasets")),
                    capture_points=points, draft_vocab_size=export_cfg["draft_vocab_size"],
                    counts={"num_prompts": len(rows),
                            "target_only_tokens": metrics["target_only"]["num_generated_tokens"]},

@@ -1,8 +1,9 @@
-# make demo: the whole chain on the tiny Kimi-shaped world (CPU). make test: the test suite (what CI runs).
+# make demo: the chain but 05b (no engine) on the tiny Kimi-shaped world (CPU). make test: the suite (CI's).
 # make test-fast: the suite without the real-engine tier (no engine venv needed), for the edit-test loop.
 # make bench-real: the whole chain on SmolLM2-135M-Instruct, the real small target (CPU, ~45 min).
 # make engine: the serving engine's own venv (vLLM's CPU build, build/vllm-venv); make test needs it.
-# make bench-serve: after bench-real, vLLM baseline vs EAGLE-3 at k = 3, 5, 7 (tok/s, agreement).
+# make bench-ref: after bench-real, its 05 (the reference benchmark) again, --overwrite (e.g. after retraining 04).
+# make bench-serve: after bench-real, 05b: vLLM baseline vs EAGLE-3 at k = 3, 5, 7 (tok/s, agreement).
 PYTHON_SYS ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -25,7 +26,7 @@ COMPAT_STAMP := $(COMPAT_VENV)/.installed
 CORE_TESTS := tests/test_05_benchmark.py tests/test_replay.py tests/test_eagle3.py tests/test_02b_extract.py \
               tests/test_feature_formats.py
 
-.PHONY: demo test test-fast setup engine clean-demo bench-real bench-serve
+.PHONY: demo test test-fast setup engine clean-demo bench-real bench-ref bench-serve
 
 setup: $(STAMP)
 
@@ -53,8 +54,11 @@ $(COMPAT_STAMP): requirements-compat.txt
 	$(COMPAT_VENV)/bin/python -m pip install -q -r requirements-compat.txt
 	touch $(COMPAT_STAMP)
 
+bench-ref: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) 05_benchmark.py --config configs/smollm2.yaml --work-dir $(REAL_WORK) --overwrite
+
 bench-serve: $(STAMP) $(ENGINE_STAMP)
-	OMP_NUM_THREADS=1 $(PY) 05_benchmark.py --config configs/smollm2.yaml --work-dir $(REAL_WORK) --mode server --num-prompts 10 --benchmark-max-new-tokens 128 --overwrite
+	OMP_NUM_THREADS=1 $(PY) 05b_serve_benchmark.py --config configs/smollm2.yaml --work-dir $(REAL_WORK) --num-prompts 10 --benchmark-max-new-tokens 128 --overwrite
 
 $(ENGINE_STAMP): requirements-engine.txt scripts/build_engine_venv.sh scripts/engine_requirements.py
 	PYTHON_SYS=$(PYTHON_SYS) bash scripts/build_engine_venv.sh $(ENGINE_VENV)

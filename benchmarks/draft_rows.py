@@ -4,8 +4,8 @@ and measure every row's draft on the same held-out prompts, so rows differ only 
 
 A row's work dir links the base's upstream folders (01c, 02b, 03 - or its own 02b for a format row)
 and holds its own 04_draft. Evaluation: `HeldOut` replays greedily in-process (tau at each k with a 95%
-bootstrap interval over prompts, paired differences between rows); `evaluate` runs 05 reference mode
-with every draft side by side (`--draft`), which adds the serving temperatures and the stored pairs.
+bootstrap interval over prompts, paired differences between rows); `evaluate` runs 05 (the reference
+benchmark) with every draft side by side (`--draft`), which adds the serving temperatures and the stored pairs.
 """
 from __future__ import annotations
 

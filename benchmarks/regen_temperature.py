@@ -7,7 +7,7 @@ prompts at --temperature / --top-p (default Kimi-K2.5's serving setting, T 1.0 /
 in-process backend, runs 01c -> 02b -> 03 -> 04 on them, and trains the greedy row on the base's own
 01c/02b/03 (with --sources, both rows on a subset of the base's datasets, each through 01 -> 04) with the
 same 04 flags (the preset's recipe, --share of the training samples, a candidate per
-epoch). 05 reference mode then measures both drafts side by side on the base's held-out prompts, greedy
+epoch). 05 (the reference benchmark) then measures both drafts side by side on the base's held-out prompts, greedy
 and at the preset's serving temperatures, k = 3, 5, 7, with paired 95% intervals. 01c's repetition-loop
 counts (common/text/repetition.py) and 01b's length-cap share of both data sets go in the table.
 

@@ -13,7 +13,7 @@ itself is candidate 0). The recipe rows run at the full size or --recipe-share: 
 scratch and warm for N epochs (a candidate per epoch: replay tau on 04's held-out split and the chosen
 epoch; every candidate is also measured on the reported prompts), --warm-recipes adds warm rows
 that change one flag of the fine-tune recipe (learning rate, warm-up, L2-SP weight).
-Every draft, the stand-in included, is measured by 05 reference mode side by side (`--draft`): on the
+Every draft, the stand-in included, is measured by 05 (the reference benchmark) side by side (`--draft`): on the
 in-domain held-out prompts (four families never trained on) and on the stand-in's own held-out prompts
 (forgetting), greedy and at T 1.0 / top-p 0.95, k = 3, 5, 7, with paired 95% intervals.
 

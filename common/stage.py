@@ -17,7 +17,9 @@ from common.io import read_json, write_json
 
 # The stage registry. A stage is the script <name>.py at the repo root; STAGE_DIRS gives its folder under
 # --work-dir (per-dataset stages hold one sub-folder per dataset). The world builders write build/ and a
-# target folder, not a stage folder, but share the flag namespace of the presets.
+# target folder, not a stage folder, but share the flag namespace of the presets. 05 and 05b were one
+# script with a --mode; each keeps the sub-folder of 05_benchmark/ its mode wrote, so results, reports and
+# the scripts that read them stay where they were.
 STAGE_DIRS = {
     "01_prepare_datasets": "01_prepared",
     "01b_generate_synthetic": "01b_generated",
@@ -25,7 +27,8 @@ STAGE_DIRS = {
     "02b_extract_hidden_states_sglang": "02b_hidden_states",
     "03_build_vocab_mapping": "03_vocab",
     "04_train": "04_draft",
-    "05_benchmark": "05_benchmark",
+    "05_benchmark": "05_benchmark/reference",
+    "05b_serve_benchmark": "05_benchmark/server",
 }
 WORLD_BUILDERS = ("00_build_tiny_world", "00_build_smollm2_world")
 STAGE_SCRIPTS = WORLD_BUILDERS + tuple(STAGE_DIRS)

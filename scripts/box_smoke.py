@@ -4,13 +4,13 @@
 (00_build_smollm2_world.py; a Llama target) and a few dozen prompts it runs: 01 -> an SGLang server for
 the target -> 01b (openai backend) against it -> 01c -> 02b through SGLang (torchrun, SpecForge's
 runner) AND through transformers on the same samples, shard against shard -> 03 -> a short 04 -> 05
-reference mode (transformers speculative decoding, k = 3) and 05 --mode server (SGLang, EAGLE3 3,1,4,
-launched by 05 with its preflight) -> SGLang's accept length against the reference tau. Not yet run on
+(the reference: transformers speculative decoding, k = 3) and 05b (serving: SGLang, EAGLE3 3,1,4,
+launched by 05b with its preflight) -> SGLang's accept length against the reference tau. Not yet run on
 a GPU: see docs/sglang.md ("Smoke run").
 
 --engine vllm (runs on this CPU machine; vLLM's CPU build from `make engine`): 01 -> a vLLM server for
 the target -> 01b against it, its answers compared with the shipped greedy answers -> 01c -> 02b
-(transformers) -> 03 -> a short 04 -> 05 reference -> 05 --mode server with vLLM at k = 3, 5, 7,
+(transformers) -> 03 -> a short 04 -> 05 (reference) -> 05b (serving) with vLLM at k = 3, 5, 7,
 whose agreement check must find every round of vLLM's acceptance equal to replay's (docs/serving.md).
 
 It stops at the first step that fails or disagrees and names the layer of the stack that does. Every
@@ -61,15 +61,15 @@ class Settings:
     vllm_py: str = "build/vllm-venv/bin/python"
     port: int = 30000
     num_train: int = 64          # training prompts (a few dozen)
-    num_heldout: int = 16        # held-out prompts 05 times (benchmark-only), the same in both modes
-    num_warmup: int = 16         # more held-out prompts, never timed: 05 server's warm-up and agreement check
+    num_heldout: int = 16        # held-out prompts 05 and 05b measure (benchmark-only), the same in both
+    num_warmup: int = 16         # more held-out prompts, never timed: 05b's warm-up and agreement check
     max_new_tokens: int = 256    # 01b answer budget (tokens)
-    bench_new_tokens: int = 128  # 05 answer budget, both modes (tokens)
+    bench_new_tokens: int = 128  # answer budget of 05 and 05b (tokens)
     train_steps: int = 400       # 04 optimizer steps (GPU)
     cpu_train_steps: int = 200   # 04 optimizer steps (--engine vllm, on the CPU: one sample each)
     mem_fraction: float = 0.6    # SGLang mem_fraction_static (weights + KV pool share of the GPU)
     shard_rel_tol: float = 0.05  # 02b sglang vs hf: ||a - b|| / ||b|| per capture point and final state
-    tau_rel_tol: float = 0.05    # 05 server accept length vs reference tau
+    tau_rel_tol: float = 0.05    # 05b's accept length vs 05's reference tau
 
     @property
     def work_hf(self) -> Path:  # 02b through transformers on the same 01c output
@@ -158,17 +158,17 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
             "--max-samples-per-batch", "1", "--batch-tokens", "4096", "--precision", "fp32", "--device", "cpu"],
             "draft training (04)")]
         steps["benchmark"] = [
-            Step("05 reference (transformers)", [py, "05_benchmark.py", "--work-dir", w, "--mode", "reference",
+            Step("05 reference (transformers)", [py, "05_benchmark.py", "--work-dir", w,
                                                   "--num-draft-tokens", "3", "5", "7", "--loop-prompts", "4",
                                                   "--device", "cpu", *bench],
-                 "reference speculative decoding (05 --mode reference, transformers)"),
-            Step("05 server (vLLM eagle3, agreement with replay)", [
-                py, "05_benchmark.py", "--work-dir", w, "--mode", "server", "--engine", "vllm",
+                 "reference speculative decoding (05, transformers)"),
+            Step("05b serve (vLLM eagle3, agreement with replay)", [
+                py, "05b_serve_benchmark.py", "--work-dir", w, "--engine", "vllm",
                 "--vllm-python", s.vllm_py, "--spec-settings", *VLLM_SETTINGS, "--cuda-graph", "off",
                 "--bench-concurrency", "1", "4", "--agreement-prompts", str(s.num_warmup),
                 "--warmup-requests", "2", "--min-accept-length", "1.1", "--baseline-port", str(s.port + 10),
                 "--eagle3-port", str(s.port + 20), *bench, *once],
-                "vLLM EAGLE-3 serving (05 --mode server --engine vllm: launch, draft loading, preflight, "
+                "vLLM EAGLE-3 serving (05b --engine vllm: launch, draft loading, preflight, "
                 "agreement with replay)")]
         return steps
     steps["capture"] = [
@@ -186,17 +186,17 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
         py, "04_train.py", "--work-dir", w, "--max-steps", str(s.train_steps), "--learning-rate", "1e-3",
         "--batch-tokens", "4096", "--device", "cuda"], "draft training (04)")]
     steps["benchmark"] = [
-        Step("05 reference (transformers)", [py, "05_benchmark.py", "--work-dir", w, "--mode", "reference",
+        Step("05 reference (transformers)", [py, "05_benchmark.py", "--work-dir", w,
                                               "--num-draft-tokens", str(NUM_DRAFT_TOKENS), "--device", "cuda",
                                               *bench],
-             "reference speculative decoding (05 --mode reference, transformers)"),
-        Step("05 server (SGLang EAGLE3)", [
-            py, "05_benchmark.py", "--work-dir", w, "--mode", "server", "--spec-settings", SPEC_SETTING,
+             "reference speculative decoding (05, transformers)"),
+        Step("05b serve (SGLang EAGLE3)", [
+            py, "05b_serve_benchmark.py", "--work-dir", w, "--spec-settings", SPEC_SETTING,
             "--cuda-graph", "on", "--bench-concurrency", "1", "--sglang-tp-size", "1",
             "--mem-fraction-static", str(s.mem_fraction), "--sglang-python", s.sglang_py,
             "--warmup-requests", "2", "--min-accept-length", "1.1", "--baseline-port", str(s.port + 10),
             "--eagle3-port", str(s.port + 20), *bench, *once],
-            "SGLang EAGLE3 serving (05 --mode server: launch, draft loading, preflight)")]
+            "SGLang EAGLE3 serving (05b: launch, draft loading, preflight)")]
     return steps
 
 
@@ -269,12 +269,12 @@ def compare_tau(reference_metrics: dict, server_metrics: dict, rel_tol: float) -
     Reference tau excludes the prefill token (common/benchmark/spec_decode.acceptance_stats); SGLang's
     completion_tokens / spec_verify_ct includes it, one token per request: removed before comparing.
     """
-    layer = "SGLang's EAGLE3 decoding (05 server) vs reference speculative decoding (05 reference)"
+    layer = "SGLang's EAGLE3 decoding (05b) vs reference speculative decoding (05)"
     ref = reference_metrics["by_num_draft_tokens"][str(NUM_DRAFT_TOKENS)]["tau"]
     key = f"{SPEC_SETTING.replace(',', '-')}/graph"
     run = server_metrics["runs"][key]["by_temperature"]["0"]["by_concurrency"]["1"]  # greedy, batch 1
-    if run.get("refused"):  # 05 did not believe the server's counts (server_bench.refuse): no tau to compare
-        raise SmokeMismatch(layer, f"05 refused the run: {run['refused']}")
+    if run.get("refused"):  # 05b did not believe the server's counts (server_bench.refuse): no tau to compare
+        raise SmokeMismatch(layer, f"05b refused the run: {run['refused']}")
     pooled = run["accept_length_pooled"]
     rounds = run["completion_tokens"] / pooled
     corrected = (run["completion_tokens"] - run["num_requests"]) / rounds
@@ -307,9 +307,9 @@ def compare_answers(s: Settings) -> dict | None:
 
 
 def check_agreement(server_metrics: dict) -> dict:
-    """--engine vllm: every EAGLE-3 server's agreement with replay (05 already stops on a disagreement;
+    """--engine vllm: every EAGLE-3 server's agreement with replay (05b already stops on a disagreement;
     this also refuses a run where the check did not happen)."""
-    layer = "vLLM's EAGLE-3 decoding (05 server) vs replay of the same draft"
+    layer = "vLLM's EAGLE-3 decoding (05b) vs replay of the same draft"
     agreement = server_metrics.get("agreement") or {}
     keys = [f"{x.replace(',', '-')}/nograph" for x in VLLM_SETTINGS]
     missing = [k for k in keys if k not in agreement]

@@ -18,6 +18,7 @@ run() {
 }
 
 run "$BUILDER" --config "$CONFIG"
+# Every stage but 05b, the serving benchmark: it needs an engine (`make bench-serve` runs it on SmolLM2).
 for stage in 01_prepare_datasets.py 01b_generate_synthetic.py 01c_merge_datasets.py \
              02b_extract_hidden_states_sglang.py 03_build_vocab_mapping.py 04_train.py 05_benchmark.py; do
   if [ -f "$stage" ]; then run "$stage" --config "$CONFIG" --work-dir "$WORK"; fi

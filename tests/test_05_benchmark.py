@@ -203,7 +203,7 @@ def test_reference_mode_refuses_a_target_too_large_for_the_machine(micro_target,
 
     make_chain(tmp_path, micro_target, target, prompts)
     monkeypatch.setattr(target_head, "estimate_num_parameters", lambda cfg: 10 ** 12)  # Kimi-K2.5-sized
-    with pytest.raises(SystemExit, match="--mode server"):
+    with pytest.raises(SystemExit, match="05b_serve_benchmark.py"):
         importlib.import_module("05_benchmark").main(["--work-dir", str(tmp_path), "--device", "cpu"])
     assert not (tmp_path / "05_benchmark" / "reference" / "metrics.json").exists()
 
@@ -270,9 +270,25 @@ def test_an_answer_cut_short_by_a_cache_is_refused(target, prompts, tmp_path):
 
 def test_num_prompts_takes_every_source_in_turn():
     """01c writes held-out prompts source by source: --num-prompts must not keep only the first sources."""
-    stage = importlib.import_module("05_benchmark")
+    from common.benchmark.inputs import spread_over_sources
+
     rows = [{"id": f"{s}/{i}", "source": s} for s, n in (("chat", 4), ("code", 2), ("tools", 3)) for i in range(n)]
-    assert [r["id"] for r in stage.spread_over_sources(rows, 5)] == ["chat/0", "code/0", "tools/0", "chat/1", "code/1"]
-    assert [r["id"] for r in stage.spread_over_sources(rows, 20)] == [  # an exhausted source drops out
+    assert [r["id"] for r in spread_over_sources(rows, 5)] == ["chat/0", "code/0", "tools/0", "chat/1", "code/1"]
+    assert [r["id"] for r in spread_over_sources(rows, 20)] == [  # an exhausted source drops out
         "chat/0", "code/0", "tools/0", "chat/1", "code/1", "tools/1", "chat/2", "tools/2", "chat/3"]
-    assert stage.spread_over_sources(rows, 0) == []
+    assert spread_over_sources(rows, 0) == []
+
+
+def test_the_old_mode_flag_is_refused_naming_the_stage_to_run(tmp_path):
+    """05 had --mode reference | server until serving became 05b_serve_benchmark.py: an old command line stops
+    in one line before anything is read, `--mode server` naming the script that now does it."""
+    stage = importlib.import_module("05_benchmark")
+    for argv in (["--mode", "server"], ["--mode=server", "--engine", "vllm"]):
+        with pytest.raises(StageError, match=r"^--mode server: the serving benchmark is now its own stage, "
+                                             r"`python 05b_serve_benchmark.py`") as got:
+            stage.main(["--work-dir", str(tmp_path), *argv])
+        assert "\n" not in str(got.value)
+    with pytest.raises(StageError, match=r"^--mode reference: 05_benchmark.py is the reference benchmark alone now; "
+                                         r"drop --mode"):
+        stage.main(["--work-dir", str(tmp_path), "--mode", "reference"])
+    assert not (tmp_path / "05_benchmark").exists()

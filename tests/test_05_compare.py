@@ -1,5 +1,5 @@
 """05 --draft NAME=PATH (common/benchmark/compare.py): other drafts measured next to 04's on the same prompts
-(reference mode; server mode's side is in tests/test_server_bench.py).
+(05, the reference benchmark; 05b's side is in tests/test_server_bench.py).
 04's own export under another name or in the speculators layout must measure exactly as 04's; a draft reading
 other capture points gets the features at its own points; a draft that does not fit is refused before 05
 writes anything; the deploy pick is the highest tau at the serving setting, clearly better only when every
@@ -197,7 +197,7 @@ def test_draft_names_and_the_list_flag(tmp_path):
     assert parse_args(stage.build_parser(), base).draft == ["kimi=/models/kimi-eagle3"]
     assert parse_args(stage.build_parser(), base + ["--draft", "a=1", "--draft", "b=2", "c=3"]).draft == [
         "a=1", "b=2", "c=3"]   # the command line replaces the preset's list
-    with pytest.raises(StageError, match="reserved"):   # server mode's baseline runs are named so
+    with pytest.raises(StageError, match="reserved"):   # 05b's baseline runs are named so
         cmp.parse_specs(["baseline=/x"])
 
 

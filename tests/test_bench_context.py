@@ -1,4 +1,4 @@
-"""05 --mode server's prompt-length buckets (--bench-context, common/benchmark/context.py): prompts of about L
+"""05b's prompt-length buckets (--bench-context, common/benchmark/context.py): prompts of about L
 tokens made of real held-out text in the target's chat format (never random ids), deterministic, disjoint from
 the warm-up prompts; the sweep timed on the grid of bucket x concurrency, stored per cell in metrics.json and
 reported per cell; and the refusal, before any launch, of a bucket the launched servers' context cannot hold."""
@@ -17,7 +17,7 @@ from common.stage import StageError
 from common.text.chat_format import render_prompt
 from common.text.tokenizer import load_tokenizer
 from tests.sglang_server_stub import StubServer, StubState
-from tests.test_server_bench import fake_launches, free_ports, make_work, run_05, sweep_05  # noqa: F401 (fixture)
+from tests.test_server_bench import fake_launches, free_ports, make_work, run_05b, sweep_05b  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -113,7 +113,7 @@ def test_the_sweep_times_every_bucket_on_prompts_disjoint_from_the_warm_up(tmp_p
     base = StubState(model_path=str(micro_target))
     spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), accept_length=3.0)
     with StubServer(base) as b, StubServer(spec) as e:
-        run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e, "--num-prompts", "4", "--warmup-requests", "2",
+        run_05b(tmp_path, "--baseline-url", b, "--eagle3-url", e, "--num-prompts", "4", "--warmup-requests", "2",
                "--bench-context", "short", str(length), "--bench-context-prompts", "3", "--bench-concurrency", "1", "2")
     out = tmp_path / "05_benchmark" / "server"
     m = json.loads((out / "metrics.json").read_text())
@@ -162,14 +162,14 @@ def test_a_bucket_the_launched_servers_cannot_hold_is_refused_before_any_launch(
     with pytest.raises(StageError, match=r"^--bench-context 4090 \+ --benchmark-max-new-tokens 8 = 4098 tokens, but "
                                          r"the SGLang servers 05 launches admit 4096 \(SGLang's default, derived from "
                                          r".*config.json") as got:
-        sweep_05(tmp_path, "--bench-context", "short", "4090")
+        sweep_05b(tmp_path, "--bench-context", "short", "4090")
     assert "\n" not in str(got.value) and fake.launched == []
     with pytest.raises(StageError, match=r"admit 1024 \(--context-length in --server-extra-args\)"):
-        sweep_05(tmp_path, "--bench-context", "short", "2048", "--server-extra-args", "--context-length 1024",
+        sweep_05b(tmp_path, "--bench-context", "short", "2048", "--server-extra-args", "--context-length 1024",
                  "--overwrite")
     assert fake.launched == []
     base_port, spec_port = free_ports(2)   # a bucket that fits: launched, and timed on both buckets
-    run_05(tmp_path, "--baseline-port", base_port, "--eagle3-port", spec_port, "--spec-settings", "3,1,4",
+    run_05b(tmp_path, "--baseline-port", base_port, "--eagle3-port", spec_port, "--spec-settings", "3,1,4",
            "--cuda-graph", "on", "--bench-context", "short", "400", "--bench-context-prompts", "2", "--overwrite")
     assert len(fake.launched) == 2
     for _, state in fake.launched:

@@ -48,7 +48,7 @@ def dry_run(tmp_path, *flags) -> list[list[str]]:
 def test_dry_run_commands_parse_with_each_stage(tmp_path):
     cmds = dry_run(tmp_path)
     stages = [c for c in cmds if any(a.endswith(".py") and a[:2].isdigit() for a in c)]
-    assert len(stages) == 10  # 00 01 01b 01c 02b-sglang 02b-hf 03 04 05-reference 05-server
+    assert len(stages) == 10  # 00 01 01b 01c 02b-sglang 02b-hf 03 04 05 05b
     for cmd in stages:
         i = next(k for k, a in enumerate(cmd) if a.endswith(".py") and a[:2].isdigit())
         parser = load_stage(REPO / cmd[i]).build_parser()
@@ -63,11 +63,11 @@ def test_dry_run_commands_parse_with_each_stage(tmp_path):
     assert sg[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "1"]
     assert sg[sg.index("--capture-backend") + 1] == "sglang" and sg[sg.index("--work-dir") + 1] == work
     assert hf[hf.index("--capture-backend") + 1] == "hf" and hf[hf.index("--work-dir") + 1] == work_hf
-    ref, server = by_script["05_benchmark.py"]
-    assert ref[ref.index("--mode") + 1] == "reference" and ref[ref.index("--num-draft-tokens") + 1] == "3"
+    (ref,), (server,) = by_script["05_benchmark.py"], by_script["05b_serve_benchmark.py"]
+    assert ref[ref.index("--num-draft-tokens") + 1] == "3"
     assert server[server.index("--spec-settings") + 1] == "3,1,4"
     assert server[server.index("--sglang-python") + 1] == "/opt/sglang/bin/python"
-    for a, b in ((ref, server),):  # the same held-out prompts and answer budget in both modes
+    for a, b in ((ref, server),):  # the same held-out prompts and answer budget in 05 and 05b
         for flag in ("--num-prompts", "--benchmark-max-new-tokens", "--work-dir"):
             assert a[a.index(flag) + 1] == b[b.index(flag) + 1]
     # 01 reads the prompts next to the target folder; 01b talks to the server the driver starts
@@ -85,13 +85,13 @@ def test_dry_run_commands_parse_with_each_stage(tmp_path):
 
 
 def test_dry_run_with_vllm_runs_on_the_cpu(tmp_path):
-    """--engine vllm: no SGLang anywhere, every stage on the CPU, 05 server with vLLM at k = 3, 5, 7 and
+    """--engine vllm: no SGLang anywhere, every stage on the CPU, 05b with vLLM at k = 3, 5, 7 and
     the agreement check; the stage commands parse with each stage's own parser."""
     cmds = dry_run(tmp_path, "--engine", "vllm")
     joined = [" ".join(c) for c in cmds]
     assert not any("sglang.launch_server" in j or "--capture-backend sglang" in j or "--sglang-" in j for j in joined)
     stages = [c for c in cmds if any(a.endswith(".py") and a[:2].isdigit() for a in c)]
-    assert len(stages) == 9  # 00 01 01b 01c 02b-hf 03 04 05-reference 05-server
+    assert len(stages) == 9  # 00 01 01b 01c 02b-hf 03 04 05 05b
     for cmd in stages:
         i = next(k for k, a in enumerate(cmd) if a.endswith(".py") and a[:2].isdigit())
         parser = load_stage(REPO / cmd[i]).build_parser()
@@ -99,7 +99,7 @@ def test_dry_run_with_vllm_runs_on_the_cpu(tmp_path):
         args = parser.parse_args(cmd[i + 1:])
         if getattr(args, "device", None) is not None:
             assert args.device == "cpu", cmd
-    server = next(c for c in stages if "--mode" in c and c[c.index("--mode") + 1] == "server")
+    server = next(c for c in stages if "05b_serve_benchmark.py" in c)
     assert server[server.index("--engine") + 1] == "vllm"
     assert server[server.index("--spec-settings") + 1:server.index("--spec-settings") + 4] == ["3,1,4", "5,1,6", "7,1,8"]
     assert int(server[server.index("--agreement-prompts") + 1]) > 0
@@ -169,8 +169,8 @@ def test_compare_tau():
 
 def test_a_failed_step_names_its_layer(capsys):
     smoke = load_smoke()
-    step = smoke.Step("05 server", [sys.executable, "-c", "raise SystemExit(3)"], "SGLang EAGLE3 serving")
-    with pytest.raises(smoke.SmokeMismatch, match="SGLang EAGLE3 serving disagrees: `05 server` exited with status 3"):
+    step = smoke.Step("05b serve", [sys.executable, "-c", "raise SystemExit(3)"], "SGLang EAGLE3 serving")
+    with pytest.raises(smoke.SmokeMismatch, match="SGLang EAGLE3 serving disagrees: `05b serve` exited with status 3"):
         smoke.run_step(step, dry_run=False)
     smoke.run_step(step, dry_run=True)  # printed, not run
     assert "raise SystemExit(3)" in capsys.readouterr().out

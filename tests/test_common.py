@@ -1,6 +1,7 @@
 """The stage contract (common/stage.py, common/config.py, common/io.py)."""
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -141,6 +142,27 @@ def test_each_seed_has_one_purpose(monkeypatch, tmp_path):
     assert seeds["01_prepare_datasets"] == seeds["01c_merge_datasets"] == {"mix_seed": 7}
     assert seeds["01b_generate_synthetic"] == {"generation_seed": 0} and seeds["04_train"] == {"train_seed": 0}
     assert not any("mix_seed" in s for n, s in seeds.items() if n not in ("01_prepare_datasets", "01c_merge_datasets"))
+
+
+@pytest.mark.parametrize("preset", ["tiny.yaml", "smollm2.yaml"])
+def test_each_small_preset_parses_on_every_stage(preset, monkeypatch):
+    """One preset holds keys for the whole chain: it parses on every stage (each ignores the others' keys), and
+    05 and 05b, one script with a --mode until they split, each take the preset's values of their own flags."""
+    import importlib
+
+    monkeypatch.chdir(stage.REPO_ROOT)
+    cli = ["--config", f"configs/{preset}", "--work-dir", "/w"]
+    parsed = {name: config.parse_args(importlib.import_module(name).build_parser(), cli) for name in stage.STAGE_DIRS}
+    values = config.load_config(stage.REPO_ROOT / "configs" / preset)
+    for name in ("05_benchmark", "05b_serve_benchmark"):
+        own = config.declared_flags(stage.REPO_ROOT / f"{name}.py")
+        for key in set(values) & own:
+            got = getattr(parsed[name], key.replace("-", "_"))
+            assert (str(got) if isinstance(got, Path) else got) == values[key], (preset, name, key)
+    if preset == "smollm2.yaml":   # keys of each half of the old 05, and the keys both read
+        assert parsed["05_benchmark"].num_draft_tokens == [3, 5, 7] and parsed["05b_serve_benchmark"].engine == "vllm"
+        for name in ("05_benchmark", "05b_serve_benchmark"):
+            assert parsed[name].acceptance_temperatures == [0, 1.0] and parsed[name].benchmark_max_new_tokens == 256
 
 
 def test_the_plans_commands_repeat_no_preset_value():

@@ -1,4 +1,4 @@
-"""05 server mode's deploy section (common/benchmark/deploy.py) on synthetic sweeps whose right answers
+"""05b's deploy section (common/benchmark/deploy.py) on synthetic sweeps whose right answers
 are known: a generated sweep with known draft and verify costs, one where no setting beats the baseline,
 one where every run was refused, the launch line of each engine, the interval over paired timed passes,
 and a sampled preset whose recommendation comes from its serving temperature."""
@@ -165,23 +165,25 @@ def test_report_names_the_best_setting_and_splits_tau_by_source_and_thinking(tmp
     assert set(by_src) == {"x", "y"} and by_src["x"][0] == 4
 
 
-def test_reference_metrics_only_of_the_same_draft(tmp_path):
-    """The cost model's per-depth tau comes from 05 reference only when it measured THIS draft."""
+def test_the_reference_counts_only_for_the_same_draft(tmp_path):
+    """05b's optional input: 05's folder counts (its per-depth tau feeds the cost model) only when 05 measured
+    THIS draft, as its manifest's inputs say (stage.input_manifests); a manifest from before 05b split off
+    keyed 04's hash "04_draft"."""
     import argparse
 
-    from common.benchmark.server_bench import reference_metrics
-    from common.io import write_json
-    from common.stage import manifest_sha256, write_manifest
+    from common.benchmark.server_bench import same_draft_reference
+    from common.stage import input_manifests, manifest_sha256, write_manifest
 
     ns = argparse.Namespace()
     write_manifest(tmp_path / "04_draft", "04_train", ns)
     ref = tmp_path / "05_benchmark" / "reference"
-    assert reference_metrics(tmp_path) is None                      # reference mode never ran
-    write_json(ref / "metrics.json", {"by_num_draft_tokens": {"3": {"per_position_acceptance": [0.5]}}})
+    assert same_draft_reference(tmp_path) is None                    # 05 never ran
+    write_manifest(ref, "05_benchmark", ns, inputs=input_manifests(tmp_path, tmp_path / "04_draft"))
+    assert same_draft_reference(tmp_path) == ref
     write_manifest(ref, "05_benchmark", ns, inputs={"04_draft": manifest_sha256(tmp_path / "04_draft")})
-    assert reference_metrics(tmp_path)["by_num_draft_tokens"]["3"]["per_position_acceptance"] == [0.5]
+    assert same_draft_reference(tmp_path) == ref                     # written before the split
     write_manifest(tmp_path / "04_draft", "04_train", argparse.Namespace(retrained=True))  # a new draft
-    assert reference_metrics(tmp_path) is None
+    assert same_draft_reference(tmp_path) is None
 
 
 def test_deploy_can_pick_a_declared_draft_and_names_it_in_its_launch_line(tmp_path):

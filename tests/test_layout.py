@@ -183,3 +183,16 @@ def test_stage_docstrings_open_with_their_contract():
         tags = [line.split(":")[0] for line in contract.splitlines() if not line.startswith(" ")]
         assert tags == ["Reads", "Writes", "Real", "Tiny"], (name, tags)
         assert body and len("\n\n".join(body).splitlines()) <= 12, (name, len("\n\n".join(body).splitlines()))
+
+
+def test_every_stage_script_is_registered():
+    """A numbered script at the root is a stage (or a world builder) and must be in the registry: presets are
+    checked against the registered stages' flags, and --help and the contract tests above cover those alone
+    (05b, split off 05, was such a new script)."""
+    from common.stage import STAGE_DIRS, STAGE_SCRIPTS
+
+    scripts = {p.stem for p in REPO.glob("*.py") if STAGE_NAME.match(p.stem)}
+    assert scripts == set(STAGE_SCRIPTS)
+    # --overwrite removes a stage's folder: no stage may share it or live inside it (05 and 05b are siblings)
+    folders = [Path(f) for f in STAGE_DIRS.values()]
+    assert not [(a, b) for a in folders for b in folders if a is not b and (a == b or a in b.parents)]

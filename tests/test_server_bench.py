@@ -1,5 +1,5 @@
-"""05 server mode: launch commands, --server-extra-args read as SGLang's argparse reads them, spec-setting
-rules, meta_info parsing, the sweep against stub SGLang servers (attached, and launched as real
+"""05b, the serving benchmark: launch commands, --server-extra-args read as SGLang's argparse reads them,
+spec-setting rules, meta_info parsing, the sweep against stub SGLang servers (attached, and launched as real
 subprocesses with readiness polling and a shutdown that waits for the whole process group), the
 baseline and EAGLE3 info documents checked before anything is measured, the graph mode from
 cuda_graph_config, the server's tau windowed per run, draft identity by content, streamed errors,
@@ -171,12 +171,12 @@ def test_run_prompts_against_stub():
     assert s["accept_length_pooled"] is None and s["completion_tokens"] == 8
 
 
-def load_05():
-    return importlib.import_module("05_benchmark")
+def load_05b():
+    return importlib.import_module("05b_serve_benchmark")
 
 
 def make_work(work: Path, target: Path) -> Path:
-    """Just the manifests and files 05 server mode reads: 01c prompts, 02b manifest, 04 export."""
+    """Just the manifests and files 05b reads: 01c prompts, 02b manifest, 04 export."""
     ns, ident = argparse.Namespace(), {"tokenizer": tokenizer_identity(target), "target": target_identity(target)}
     write_jsonl(work / "01c_merged" / "benchmark_prompts.jsonl",
                 [{"id": f"p{k}", "source": "t", "prompt": "x", "prompt_ids": [k + 1, k + 2]} for k in range(3)])
@@ -191,13 +191,13 @@ def make_work(work: Path, target: Path) -> Path:
     return export
 
 
-def test_05_server_mode_attached(tmp_path, micro_target):
+def test_05b_attached(tmp_path, micro_target):
     export = make_work(tmp_path, micro_target)
     base = StubState(model_path=str(micro_target))
     spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), accept_length=3.0)
     with StubServer(base) as b, StubServer(spec) as e:
-        load_05().main(["--work-dir", str(tmp_path), "--mode", "server", "--baseline-url", b, "--eagle3-url", e,
-                        "--bench-concurrency", "2", "--benchmark-max-new-tokens", "24", "--warmup-requests", "1"])
+        load_05b().main(["--work-dir", str(tmp_path), "--baseline-url", b, "--eagle3-url", e,
+                         "--bench-concurrency", "2", "--benchmark-max-new-tokens", "24", "--warmup-requests", "1"])
     out = tmp_path / "05_benchmark" / "server"
     m = json.loads((out / "metrics.json").read_text())
     assert set(m["runs"]) == {"baseline/graph", "3-1-4/graph"} and m["concurrency"] == [1, 2]
@@ -219,8 +219,8 @@ def test_05_server_mode_attached(tmp_path, micro_target):
     assert "3-1-4/graph" in (out / "report.md").read_text()
 
 
-def run_05(work, *extra):
-    load_05().main(["--work-dir", str(work), "--mode", "server", "--bench-concurrency", "1",
+def run_05b(work, *extra):
+    load_05b().main(["--work-dir", str(work), "--bench-concurrency", "1",
                     "--benchmark-max-new-tokens", "8", "--warmup-requests", "1", *extra])
 
 
@@ -232,7 +232,7 @@ def test_graph_mode_read_from_cuda_graph_config(tmp_path, micro_target):
                      decode_graph="disabled")
     assert spec.server_args["disable_cuda_graph"] is False
     with StubServer(spec) as e:
-        run_05(tmp_path, "--eagle3-url", e)
+        run_05b(tmp_path, "--eagle3-url", e)
     m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
     assert set(m["runs"]) == {"3-1-4/nograph"} and m["runs"]["3-1-4/nograph"]["cuda_graph"] is False
 
@@ -245,18 +245,18 @@ def test_baseline_url_is_checked_before_anything_runs(tmp_path, micro_target):
     spec = StubState(**good_spec)
     with StubServer(fake_base) as b, StubServer(spec) as e:
         with pytest.raises(StageError, match=f"baseline server {b} runs speculative_algorithm='EAGLE'"):
-            run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
+            run_05b(tmp_path, "--baseline-url", b, "--eagle3-url", e)
     assert fake_base.requests == [] and spec.requests == []
     # a baseline serving another model
     other = StubState(model_path=str(tmp_path / "another-model"))
     with StubServer(other) as b, StubServer(StubState(**good_spec)) as e:
         with pytest.raises(StageError, match=f"baseline server {b} serves .*another-model"):
-            run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
+            run_05b(tmp_path, "--baseline-url", b, "--eagle3-url", e)
     # a good baseline is not measured before a bad EAGLE3 server is found
     base = StubState(model_path=str(micro_target))
     with StubServer(base) as b, StubServer(StubState(**{**good_spec, "algorithm": "EAGLE"})) as e:
         with pytest.raises(StageError, match=f"EAGLE3 server {e} reports .*not 'EAGLE3'"):
-            run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
+            run_05b(tmp_path, "--baseline-url", b, "--eagle3-url", e)
     assert base.requests == []
 
 
@@ -267,7 +267,7 @@ def test_draft_identified_by_content(tmp_path, micro_target):
     copy = tmp_path / "mnt" / "draft"
     shutil.copytree(export, copy)
     with StubServer(StubState(algorithm="EAGLE3", draft_path=str(copy), model_path=str(micro_target))) as e:
-        run_05(tmp_path, "--eagle3-url", e)
+        run_05b(tmp_path, "--eagle3-url", e)
     m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
     assert m["preflight"]["draft_sha256"] == srv.folder_fingerprint(export, srv.DRAFT_FILES)
     assert m["preflight"]["server_draft_path"] == str(copy)
@@ -275,7 +275,7 @@ def test_draft_identified_by_content(tmp_path, micro_target):
     (copy / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-3}))
     with StubServer(StubState(algorithm="EAGLE3", draft_path=str(copy), model_path=str(micro_target))) as e:
         with pytest.raises(StageError, match="neither the same folder nor a byte-identical copy"):
-            run_05(tmp_path, "--eagle3-url", e, "--overwrite")
+            run_05b(tmp_path, "--eagle3-url", e, "--overwrite")
 
 
 def test_streamed_error_raises_the_server_message():
@@ -304,12 +304,11 @@ def test_transient_failures_retried_then_one_clear_line(monkeypatch):
         srv.get_server_info(f"http://127.0.0.1:{port}")
 
 
-def test_05_server_mode_refuses_eagle(tmp_path, micro_target):
+def test_05b_refuses_eagle(tmp_path, micro_target):
     export = make_work(tmp_path, micro_target)
     with StubServer(StubState(algorithm="EAGLE", draft_path=str(export), model_path=str(micro_target))) as e:
         with pytest.raises(StageError, match=f"EAGLE3 server {e} reports .*not 'EAGLE3'"):
-            load_05().main(["--work-dir", str(tmp_path), "--mode", "server", "--eagle3-url", e,
-                            "--warmup-requests", "1"])
+            load_05b().main(["--work-dir", str(tmp_path), "--eagle3-url", e, "--warmup-requests", "1"])
     assert not (tmp_path / "05_benchmark" / "server" / "manifest.json").exists()
 
 
@@ -622,20 +621,20 @@ def fake_launches(monkeypatch):
     return make
 
 
-def sweep_05(work, *extra):
+def sweep_05b(work, *extra):
     base, spec = free_ports(2)
-    run_05(work, "--baseline-port", base, "--eagle3-port", spec, "--spec-settings", "3,1,4", "5,1,6",
+    run_05b(work, "--baseline-port", base, "--eagle3-port", spec, "--spec-settings", "3,1,4", "5,1,6",
            "--cuda-graph", "on", "off", *extra)
 
 
 def test_a_declared_draft_is_served_at_every_setting_like_04s(tmp_path, micro_target, fake_launches):
-    """--draft public=PATH in server mode: one EAGLE-3 server per (draft, setting, graph mode) next to the one
+    """05b --draft public=PATH: one EAGLE-3 server per (draft, setting, graph mode) next to the one
     baseline per graph mode, launched with the same command but the draft path, asked the same requests; the
     report and metrics say which draft each run served, every ratio against the same baseline."""
     export = make_work(tmp_path, micro_target)
     public = other_draft(tmp_path, micro_target, "public", seed=1)
     fake = fake_launches()
-    sweep_05(tmp_path, "--draft", f"public={public}")
+    sweep_05b(tmp_path, "--draft", f"public={public}")
     served = [(s.server_args["speculative_draft_model_path"], s.server_args["speculative_num_steps"],
                s.server_args["cuda_graph_config"]["decode"]["backend"]) for _, s in fake.launched]
     assert served == [(None, None, "full"), (str(export), 3, "full"), (str(export), 5, "full"),
@@ -675,11 +674,11 @@ def test_the_warmup_floor_and_the_launched_draft_hold_for_a_declared_draft(tmp_p
     public = other_draft(tmp_path, micro_target, "public", seed=1)
     fake_launches(accept={str(public): 1.0})  # the declared draft's server accepts at chance
     with pytest.raises(StageError, match=r"warm-up \(per-request\): acceptance length 1.000 is at chance"):
-        sweep_05(tmp_path, "--draft", f"public={public}")
+        sweep_05b(tmp_path, "--draft", f"public={public}")
     undeclared = other_draft(tmp_path, micro_target, "undeclared", seed=2)
     fake_launches(serve={str(public): str(undeclared)})  # launched with public, serving another folder
     with pytest.raises(StageError, match=rf"draft is '{undeclared}', not the draft public {public} \(neither"):
-        sweep_05(tmp_path, "--draft", f"public={public}", "--overwrite")
+        sweep_05b(tmp_path, "--draft", f"public={public}", "--overwrite")
 
 
 def test_an_attached_server_serves_04s_or_a_declared_draft_by_content(tmp_path, micro_target):
@@ -691,7 +690,7 @@ def test_an_attached_server_serves_04s_or_a_declared_draft_by_content(tmp_path, 
     copy = tmp_path / "mnt" / "public"
     shutil.copytree(public, copy)
     with StubServer(StubState(algorithm="EAGLE3", draft_path=str(copy), model_path=str(micro_target))) as e:
-        run_05(tmp_path, "--eagle3-url", e, "--draft", f"public={public}")
+        run_05b(tmp_path, "--eagle3-url", e, "--draft", f"public={public}")
     m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
     assert list(m["runs"]) == ["public/3-1-4/graph"] and m["runs"]["public/3-1-4/graph"]["draft"] == "public"
     assert m["preflight"]["server_draft_path"] == str(copy) and m["preflight"]["draft_name"] == "public"
@@ -700,7 +699,7 @@ def test_an_attached_server_serves_04s_or_a_declared_draft_by_content(tmp_path, 
     with StubServer(state) as e:
         with pytest.raises(StageError, match=rf"draft is '{undeclared}', none of 05's drafts \(04 {export}, "
                                              rf"public {public}\)"):
-            run_05(tmp_path, "--eagle3-url", e, "--draft", f"public={public}", "--overwrite")
+            run_05b(tmp_path, "--eagle3-url", e, "--draft", f"public={public}", "--overwrite")
     assert state.requests == []
 
 
@@ -719,7 +718,7 @@ def test_a_draft_an_engine_cannot_serve_is_refused_before_any_launch(tmp_path, m
     for bad, message in ((wrong, r"vocab_size is 700, expected 600 \(the target's\)"),
                          (spec, r"SGLang loads EAGLE-3 drafts in its own layout .* the speculators layout")):
         with pytest.raises(StageError, match=message) as e:
-            sweep_05(tmp_path, "--draft", f"public={public}", f"bad={bad}")
+            sweep_05b(tmp_path, "--draft", f"public={public}", f"bad={bad}")
         assert "\n" not in str(e.value) and str(bad) in str(e.value)
     assert fake.launched == [] and not (tmp_path / "05_benchmark").exists()
     # vLLM reads eagle_config's ids as the points without the top-level ones: [1, 3, 4] are h[2, 4, 5] to
@@ -746,7 +745,7 @@ def test_doubled_completion_tokens_refuse_the_run_by_name_with_the_tau_bound(tmp
     spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), accept_length=3.0,
                      count_scale=2)
     with StubServer(base) as b, StubServer(spec) as e, pytest.raises(StageError, match="nothing valid was measured"):
-        run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e)
+        run_05b(tmp_path, "--baseline-url", b, "--eagle3-url", e)
     out = tmp_path / "05_benchmark" / "server"
     assert not (out / "manifest.json").exists()
     m = json.loads((out / "metrics.json").read_text())
@@ -860,7 +859,7 @@ def test_a_bad_generate_answer_ends_05_in_one_line_naming_server_and_field(tmp_p
     spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), bad_answer=fault)
     with StubServer(spec) as e:
         with pytest.raises(StageError, match=rf"^SGLang server {e}: {message}") as got:
-            run_05(tmp_path, "--eagle3-url", e)
+            run_05b(tmp_path, "--eagle3-url", e)
     assert isinstance(got.value, SystemExit) and "\n" not in str(got.value)
     assert len(spec.requests) == (0 if fault == "html" else 1)  # the first answer ends it: no retry
     assert not (tmp_path / "05_benchmark" / "server" / "manifest.json").exists()
@@ -874,7 +873,7 @@ def test_a_bad_info_document_ends_05_in_one_line_naming_the_server(tmp_path, mic
     make_work(tmp_path, micro_target)
     with StubServer(StubState(model_path=str(micro_target), bad_info=fault)) as b:
         with pytest.raises(StageError, match=rf"^GET {b}/get_server_info: {message}") as got:
-            run_05(tmp_path, "--baseline-url", b)
+            run_05b(tmp_path, "--baseline-url", b)
     assert "\n" not in str(got.value)
 
 
@@ -883,8 +882,8 @@ def test_the_html_page_is_one_line_on_stderr_without_a_traceback(tmp_path, micro
     import subprocess
     make_work(tmp_path, micro_target)
     with StubServer(StubState(model_path=str(micro_target), bad_info="html")) as b:
-        done = subprocess.run([sys.executable, str(REPO / "05_benchmark.py"), "--work-dir", str(tmp_path), "--mode",
-                               "server", "--baseline-url", b, "--warmup-requests", "1"], capture_output=True,
+        done = subprocess.run([sys.executable, str(REPO / "05b_serve_benchmark.py"), "--work-dir", str(tmp_path),
+                               "--baseline-url", b, "--warmup-requests", "1"], capture_output=True,
                               text=True, cwd=REPO, timeout=300,
                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 1 and "Traceback" not in done.stderr
@@ -940,7 +939,7 @@ def attached_pair(tmp_path, micro_target, *extra) -> tuple[StubState, StubState,
     base = StubState(model_path=str(micro_target))
     spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), accept_length=3.0)
     with StubServer(base) as b, StubServer(spec) as e:
-        run_05(tmp_path, "--baseline-url", b, "--eagle3-url", e, *extra)
+        run_05b(tmp_path, "--baseline-url", b, "--eagle3-url", e, *extra)
     return base, spec, json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
 
 
@@ -953,7 +952,7 @@ def test_the_baseline_gets_the_same_warm_up_as_every_eagle3_server(tmp_path, mic
     assert timed_and_warm(spec, 8)[1] == spec.requests[:1]      # the warm-up comes first
     assert [json.dumps(r, sort_keys=True) for r in base.requests[:1]] == first
     fake = fake_launches()
-    sweep_05(tmp_path, "--overwrite")
+    sweep_05b(tmp_path, "--overwrite")
     warmups = [[json.dumps(r, sort_keys=True) for r in timed_and_warm(state, 8)[1]] for _, state in fake.launched]
     assert all(w == warmups[0] and w for w in warmups) and len(warmups) == 6
     for _, state in fake.launched:  # before the first timed request
@@ -986,9 +985,9 @@ def test_no_warm_up_or_agreement_prompt_is_ever_timed(tmp_path, micro_target):
         assert warm and timed and not {tuple(r["input_ids"]) for r in warm} & {tuple(r["input_ids"]) for r in timed}
     split = m["prompt_split"]
     assert split == {"timed": ["p0", "p1"], "warmup": ["p2"]} and m["num_warmup_prompts"] == 1
-    with pytest.raises(StageError, match=r"holds 3 held-out prompts; server mode needs --num-prompts 3 timed and 1 "
+    with pytest.raises(StageError, match=r"holds 3 held-out prompts; 05b needs --num-prompts 3 timed and 1 "
                                          r"more, never timed"):
-        run_05(tmp_path, "--num-prompts", "3", "--overwrite")
+        run_05b(tmp_path, "--num-prompts", "3", "--overwrite")
 
 
 def test_prefix_caching_is_off_on_every_server_alike(tmp_path, micro_target, fake_launches):
@@ -998,7 +997,7 @@ def test_prefix_caching_is_off_on_every_server_alike(tmp_path, micro_target, fak
     from common.benchmark import vllm
     make_work(tmp_path, micro_target)
     fake = fake_launches()
-    sweep_05(tmp_path)
+    sweep_05b(tmp_path)
     assert len(fake.launched) == 6 and all("--disable-radix-cache" in cmd for cmd, _ in fake.launched)
     commands = json.loads((tmp_path / "05_benchmark" / "server" / "commands.json").read_text())
     assert all("--disable-radix-cache" in cmd for cmd in commands.values())
@@ -1007,7 +1006,7 @@ def test_prefix_caching_is_off_on_every_server_alike(tmp_path, micro_target, fak
     with StubServer(StubState(model_path=str(micro_target), disable_radix_cache=False)) as b:
         with pytest.raises(StageError, match=rf"SGLang server {b} reports disable_radix_cache False: .*start it with "
                                              r"--disable-radix-cache"):
-            run_05(tmp_path, "--baseline-url", b, "--overwrite")
+            run_05b(tmp_path, "--baseline-url", b, "--overwrite")
     engine = VllmEngine(Path("t"), Path("e"), Path("d"), {}, {})
     assert all("--no-enable-prefix-caching" in engine.command(1, False, s)[0] for s in (None, (3, 1, 4)))
     vllm.check_prefix_caching_off({"cache_config": {"enable_prefix_caching": False}}, "u")
@@ -1035,7 +1034,7 @@ def test_timed_passes_alternate_and_repeat_with_an_interval_on_each_ratio(tmp_pa
         lo, hi = cell["speed_ratio_ci95"]
         assert lo <= cell["speed_ratio"] <= hi and {r["pass"] for r in cell["requests"]} == {0, 1, 2}
     fake_launches()
-    sweep_05(tmp_path, "--bench-concurrency", "1", "2", "--overwrite")
+    sweep_05b(tmp_path, "--bench-concurrency", "1", "2", "--overwrite")
     m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
     assert [(p["pass"], p["concurrency"]) for p in m["pass_order"] if p["run"] == "5-1-6/nograph"] == \
         [(0, 1), (0, 2), (1, 1), (1, 2)]

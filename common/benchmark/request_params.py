@@ -1,4 +1,4 @@
-"""The sampling parameters of every request 05's server mode sends, stated in full.
+"""The sampling parameters of every request 05b sends, stated in full.
 
 A server fills in what a request leaves out from its own defaults: vLLM from the model's
 `generation_config.json` (`--generation-config auto`, its default: it logs "Default vLLM sampling parameters

@@ -1,5 +1,5 @@
 """Where the draft fails: tau and per-position acceptance split by what is being drafted, by how far
-into the target's answer, and by source dataset (05 reference mode).
+into the target's answer, and by source dataset (05, the reference benchmark).
 
 Segments. Every token of the target's greedy continuation gets one label:
   reasoning  inside `<think>...</think>` (Kimi: the prompt ends in `<think>` when thinking is on, so the

@@ -1,4 +1,4 @@
-"""05 `--mode server`: the same prompts against a baseline and EAGLE-3 servers of one engine
+"""05b (05b_serve_benchmark.py): the same prompts against a baseline and EAGLE-3 servers of one engine
 (common/benchmark/engines.py: SGLang or vLLM); tok/s, TTFT, tau, the agreement check's hook.
 
 SGLang's side: requests in common/benchmark/sglang_stream.py; the server-wide tau
@@ -449,7 +449,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     concs = sorted({1, *[int(c) for c in args.bench_concurrency]})
     levels, repeats = serve_levels(args), max(1, int(args.bench_repeats))
     if not warm:
-        raise StageError("server mode warms every server up on held-out prompts it never times: none were given")
+        raise StageError("05b warms every server up on held-out prompts it never times: none were given")
     warm_requests = list(warm[:max(1, args.warmup_requests)])
     buckets = {SHORT: (prompts, tags or [None] * len(prompts)), **(contexts or {})}
     sampling = {(t, ctx): timed_sampling(ps, ts, t, args.acceptance_top_p, args.instant_temperature, args.seed)
@@ -579,22 +579,24 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     return metrics
 
 
-def reference_metrics(work_dir: Path) -> dict | None:
-    """05 reference's metrics when that mode ran complete on THIS draft (its manifest's 04 input hash is
-    the current 04 manifest's), for the cost model's per-depth tau; None otherwise."""
+def same_draft_reference(work_dir: Path) -> Path | None:
+    """05's folder (05_benchmark/reference) when 05 ran complete on THIS draft: its manifest's inputs hold
+    the current 04 manifest's hash (stage.input_manifests). 05b's optional input: its per-depth tau feeds
+    the cost model. None otherwise."""
     from common.io import read_json
-    from common.stage import manifest_sha256, stage_dir
+    from common.stage import input_manifests, is_complete, stage_dir
 
-    ref = stage_dir(work_dir, "05_benchmark") / "reference"
-    if not (ref / "manifest.json").is_file():
+    ref = stage_dir(work_dir, "05_benchmark")
+    if not is_complete(ref):
         return None
-    same = read_json(ref / "manifest.json").get("inputs", {}).get("04_draft") == \
-        manifest_sha256(stage_dir(work_dir, "04_train"))
-    return read_json(ref / "metrics.json") if same else None
+    inputs = read_json(ref / "manifest.json").get("inputs", {})
+    ((key, sha),) = input_manifests(work_dir, stage_dir(work_dir, "04_train")).items()
+    # 05 manifests written before 05b split off keyed 04's hash "04_draft": existing results still count
+    return ref if inputs.get(key, inputs.get("04_draft")) == sha else None
 
 
 def warm_count(args) -> int:
-    """Held-out prompts server mode keeps out of the timed set: enough for the preflight's warm-up requests
+    """Held-out prompts 05b keeps out of the timed set: enough for the preflight's warm-up requests
     and the agreement check's prompts (the same ones serve both)."""
     return max(1, args.warmup_requests, args.agreement_prompts or 0)
 
@@ -632,23 +634,23 @@ def context_buckets(args, pool: list[dict], n: int, target_dir: Path) -> dict[st
     return {b: context.bucket_prompts(pool, int(b), count, encode) for b in names}
 
 
-def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], target_dir: Path,
-                work_dir: Path, foreign=(), warm_rows: list[dict] = (), pool: list[dict] = ()) -> dict:
-    """05 --mode server after the shared input checks: sweep (+ agreement), metrics.json, report.md, plots.
-    `rows` are timed, `warm_rows` (held-out rows never timed: 05's split) warm the servers up and feed the
-    agreement check; the --bench-context buckets are built from `pool` (every held-out row but the warm-up
-    ones). `foreign`: the declared drafts as engines.check_servable returned them, served next to 04's."""
+def server_main(args, out: Path, inputs, m02b: dict, target_dir: Path, foreign=(),
+                reference: dict | None = None) -> dict:
+    """05b after its input checks: sweep (+ agreement), metrics.json, report.md, plots. Of `inputs`
+    (common/benchmark/inputs.load_inputs), the rows are timed, the warm rows (held-out rows never timed)
+    warm the servers up and feed the agreement check, and the --bench-context buckets are built from the
+    pool (every held-out row but the warm-up ones). `foreign`: the declared drafts as
+    engines.check_servable returned them, served next to 04's; `reference`: 05's metrics of the same
+    draft (same_draft_reference), for the cost model's per-depth tau."""
     from common.benchmark import context
     import shlex
 
     from common.io import write_json
-    from common.stage import require_complete, stage_dir
 
-    m02b = require_complete(stage_dir(work_dir, "02b_extract_hidden_states_sglang"),
-                            "02b_extract_hidden_states_sglang")
+    export_dir, m04, rows, warm_rows, pool = inputs
     if isinstance(args.server_extra_args, str):
         args.server_extra_args = shlex.split(args.server_extra_args)
-    engine = engine_from_args(args, export_dir, m02b, m04, target_dir, work_dir, foreign)
+    engine = engine_from_args(args, export_dir, m02b, m04, target_dir, args.work_dir, foreign)
     prompts = [list(r["prompt_ids"]) for r in rows]
     warm = [list(r["prompt_ids"]) for r in warm_rows]
     buckets = context.parse_buckets(args.bench_context)
@@ -674,7 +676,7 @@ def server_main(args, out: Path, export_dir: Path, m04: dict, rows: list[dict], 
     metrics["context_buckets"] = {SHORT: context.bucket_record(
         [{"id": r.get("id"), "tokens": len(r["prompt_ids"]), "made": "natural"} for r in rows], None),
         **{b: context.bucket_record(ps, int(b)) for b, ps in built.items()}}
-    metrics["deploy"] = deploy.summary(metrics, reference_metrics(work_dir))
+    metrics["deploy"] = deploy.summary(metrics, reference)
     write_json(out / "metrics.json", metrics)
     write_json(out / "commands.json", metrics["commands"])
     write_report(out, metrics)

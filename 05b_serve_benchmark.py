@@ -1,0 +1,196 @@
+"""Serve the exported EAGLE-3 draft: tok/s against a baseline server, what to deploy, agreement with replay.
+
+Reads:  <work-dir>/04_draft/export_sglang/ (vLLM, --draft-format speculators: export_speculators/)
+        (+ 04_draft/manifest.json), <work-dir>/01c_merged/benchmark_prompts.jsonl (+ manifest.json),
+        <work-dir>/02b_hidden_states/manifest.json, the target from the manifests; every --draft NAME=PATH
+        (an EAGLE-3 folder the engine loads); optional: <work-dir>/05_benchmark/reference/{metrics.json,
+        manifest.json} when 05 measured this draft
+Writes: <work-dir>/05_benchmark/server/{metrics.json,report.md,tokens_per_s.png,accept_length.png,
+        commands.json,server_logs/,agreement/,manifest.json}
+Real:   python 05b_serve_benchmark.py --config configs/kimi-k2.5.yaml --config configs/datasets_v4.yaml
+            --work-dir /data/eagle3
+Tiny:   python 05b_serve_benchmark.py --config configs/smollm2.yaml --work-dir runs/smollm2
+            (vLLM's CPU build serves SmolLM2 here: `make engine`, then `make bench-serve`)
+
+A baseline and, per draft (04's, every --draft) and --spec-settings, an EAGLE-3 server of --engine (SGLang,
+vLLM; docs/sglang.md, docs/serving.md), preflighted (EAGLE3 / eagle3, its draft, target, aux layers,
+warm-up tau), 04's checked against replay (--agreement-prompts), all warmed up alike on never-timed
+prompts, prefix caching off; tok/s, TTFT, tau and the ratio to the baseline (interval over --bench-repeats
+passes) per draft, temperature, prompt length and concurrency; what to deploy (common/benchmark/deploy.py),
+its cost model fed 05's per-depth tau when 05 measured this draft (recorded in the manifest's inputs).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from common.benchmark import deploy
+from common.benchmark.context import parse_buckets
+from common.benchmark.engines import ENGINES, check_servable
+from common.benchmark.inputs import (Repeated, check_shared_flags, drafts_identity, given_mode, load_inputs,
+                                     target_and_drafts)
+from common.benchmark.server_bench import same_draft_reference, server_main, warm_count
+from common.config import base_parser, parse_args
+from common.io import read_json
+from common.stage import (StageError, input_manifests, require_complete, stage_dir, start_stage,
+                          write_manifest)
+
+STAGE = "05b_serve_benchmark"
+
+
+def build_parser():
+    p = base_parser(__doc__)
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--draft", nargs="+", action=Repeated, default=[], metavar="NAME=PATH",
+                   help="another EAGLE-3 draft folder (a public Kimi draft, SpecForge output, an earlier 04 export) "
+                        "served at every setting next to 04's, against the same baseline (SGLang loads the SGLang "
+                        "layout only); repeatable; a preset gives a list of NAME=PATH strings")
+    g.add_argument("--benchmark-max-new-tokens", type=int, default=256,
+                   help="generation cap of every timed and agreement request (tokens)")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="timed held-out prompts, taken in turn from each source (default: all but the warm-up ones)")
+    g.add_argument("--target-path", type=Path, default=None,
+                   help="target model folder the servers load; read from the 04 manifest, and when given it must "
+                        "match")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of every sampled request (per prompt: common/benchmark/request_params.py) and of the "
+                        "sampled agreement check's replay")
+    g.add_argument("--acceptance-temperatures", type=float, nargs="+", default=[0.0],
+                   help="the serving temperatures: every run is timed greedily and at each T > 0 of these, with "
+                        "--acceptance-top-p (docs/design.md section 11); vllm: the agreement check also sends "
+                        "sampled requests at each T > 0. Not 01b's --temperature, which is the generation "
+                        "temperature")
+    g.add_argument("--acceptance-top-p", type=float, default=1.0,
+                   help="top-p (0-1] of every request at a temperature > 0")
+    s = p.add_argument_group("servers (SGLang or vLLM; docs/sglang.md, docs/serving.md)")
+    s.add_argument("--engine", choices=ENGINES, default="sglang",
+                   help="serving engine: sglang (the GPU box) or vllm (its CPU build serves the CPU worlds)")
+    s.add_argument("--draft-format", choices=("sglang", "speculators"), default="sglang",
+                   help="vllm: which of 04's exports the EAGLE-3 server loads (export_sglang/ or "
+                        "export_speculators/); SGLang always loads export_sglang/")
+    s.add_argument("--agreement-prompts", type=int, default=0,
+                   help="vllm: the first N prompts answered one at a time on every EAGLE-3 server of 04's draft "
+                        "and their per-round acceptance compared with replay of the same draft on the same tokens "
+                        "(0: off; needs the target in float32 on this machine; --draft ones are not checked)")
+    s.add_argument("--agreement-tolerance", type=float, default=0.0,
+                   help="largest relative tau difference the agreement check allows (0: every round equal, "
+                        "as float32 gives)")
+    s.add_argument("--spec-settings", nargs="+", default=["3,1,4", "5,1,6", "7,1,8"],
+                   help="EAGLE3 settings 'steps,topk,num_draft_tokens' to sweep (topk > 1 = tree); "
+                        "'steps,1,steps+1,adaptive' = SGLang's --speculative-adaptive from that chain")
+    s.add_argument("--bench-concurrency", type=int, nargs="+", default=[1, 8],
+                   help="concurrent requests per run (batch 1 is always included)")
+    s.add_argument("--bench-context", nargs="+", default=["short"], metavar="short|TOKENS",
+                   help="prompt-length buckets every (setting, T, concurrency) is timed on: short = the held-out "
+                        "prompts as they are; a length L = held-out prompts of about L tokens (0.9 L to L): the "
+                        "split's longest as they stand, else padded with earlier held-out conversations as prior "
+                        "turns in the target's chat format (common/benchmark/context.py); short is always timed")
+    s.add_argument("--bench-context-prompts", type=int, default=None,
+                   help="timed prompts of each --bench-context length bucket (default: as many as the short "
+                        "bucket's, --num-prompts)")
+    s.add_argument("--bench-repeats", type=int, default=2,
+                   help="timed passes of every (setting, temperature, concurrency): the ratio to the baseline gets "
+                        "a 95%% interval over the paired passes (2: a wide one; 1: none, nothing decided)")
+    s.add_argument("--instant-temperature", type=float, default=None,
+                   help="the temperature thinking-off prompts are sampled at, at every serving temperature "
+                        "above 0 (a model's own instant-mode temperature; unset: the level's)")
+    s.add_argument("--cuda-graph", nargs="+", choices=("on", "off"), default=["on", "off"],
+                   help="CUDA-graph modes to run every server in")
+    s.add_argument("--baseline-url", default=None,
+                   help="attach to this running baseline server instead (alone: the EAGLE-3 settings are "
+                        "launched next to it, in its graph mode)")
+    s.add_argument("--eagle3-url", default=None, help="attach to this running EAGLE3 server instead")
+    s.add_argument("--baseline-port", type=int, default=30010, help="port of launched baseline servers")
+    s.add_argument("--eagle3-port", type=int, default=30020, help="port of launched EAGLE3 servers")
+    s.add_argument("--sglang-tp-size", type=int, default=1, help="SGLang tensor-parallel size (GPUs)")
+    s.add_argument("--mem-fraction-static", type=float, default=0.85,
+                   help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
+    s.add_argument("--sglang-draft-attention-backend", default=None,
+                   help="the draft's attention backend (--speculative-draft-attention-backend); unset, the MHA "
+                        "draft inherits the target's, which fails next to an MLA backend such as trtllm_mla")
+    s.add_argument("--server-extra-args", default="", help="extra launch_server arguments (one string)")
+    s.add_argument("--sglang-python", default=sys.executable, help="python that has sglang installed")
+    v = p.add_argument_group("vLLM servers (--engine vllm; docs/serving.md)")
+    v.add_argument("--vllm-python", default="build/vllm-venv/bin/python",
+                   help="python of the engine venv (`make engine` builds build/vllm-venv)")
+    v.add_argument("--vllm-dtype", default="float32", help="vLLM --dtype of target and draft")
+    v.add_argument("--vllm-kv-cache-space", type=float, default=2.0,
+                   help="VLLM_CPU_KVCACHE_SPACE: KV cache of the CPU build (GiB)")
+    v.add_argument("--vllm-threads", type=int, default=1, help="OMP_NUM_THREADS of the server (threads)")
+    v.add_argument("--vllm-thread-binding", default="nobind",
+                   help="VLLM_CPU_OMP_THREADS_BIND: nobind, auto, or a core list such as 0-1")
+    v.add_argument("--vllm-max-model-len", type=int, default=2048, help="vLLM --max-model-len (tokens)")
+    v.add_argument("--vllm-preload-iomp", action="store_true",
+                   help="LD_PRELOAD the engine venv's Intel OpenMP (vLLM: speculative decoding on x86 CPUs "
+                        "is slow without it)")
+    v.add_argument("--vllm-fix-sampling", action="store_true",
+                   help="load scripts/vllm_cpu_fix into the servers: vllm-cpu 0.32 loses every sampled "
+                        "request's temperature and top-p in its rejection sampler (docs/design.md section 11)")
+    s.add_argument("--server-timeout", type=float, default=3600, help="seconds to wait for readiness")
+    s.add_argument("--request-timeout", type=float, default=1800, help="seconds for one request")
+    s.add_argument("--max-retried-requests", type=int, default=0,
+                   help="a run with more retried requests than this (connection resets, cut streams, 5xx) gets "
+                        "no speed ratio against the baseline: its wall time holds the backoff waits")
+    s.add_argument("--warmup-requests", type=int, default=4,
+                   help="warm-up requests every server answers before it is timed (64 tokens each, greedy; on "
+                        "held-out prompts that are never timed)")
+    s.add_argument("--min-accept-length", type=float, default=1.3,
+                   help="preflight refuses a warm-up tau below this (1.0 = chance: only the bonus token)")
+    return p
+
+
+def refuse_mode(argv: list[str]) -> None:
+    """An old `05_benchmark.py --mode server` line given this script's name: say what to drop."""
+    if given_mode(argv) is not None:
+        raise StageError("--mode: 05b_serve_benchmark.py is the serving benchmark (05's old --mode server); drop "
+                         "--mode")
+
+
+def check_flags(args) -> None:
+    """05b's own flags, a preset's YAML scalar made a list, checked before anything is read."""
+    check_shared_flags(args)
+    if args.bench_repeats < 1 or (args.instant_temperature is not None and args.instant_temperature <= 0):
+        raise StageError("--bench-repeats must be >= 1 and --instant-temperature > 0")
+    if not isinstance(args.bench_context, list):  # a YAML scalar instead of a list
+        args.bench_context = [args.bench_context]
+    parse_buckets(args.bench_context)  # a bucket that is neither short nor a length stops 05b before it writes
+    if args.bench_context_prompts is not None and args.bench_context_prompts < 1:
+        raise StageError("--bench-context-prompts must be >= 1")
+
+
+def main(argv=None):
+    refuse_mode(sys.argv[1:] if argv is None else list(argv))
+    args = parse_args(build_parser(), argv)
+    check_flags(args)
+    out = stage_dir(args.work_dir, STAGE)
+    inputs = load_inputs(args.work_dir, args.num_prompts, warm_count(args))
+    hidden = stage_dir(args.work_dir, "02b_extract_hidden_states_sglang")
+    m02b = require_complete(hidden, "02b_extract_hidden_states_sglang")
+    target_dir, checked = target_and_drafts(args, inputs.m04)
+    # a draft the engine cannot serve as checked stops 05b before any server launches
+    served = check_servable(args.engine, checked, target_dir)
+    reference = same_draft_reference(args.work_dir)
+    if not start_stage(out, args.overwrite, STAGE):
+        return
+    metrics = server_main(args, out, inputs, m02b, target_dir, served,
+                          read_json(reference / "metrics.json") if reference else None)
+    if deploy.nothing_measured(metrics["deploy"]):
+        raise StageError(f"every timed run was refused, so nothing valid was measured (why: {out / 'report.md'}); "
+                         "no manifest written: fix the server and run 05b again")
+    upstream = [stage_dir(args.work_dir, "04_train"), stage_dir(args.work_dir, "01c_merge_datasets"), hidden]
+    write_manifest(out, STAGE, args, tokenizer=inputs.m04["tokenizer"], target=inputs.m04["target"],
+                   inputs=input_manifests(args.work_dir, *upstream, *([reference] if reference else [])),
+                   counts={"num_prompts": len(inputs.rows), "num_warmup_prompts": len(inputs.warm),
+                           **{f"num_prompts_context_{b}": rec["num_prompts"]
+                              for b, rec in metrics["context_buckets"].items() if b != "short"}},
+                   preflight=metrics["preflight"],
+                   runs=list(metrics["runs"]), engine=args.engine,
+                   **({"drafts": drafts_identity(checked)} if checked else {}),
+                   agreement={key: {"exact": a["exact"], "engine_tau": a["engine"]["tau"],
+                                    "replay_tau": a["replay"]["tau"]}
+                              for key, a in metrics["agreement"].items()})
+    print(f"[05b] wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

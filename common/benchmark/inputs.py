@@ -1,0 +1,117 @@
+"""What 05 (the reference benchmark) and 05b (the serving one) both read and check before they write:
+04's export, 01c's held-out prompts split once, the target, the declared --draft folders, and the flags
+they share.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import NamedTuple
+
+from common.benchmark import compare as cmp
+from common.io import iter_jsonl
+from common.stage import StageError, check_same_tokenizer, require_complete, resolve_target, stage_dir
+
+
+class Repeated(argparse.Action):
+    """A list flag that may be given more than once (`--draft a=X --draft b=Y`, or `--draft a=X b=Y`); its
+    first use on the command line replaces a preset's list instead of adding to it (the command line wins)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        fresh = current is self.default or not isinstance(current, list)   # the default or parse_args' marker
+        setattr(namespace, self.dest, ([] if fresh else current) + list(values))
+
+
+def given_mode(argv: list[str]) -> str | None:
+    """The value of a `--mode` on the command line, '' without one after it, None when absent: 05 had a
+    --mode (reference | server) until the serving benchmark became 05b, and old command lines still say it."""
+    for i, word in enumerate(argv):
+        if word == "--mode":
+            return argv[i + 1] if i + 1 < len(argv) else ""
+        if word.startswith("--mode="):
+            return word.partition("=")[2]
+    return None
+
+
+def check_shared_flags(args) -> None:
+    """The flags both stages take, a preset's YAML scalar made a list, checked before anything is read."""
+    if isinstance(args.acceptance_temperatures, (int, float)):
+        args.acceptance_temperatures = [args.acceptance_temperatures]
+    if isinstance(args.draft, str):
+        args.draft = [args.draft]
+    if args.benchmark_max_new_tokens < 1:
+        raise StageError("--benchmark-max-new-tokens must be >= 1")
+    if any(t < 0 for t in args.acceptance_temperatures) or not 0 < args.acceptance_top_p <= 1:
+        raise StageError("--acceptance-temperatures must be >= 0 and --acceptance-top-p in (0, 1]")
+
+
+class Inputs(NamedTuple):
+    export_dir: Path     # 04's SGLang export
+    m04: dict            # 04's manifest
+    rows: list[dict]     # the timed (05b) or measured (05) held-out prompts
+    warm: list[dict]     # 05b: held-out prompts never timed, for the warm-up and the agreement check
+    pool: list[dict]     # every held-out row but the warm-up ones, in the split's order (05b's --bench-context)
+
+
+def load_inputs(work_dir: Path, num_prompts: int | None, num_warm: int = 0) -> Inputs:
+    """Check 04 and 01c (the same tokenizer) and split the held-out prompts once (split_prompts)."""
+    draft_dir = stage_dir(work_dir, "04_train")
+    m04 = require_complete(draft_dir, "04_train")
+    export_dir = draft_dir / "export_sglang"
+    if not (export_dir / "config.json").is_file() or not (export_dir / "model.safetensors").is_file():
+        raise StageError(f"{export_dir} lacks config.json/model.safetensors: re-run `python 04_train.py "
+                         "--overwrite`")
+    merged = stage_dir(work_dir, "01c_merge_datasets")
+    m01c = require_complete(merged, "01c_merge_datasets")
+    check_same_tokenizer(m01c["tokenizer"], m04["tokenizer"], merged, "01c_merge_datasets")
+    held_out = list(iter_jsonl(merged / "benchmark_prompts.jsonl"))
+    rows, warm = split_prompts(held_out, num_prompts, num_warm, merged / "benchmark_prompts.jsonl")
+    if not rows:
+        raise StageError(f"{merged / 'benchmark_prompts.jsonl'} holds no prompts: re-run 01c with "
+                         "--benchmark-size > 0")
+    pool = [r for r in spread_over_sources(held_out, len(held_out)) if all(r is not w for w in warm)]
+    return Inputs(export_dir, m04, rows, warm, pool)
+
+
+def split_prompts(rows: list[dict], num_timed: int | None, num_warm: int, where: Path) -> tuple[list, list]:
+    """(timed rows, warm-up rows), split once. 05 (num_warm 0): --num-prompts rows taken in turn from each
+    source (spread_over_sources), or all. 05b: in that same order, the first --num-prompts (default: all but
+    num_warm) are timed and the next num_warm warm every server up and feed the agreement check, so no
+    server has seen a timed prompt before it is timed (a prefix cache or warm state would favour whichever
+    server saw it)."""
+    if not num_warm:
+        return (rows if num_timed is None else spread_over_sources(rows, num_timed)), []
+    order = spread_over_sources(rows, len(rows))
+    timed = len(order) - num_warm if num_timed is None else num_timed
+    if timed < 1 or timed + num_warm > len(order):
+        raise StageError(f"{where} holds {len(order)} held-out prompts; 05b needs "
+                         f"{'--num-prompts ' + str(num_timed) if num_timed is not None else 'at least one'} timed "
+                         f"and {num_warm} more, never timed, for the warm-up and agreement requests "
+                         "(max of --warmup-requests, --agreement-prompts): lower them or re-run 01c with a larger "
+                         "--benchmark-size")
+    return order[:timed], order[timed:timed + num_warm]
+
+
+def spread_over_sources(rows: list[dict], n: int) -> list[dict]:
+    """n rows taken in turn from each source, each source in file order: 01c writes the held-out prompts
+    source by source, so the first n alone could leave whole datasets (the tool calls) out."""
+    order, seen, keys = {}, {}, []
+    for r in rows:
+        src = order.setdefault(r.get("source"), len(order))
+        keys.append((seen.get(src, 0), src))
+        seen[src] = seen.get(src, 0) + 1
+    return [rows[i] for i in sorted(range(len(rows)), key=keys.__getitem__)[:n]]
+
+
+def target_and_drafts(args, m04: dict) -> tuple[Path, dict]:
+    """The target (--target-path, which must be 04's, else 04's) and every --draft checked against it
+    (compare.check_drafts): a draft that does not fit stops the stage before it writes."""
+    specs = cmp.parse_specs(args.draft)
+    target_dir = resolve_target(args.target_path, m04, stage_dir(args.work_dir, "04_train"), "04_train")
+    return target_dir, cmp.check_drafts(specs, target_dir)
+
+
+def drafts_identity(checked: dict) -> dict:
+    """The manifest's record of the --draft folders: {name: {path, layout, sha256}}."""
+    return {n: {key: d.identity()[key] for key in ("path", "layout", "sha256")} for n, (d, _) in checked.items()}
