@@ -65,7 +65,7 @@ def build_parser():
                    help="use N held-out prompts, taken in turn from each source (default: all)")
     g.add_argument("--target-path", type=Path, default=None,
                    help="target model folder; read from the 04 manifest, and when given it must match")
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--bench-seed", type=int, default=0,
                    help="seed of the untrained contrast draft's init, the bootstrap intervals and the sampled "
                         "continuations / loops (per prompt: common/benchmark/sampled.py prompt_seed)")
     g.add_argument("--acceptance-temperatures", type=float, nargs="+", default=[0.0],
@@ -208,7 +208,7 @@ def main(argv=None):
           f"{dims['vocab_size']}; draft {export_dir} (draft vocab {export_cfg['draft_vocab_size']}); "
           f"capture points {points}; {len(rows)} prompts (loop on {'all' if args.loop_prompts is None else args.loop_prompts}); "
           f"k {args.num_draft_tokens}; max {args.benchmark_max_new_tokens} new tokens; {device}")
-    target, trained, untrained = load_models(target_dir, export_dir, device, args.seed)
+    target, trained, untrained = load_models(target_dir, export_dir, device, args.bench_seed)
     extra, compared = cmp.build_drafts(checked, target.get_input_embeddings().weight.detach().cpu(), device)
     if extra:  # 04's own draft joins the comparison under its identity as the importer reads it
         compared = {"trained": cmp.identity(export_dir, points), **compared}

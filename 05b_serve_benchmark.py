@@ -52,7 +52,7 @@ def build_parser():
     g.add_argument("--target-path", type=Path, default=None,
                    help="target model folder the servers load; read from the 04 manifest, and when given it must "
                         "match")
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--bench-seed", type=int, default=0,
                    help="seed of every sampled request (per prompt: common/benchmark/request_params.py) and of the "
                         "sampled agreement check's replay")
     g.add_argument("--acceptance-temperatures", type=float, nargs="+", default=[0.0],

@@ -212,7 +212,7 @@ def test_deploy_is_clearly_better_only_when_every_interval_excludes_0():
     good = [[3, 3, 3]] * 8
     twin = [[3, 3, 2]] + [[3, 3, 3]] * 7
     bad = [[1, 1, 1]] * 8
-    args = argparse.Namespace(num_draft_tokens=[2], seed=0)
+    args = argparse.Namespace(num_draft_tokens=[2], bench_seed=0)
     ident = {n: {"path": n, "layout": "sglang", "sha256": "0" * 64, "capture_points": POINTS,
                  "draft_vocab_size": v} for n, v in (("trained", 64), ("good", 600), ("twin", 32))}
 

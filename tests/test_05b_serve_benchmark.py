@@ -14,7 +14,7 @@ from common.io import write_json
 from common.stage import StageError, input_manifests, write_manifest
 from tests.test_server_bench import fake_launches, make_work, sweep_05b  # noqa: F401 (fixture)
 
-SHARED = {"draft", "benchmark-max-new-tokens", "num-prompts", "target-path", "seed", "acceptance-temperatures",
+SHARED = {"draft", "benchmark-max-new-tokens", "num-prompts", "target-path", "bench-seed", "acceptance-temperatures",
           "acceptance-top-p"}
 REFERENCE = {"num-draft-tokens", "acceptance-rule", "acceptance-loop-prompts", "loop-prompts", "loop-untrained",
              "replay-cache-dir", "response-cache", "device", "cpu-threads"}

@@ -141,6 +141,7 @@ def test_each_seed_has_one_purpose(monkeypatch, tmp_path):
         seeds[name] = {k: v for k, v in args.items() if k.endswith("seed")}
     assert seeds["01_prepare_datasets"] == seeds["01c_merge_datasets"] == {"mix_seed": 7}
     assert seeds["01b_generate_synthetic"] == {"generation_seed": 0} and seeds["04_train"] == {"train_seed": 0}
+    assert seeds["05_benchmark"] == seeds["05b_serve_benchmark"] == {"bench_seed": 0}
     assert not any("mix_seed" in s for n, s in seeds.items() if n not in ("01_prepare_datasets", "01c_merge_datasets"))
 
 

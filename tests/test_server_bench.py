@@ -144,7 +144,7 @@ def test_a_launched_server_that_dropped_adaptive_is_refused(tmp_path):
                               warmup_requests=1, benchmark_max_new_tokens=4, request_timeout=10,
                               baseline_url=None, eagle3_url=None, baseline_port=ports[0], eagle3_port=ports[1],
                               server_timeout=60, max_retried_requests=0, acceptance_temperatures=[0],
-                              acceptance_top_p=1.0, instant_temperature=None, seed=0, bench_repeats=1)
+                              acceptance_top_p=1.0, instant_temperature=None, bench_seed=0, bench_repeats=1)
     engine = StubEngine(Path("t"), Path("e"), {}, {})
     with pytest.raises(StageError, match=r"runs setting 3-1-4/graph, but 05 launched 3-1-4-adaptive/graph "
                                          r"\(its log: WARNING speculative_adaptive disabled: enable_pdmux"):

@@ -86,15 +86,15 @@ def compare_drafts(args, replayed: dict, sampled_totals: dict, compared: dict, l
     totals.update(sampled_totals)
     drafts = {}
     for n, identity in compared.items():
-        drafts[shown(n)] = {**identity, "tau": {t: {str(k): tau_cell(*totals[t][n][k], args.seed) for k in ks}
+        drafts[shown(n)] = {**identity, "tau": {t: {str(k): tau_cell(*totals[t][n][k], args.bench_seed) for k in ks}
                                                 for t in totals}}
         if labels is not None:
-            drafts[shown(n)]["by_segment"] = {str(k): segment_cells(replayed[(n, k)], labels, rows, k, args.seed)
+            drafts[shown(n)]["by_segment"] = {str(k): segment_cells(replayed[(n, k)], labels, rows, k, args.bench_seed)
                                               for k in ks}
     names = list(compared)
     pairs = [{"a": shown(a), "b": shown(b),
               "by_temperature": {t: {str(k): rp.bootstrap_paired_difference(*totals[t][a][k], *totals[t][b][k],
-                                                                            seed=args.seed) for k in ks}
+                                                                            seed=args.bench_seed) for k in ks}
                                  for t in totals}}
              for i, b in enumerate(names) for a in names[i + 1:]]
     return {"drafts": drafts, "pairs": pairs, "deploy": deploy(drafts, pairs, max(totals, key=float), str(ks[0]))}

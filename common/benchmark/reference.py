@@ -178,13 +178,13 @@ def run_reference(args, target, drafts: dict, rows: list[dict], points: list[int
                                    "target_top2_logit_margin": float(top[0] - top[1])})
     per_k = {}
     for k in ks:
-        t, u = summarize(replayed[("trained", k)], k, args.seed), summarize(replayed[("untrained", k)], k, args.seed)
+        t, u = summarize(replayed[("trained", k)], k, args.bench_seed), summarize(replayed[("untrained", k)], k, args.bench_seed)
         entry = {"tau": t["tau"], "tau_ci95": t["tau_ci95"], "untrained_tau": u["tau"],
                  "untrained_tau_ci95": u["tau_ci95"], "per_position_acceptance": t["per_position_acceptance"],
                  "accept_length_histogram": t["accept_length_histogram"], "trained": t, "untrained": u,
                  "tau_by_family": family_tau(rows, replayed[("trained", k)])}
         if labels is not None:
-            entry.update(sg.breakdown(replayed[("trained", k)], labels, [r["source"] for r in rows], k, args.seed))
+            entry.update(sg.breakdown(replayed[("trained", k)], labels, [r["source"] for r in rows], k, args.bench_seed))
         if loop_rows:
             lt = sd.acceptance_stats(loop[("trained", k)], k)
             same = sum(a.emitted == b.emitted and a.accepted == b.accepted

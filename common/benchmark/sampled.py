@@ -238,8 +238,8 @@ def run_sampled(args, target, drafts: dict, rows: list[dict], points: list[int],
            "by_temperature": {}}
     for temp in sorted({float(t) for t in args.acceptance_temperatures if float(t) > 0}):
         params = sd.SamplingParams(temp, args.acceptance_top_p, args.acceptance_rule)
-        conts = sampled_continuations(target, rows, max_new, eos, params, args.seed,
-                                      sampled_cache_file(greedy_cache_file, params, args.seed))
+        conts = sampled_continuations(target, rows, max_new, eos, params, args.bench_seed,
+                                      sampled_cache_file(greedy_cache_file, params, args.bench_seed))
         per = {name: {k: [] for k in ks} for name in drafts}
         off_support = 0
         for row, cont in tqdm(list(zip(rows, conts)), desc=f"[05] sampled replay T={temp:g}", unit="prompt"):
@@ -255,16 +255,16 @@ def run_sampled(args, target, drafts: dict, rows: list[dict], points: list[int],
         for k in ks:
             t, u = expected_stats(per["trained"][k], k), expected_stats(per["untrained"][k], k)
             (num, den), (unum, uden) = totals["trained"][k], totals["untrained"][k]
-            by_k[str(k)] = {"tau": t["tau"], "tau_ci95": list(rp.bootstrap_ratio(num, den, seed=args.seed)),
+            by_k[str(k)] = {"tau": t["tau"], "tau_ci95": list(rp.bootstrap_ratio(num, den, seed=args.bench_seed)),
                             "untrained_tau": u["tau"],
-                            "untrained_tau_ci95": list(rp.bootstrap_ratio(unum, uden, seed=args.seed)),
+                            "untrained_tau_ci95": list(rp.bootstrap_ratio(unum, uden, seed=args.bench_seed)),
                             "per_position_acceptance": t["per_position_acceptance"],
                             "per_position_acceptance_given_prefix": t["per_position_acceptance_given_prefix"],
                             "accept_length_histogram": t["accept_length_histogram"], "num_rounds": t["num_rounds"],
                             "per_prompt_emitted": num, "per_prompt_rounds": den}
             if loop_rows:
                 by_k[str(k)].update(loop_check(target, drafts["trained"], loop_rows, per["trained"][k][:len(loop_rows)],
-                                               params, k, points, max_new, eos, args.seed))
+                                               params, k, points, max_new, eos, args.bench_seed))
         out["by_temperature"][f"{temp:g}"] = {
             "num_continuation_tokens": sum(len(c) for c in conts),
             "continuation_tokens_off_replay_top_p": off_support, "by_num_draft_tokens": by_k,

@@ -452,7 +452,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
         raise StageError("05b warms every server up on held-out prompts it never times: none were given")
     warm_requests = list(warm[:max(1, args.warmup_requests)])
     buckets = {SHORT: (prompts, tags or [None] * len(prompts)), **(contexts or {})}
-    sampling = {(t, ctx): timed_sampling(ps, ts, t, args.acceptance_top_p, args.instant_temperature, args.seed)
+    sampling = {(t, ctx): timed_sampling(ps, ts, t, args.acceptance_top_p, args.instant_temperature, args.bench_seed)
                 for t in levels for ctx, (ps, ts) in buckets.items()}
     metrics = {"engine": engine.name, "engine_fixes": list(engine.fixes()),
                "target": str(engine.target_dir), "draft": str(engine.draft_dir),
@@ -665,7 +665,7 @@ def server_main(args, out: Path, inputs, m02b: dict, target_dir: Path, foreign=(
         from common.benchmark.sampled import engine_sampling
         agreement = AgreementCheck(engine, target_dir, export_dir, m04, warm[:args.agreement_prompts],
                                    args.benchmark_max_new_tokens, args.request_timeout,
-                                   args.agreement_tolerance, out, sampling=engine_sampling(args), seed=args.seed)
+                                   args.agreement_tolerance, out, sampling=engine_sampling(args), seed=args.bench_seed)
     tags = [{"source": r.get("source"), "thinking": r.get("thinking")} for r in rows]
     contexts = {b: ([p["prompt_ids"] for p in ps], [{"source": p["source"], "thinking": p["thinking"]} for p in ps])
                 for b, ps in built.items()}
