@@ -42,7 +42,8 @@ def test_command_always_eagle3_with_per_round_metrics():
     s = vllm.VllmSettings(python="py")
     base = vllm.server_command("/m/t", 8000, s)
     assert base == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/t", "--host", "127.0.0.1",
-                    "--port", "8000", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
+                    "--port", "8000", "--dtype", "float32", "--max-model-len", "2048", "--no-enable-chunked-prefill",
+                    "--max-num-batched-tokens", "2048", "--enforce-eager"]   # no split prompt: see server_command
     spec = vllm.server_command("/m/t", 8001, s, cuda_graph=True, draft_dir="/d", num_speculative_tokens=5)
     assert "--enforce-eager" not in spec
     cfg = json.loads(spec[spec.index("--speculative-config") + 1])
@@ -51,7 +52,8 @@ def test_command_always_eagle3_with_per_round_metrics():
     env = vllm.server_env(vllm.VllmSettings(kv_cache_space_gib=3, threads=2, thread_binding="0-1"))
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
-    for bad in (["--speculative-config", "{}"], ["--model=/x"], ["--spec"], ["--dtype", "bfloat16"]):
+    for bad in (["--speculative-config", "{}"], ["--model=/x"], ["--spec"], ["--dtype", "bfloat16"],
+                ["--enable-chunked-prefill"], ["--max-num-batched-tokens", "512"]):
         with pytest.raises(StageError, match="may not contain"):
             vllm.server_command("/m/t", 8000, vllm.VllmSettings(extra_args=tuple(bad)))
     vllm.server_command("/m/t", 8000, vllm.VllmSettings(extra_args=("--max-num-seqs", "4")))

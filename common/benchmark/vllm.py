@@ -83,7 +83,8 @@ class VllmSettings:
 
 GUARDED = ("--model", "--speculative-config", "--port", "--host", "--dtype", "--enforce-eager",
            "--max-model-len", "--served-model-name", "--per-request-spec-decode-metrics",
-           "--enable-prefix-caching", "--no-enable-prefix-caching")
+           "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens")
 
 
 def check_extra_args(extra_args) -> None:
@@ -115,10 +116,15 @@ def server_command(target: str | Path, port: int, settings: VllmSettings, cuda_g
                    served_name: str | None = None, method: str = METHOD, prefix_cache: bool = True) -> list[str]:
     """argv of a baseline (no draft) or EAGLE-3 vLLM server. `method` stays "eagle3": only the tests
     pass another, to plant the classic failure. CUDA graphs off = `--enforce-eager` (on a CPU: no
-    torch.compile either). `prefix_cache` False = `--no-enable-prefix-caching` (05's sweep)."""
+    torch.compile either). `prefix_cache` False = `--no-enable-prefix-caching` (05's sweep). Prompts are never
+    split across steps (`--no-enable-chunked-prefill`, a step's budget = --max-model-len): the CPU build
+    rewinds a seeded request's generator after a partial prefill (gpu_model_runner._bookkeeping_sync,
+    `set_offset`), which a CPU generator refuses, killing the engine on the first seeded sampled request
+    whose prompt was split (05b's sweep at T 1.0, 1,536-token prompts, 4 at once)."""
     check_extra_args(settings.extra_args)
     cmd = [settings.python, "-m", SERVER_MODULE, "--model", str(target), "--host", "127.0.0.1",
-           "--port", str(int(port)), "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len)]
+           "--port", str(int(port)), "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len),
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(settings.max_model_len)]
     if served_name:
         cmd += ["--served-model-name", served_name]
     if not cuda_graph:
