@@ -17,15 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from common.benchmark.formatting import fmt, fmt_ci as ci  # noqa: E402
 from common.stage import CPU_FEATURES  # noqa: E402
-
-
-def fmt(x, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def ci(c) -> str:
-    return "-" if not c or c[0] is None else f"[{c[0]:.2f}, {c[1]:.2f}]"
 
 
 def source_line(ref: Path, manifest: dict) -> str:
