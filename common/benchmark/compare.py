@@ -23,9 +23,9 @@ from pathlib import Path
 from common.benchmark import replay as rp
 from common.benchmark import segments as sg
 from common.benchmark.formatting import fmt, fmt_ci
+from common.draft import OURS  # how 04's draft ("trained" inside 05) is named in the comparison
 from common.draft.imported import build_model, check_draft, read_draft
 from common.io import read_json
-from common.sglang.server import OURS  # how 04's draft ("trained" inside 05) is named in the comparison
 from common.stage import StageError
 from common.target.capture import sglang_points_reader, target_architecture
 from common.target.head import read_target_text_config

@@ -31,6 +31,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from common.draft import OURS
 from common.stage import StageError, sha256_file
 
 INFO_PATHS = ("/server_info", "/get_server_info")  # newer name first; older releases only the second
@@ -542,7 +543,6 @@ def cuda_graph_on(info: dict) -> bool:
 
 
 DRAFT_FILES = ("config.json", "model.safetensors")
-OURS = "04"  # how 04's export is named among the drafts a server may serve (05's --draft names the others)
 
 
 def draft_files(folder: str | Path) -> tuple[str, ...]:
