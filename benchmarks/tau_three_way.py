@@ -7,7 +7,7 @@ tau (05 reference: common/benchmark/replay.py, exact greedy acceptance) at k on 
 and on the first --engine-prompts of them; (3) the real engine's tau: vLLM's CPU build serves the
 target with the draft at k and answers those first prompts one at a time (greedy); tau = 1 + accepted
 drafts / rounds from its per-round counts (the definition replay uses). The engine's answers are then
-replayed round by round (common/benchmark/agreement.py): every round must be equal, so a draft whose
+replayed round by round (common/serving/agreement.py): every round must be equal, so a draft whose
 served tau differs from replay's is caught, not averaged in.
 
 04's number is the one 04 printed where the draft's run evaluated on the base run's eval split (its
@@ -38,12 +38,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import draft_rows as dr  # noqa: E402
 
-from common.benchmark import vllm  # noqa: E402
-from common.benchmark.agreement import check_answers  # noqa: E402
-from common.benchmark.engines import VllmEngine  # noqa: E402
+from common.serving import vllm  # noqa: E402
+from common.serving.agreement import check_answers  # noqa: E402
+from common.serving.engine import VllmEngine  # noqa: E402
 from common.config import parse_args  # noqa: E402
 from common.io import read_json  # noqa: E402
-from common.sglang import server as srv  # noqa: E402
+from common.serving import sglang as srv  # noqa: E402
 
 
 def pearson(a: list[float], b: list[float]) -> float:

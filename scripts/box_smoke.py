@@ -108,7 +108,7 @@ def data_specs(s: Settings) -> str:
 
 
 def vllm_settings(s: Settings):
-    from common.benchmark.vllm import VllmSettings
+    from common.serving.vllm import VllmSettings
 
     return VllmSettings(python=s.vllm_py, max_model_len=4096)
 
@@ -116,11 +116,11 @@ def vllm_settings(s: Settings):
 def target_server_command(s: Settings) -> tuple[list[str], dict]:
     """The server 01b generates against (the target alone, served under SERVED_NAME) and its env."""
     if s.engine == "vllm":
-        from common.benchmark import vllm
+        from common.serving import vllm
 
         return (vllm.server_command(s.target, s.port, vllm_settings(s), served_name=SERVED_NAME),
                 vllm.server_env(vllm_settings(s)))
-    from common.sglang.server import server_command
+    from common.serving.sglang import server_command
 
     return server_command(s.target, s.port, 1, s.mem_fraction, True, python=s.sglang_py,
                           extra_args=["--served-model-name", SERVED_NAME, "--context-length", "4096"]), {}
@@ -328,7 +328,7 @@ def check_agreement(server_metrics: dict) -> dict:
 
 
 def serve_target_for_01b(s: Settings, steps: dict, dry_run: bool) -> None:
-    from common.sglang import server as srv
+    from common.serving import sglang as srv
 
     label = {"sglang": "SGLang", "vllm": "vLLM"}[s.engine]
     cmd, env = target_server_command(s)

@@ -1,4 +1,4 @@
-"""05b's deploy section (common/benchmark/deploy.py) on synthetic sweeps whose right answers
+"""05b's deploy section (common/serving/deploy.py) on synthetic sweeps whose right answers
 are known: a generated sweep with known draft and verify costs, one where no setting beats the baseline,
 one where every run was refused, the launch line of each engine, the interval over paired timed passes,
 and a sampled preset whose recommendation comes from its serving temperature."""
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from common.benchmark import deploy
-from common.benchmark.server_bench import write_report
-from common.sglang.server import server_command
-from common.benchmark import vllm
+from common.serving import deploy
+from common.serving.sweep import write_report
+from common.serving.sglang import server_command
+from common.serving import vllm
 
 C_DRAFT, T_FIXED, C_TOKEN = 0.004, 0.020, 0.001   # seconds: the costs the generated sweep is made of
 TTFT = 0.05
@@ -171,7 +171,7 @@ def test_the_reference_counts_only_for_the_same_draft(tmp_path):
     keyed 04's hash "04_draft"."""
     import argparse
 
-    from common.benchmark.server_bench import same_draft_reference
+    from common.serving.sweep import same_draft_reference
     from common.stage import input_manifests, manifest_sha256, write_manifest
 
     ns = argparse.Namespace()
@@ -217,7 +217,7 @@ def test_when_every_run_was_refused_nothing_valid_was_measured_and_nothing_is_re
     """Every EAGLE-3 run refused (here: measured under retries, --max-retried-requests): "no setting beats the
     baseline, run without speculation" would be a verdict on numbers nobody believes. The section says that
     nothing valid was measured, names the refusals, and recommends nothing."""
-    from common.benchmark.server_bench import add_ratios
+    from common.serving.sweep import add_ratios
     m = sweep({(3, 1, 4): [3.0, 2.6, 3.4, 2.8] * 2, (5, 1, 6): [3.2, 3.0] * 4})
     for key in ("3-1-4/nograph", "5-1-6/nograph"):
         cell(m, key)["retried_requests"] = 2
@@ -341,7 +341,7 @@ def test_the_load_model_fits_a_verify_cost_that_grows_with_the_tokens_in_flight(
     (t_round = c_draft x steps + a + b x c x n); the predicted ratio falls with the load, down to where the chain
     stops paying. At one concurrency a and b cannot be told apart: the model says it ASSUMES a = 2b (a 4-token
     verify ~ 2 plain decode steps), scaled to the measured baseline step. Every number is marked predicted."""
-    from common.benchmark import load_model
+    from common.serving import load_model
     m = load_sweep(concs=(1, 8))
     models = deploy.summary(m, None)["by_temperature"]["0"]["load_models"]
     assert [(x["context"], x["cuda_graph"]) for x in models] == [("short", False)]

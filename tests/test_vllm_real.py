@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from common.io import iter_jsonl
-from common.benchmark import vllm
-from common.sglang import server as srv
+from common.serving import vllm
+from common.serving import sglang as srv
 from common.stage import StageError
 
 pytestmark = pytest.mark.engine   # the real-engine tier: `make test` runs it, `make test-fast` leaves it out
@@ -210,8 +210,8 @@ def test_planted_eagle_method_is_caught(world):
 def test_planted_capture_ids_off_by_one_are_caught(world):
     """The SGLang export without vLLM's top-level ids: vLLM reads eagle_config's (points - 1) as its own.
     The engine's log says so, and the agreement check names the draft's inputs."""
-    from common.benchmark.agreement import AgreementCheck
-    from common.benchmark.engines import VllmEngine
+    from common.serving.agreement import AgreementCheck
+    from common.serving.engine import VllmEngine
 
     s, work = world["ids"], world["work"]
     with pytest.raises(StageError, match=r"inputs of layers \[1, 14, 26\].*capture points \[2, 15, 27\]"):

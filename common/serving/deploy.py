@@ -40,10 +40,10 @@ import statistics
 
 import numpy as np
 
-from common.benchmark import load_model
-from common.benchmark.context import SHORT, context_level, measured_buckets
+from common.serving import load_model
+from common.serving.context import SHORT, context_level, measured_buckets
 from common.benchmark.formatting import fmt
-from common.sglang.server import OURS, is_adaptive
+from common.serving.sglang import OURS, is_adaptive
 
 # What 05 adds for its own measurement, not for serving: the preflight's info document (vLLM dev mode),
 # per-request acceptance, unbuffered logs, prefix caching off (so repeated timed passes are fresh prefills;
@@ -608,7 +608,7 @@ def load_model_lines(models: list[dict] | None, t: str, drafts: dict) -> list[st
     lines = ["## Predicted, not measured: speed against load (verify cost growing with the tokens in flight)", "",
              "t_step = a + b x c (a plain decode step at concurrency c), t_round = c_draft x steps + a + b x c x n "
              "(c requests verifying n tokens each), fitted on the baseline's steps and the fixed settings' rounds "
-             "(common/benchmark/load_model.py); predicted ratio = tau x t_step / t_round, the decode phase only "
+             "(common/serving/load_model.py); predicted ratio = tau x t_step / t_round, the decode phase only "
              f"({'greedy' if t == '0' else f'T {t}'}). **Every number below is a prediction**; measured ratios are "
              "in the tables above.", ""]
     for m in models:

@@ -50,8 +50,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.benchmark.request_params import pinned
-from common.sglang.server import (BadAnswer, http_json, not_one_of, parse_answer, same_folder, served_draft,
+from common.serving.request_params import pinned
+from common.serving.sglang import (BadAnswer, http_json, not_one_of, parse_answer, same_folder, served_draft,
                                   sse_request, with_retries)
 from common.stage import StageError
 

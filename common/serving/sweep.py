@@ -1,18 +1,18 @@
 """05b (05b_serve_benchmark.py): the same prompts against a baseline and EAGLE-3 servers of one engine
-(common/benchmark/engines.py: SGLang or vLLM); tok/s, TTFT, tau, the agreement check's hook.
+(common/serving/engine.py: SGLang or vLLM); tok/s, TTFT, tau, the agreement check's hook.
 
-SGLang's side: requests in common/benchmark/sglang_stream.py; the server-wide tau
+SGLang's side: requests in common/serving/sglang_stream.py; the server-wide tau
 (`avg_spec_accept_length`) is a ratio of lifetime counters, so two readings cannot be subtracted; each
 run is windowed instead: the counters are reset (POST /set_internal_state) right
 before it and read right after it. The reset does not clear the per-interval counters that SGLang
 folds into the lifetime ones every 40 decode iterations, so the number may include up to 39 decode
 iterations from before the run and miss up to 39 of its last ones; per-request tau is exact. vLLM's
-side (requests, counters): common/benchmark/vllm.py.
+side (requests, counters): common/serving/vllm.py.
 
 A server's counts are checked before they are believed: each answer's completion_tokens against the token
 ids that came back and against what its verify rounds can hold (answer_fault), the run's tau against the
 server's own (server_tau_fault). A run that fails is refused by name in one line (`refused`): its numbers
-are dropped, so no ratio, table, cost model or recommendation takes them (common/benchmark/deploy.py).
+are dropped, so no ratio, table, cost model or recommendation takes them (common/serving/deploy.py).
 
 What makes the comparison fair, the same for every server (the baseline included):
 - the same warm-up before any timed request: the preflight's short greedy requests and, with the agreement
@@ -21,7 +21,7 @@ What makes the comparison fair, the same for every server (the baseline included
   "prompt_split"), so no timed prompt reaches a server that has seen it before;
 - prefix caching off on every server (launched with the engine's flag; an attached one refused unless its
   info document says off), since the timed passes answer the same prompts again;
-- the same prompt-length buckets (--bench-context: common/benchmark/context.py), built once from held-out
+- the same prompt-length buckets (--bench-context: common/serving/context.py), built once from held-out
   rows never used for warm-up, and timed on every server at every temperature and concurrency: the grid;
 - timed passes at every temperature level (greedy, and each serving temperature of the preset, every request
   pinning every sampling parameter with a fixed seed: request_params), repeated --bench-repeats times: within
@@ -37,13 +37,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common.benchmark import deploy
-from common.benchmark.engines import ENGINE_LABELS, engine_from_args
+from common.serving import deploy
+from common.serving.engine import ENGINE_LABELS, engine_from_args
 from common.benchmark.formatting import fmt
-from common.benchmark.context import SHORT, bucket_words, context_level, longest_bucket
-from common.benchmark.request_params import request_seed, timed_sampling
-from common.benchmark.sglang_stream import generate_stream
-from common.sglang.server import ADAPTIVE_STEPS, OURS, is_adaptive
+from common.serving.context import SHORT, bucket_words, context_level, longest_bucket
+from common.serving.request_params import request_seed, timed_sampling
+from common.serving.sglang_stream import generate_stream
+from common.serving.sglang import ADAPTIVE_STEPS, OURS, is_adaptive
 from common.stage import StageError
 
 # How far a run's tau may lie above the server's own count over the same requests before the run's
@@ -275,7 +275,7 @@ SERVER_TAU_NOTE = {
 
 
 def write_report(out: Path, metrics: dict, reference: dict | None = None) -> None:
-    """report.md; its deploy section (common/benchmark/deploy.py) from metrics["deploy"], computed here
+    """report.md; its deploy section (common/serving/deploy.py) from metrics["deploy"], computed here
     when absent (`reference`: 05 reference metrics of the same draft, for the per-depth tau)."""
     engine = metrics.get("engine", "sglang")
     if "deploy" not in metrics:
@@ -302,7 +302,7 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
     if metrics.get("agreement"):
         lines += ["", "## Agreement with replay", "",
                   "Each EAGLE-3 server answered the warm-up prompts one at a time; its per-round accepted counts "
-                  "are compared with replay of the same draft on the same tokens (common/benchmark/agreement.py). "
+                  "are compared with replay of the same draft on the same tokens (common/serving/agreement.py). "
                   "tau here = 1 + accepted / rounds (the engine's definition)."
                   + (" 04's draft only: the declared drafts are not replayed here." if len(drafts) > 1 else ""), "",
                   "| setting | prompts | rounds (engine / replay) | accepted per position (engine) | (replay) "
@@ -426,7 +426,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     temperature levels, prompt buckets, passes and concurrency levels, all measured against the one baseline.
 
     `prompts` are timed (the short bucket), and so is each prompt-length bucket of `contexts` ({name:
-    (prompts, tags)}, common/benchmark/context.py), at every temperature and concurrency; `warm` (held-out
+    (prompts, tags)}, common/serving/context.py), at every temperature and concurrency; `warm` (held-out
     prompts never timed) warm every server up before its first timed request: the preflight's warm-up
     requests, and the agreement check's (`agreement(url, key, setting)`, 05's agreement check, vLLM; it judges
     04's draft, and the same requests go unjudged to every other server: mirror_agreement). Every EAGLE-3
@@ -441,7 +441,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     interleaved across temperatures and concurrency levels) and shut down before the next one (one model in
     memory at a time).
     """
-    from common.sglang import server as srv
+    from common.serving import sglang as srv
 
     request_fn = request_fn or engine.request
     graphs = [{"on": True, "off": False}[m] for m in args.cuda_graph]
@@ -622,7 +622,7 @@ def context_buckets(args, pool: list[dict], n: int, target_dir: Path) -> dict[st
     """{bucket name: its timed prompt records} for every prompt-length bucket of --bench-context (the short
     bucket is 05's timed split itself), built from `pool` (held-out rows never used for warm-up) with the
     target's tokenizer and chat template (context.bucket_prompts), --bench-context-prompts each (default n)."""
-    from common.benchmark import context
+    from common.serving import context
 
     names = [b for b in context.parse_buckets(args.bench_context) if b != SHORT]
     if not names:
@@ -642,7 +642,7 @@ def server_main(args, out: Path, inputs, m02b: dict, target_dir: Path, foreign=(
     pool (every held-out row but the warm-up ones). `foreign`: the declared drafts as
     engines.check_servable returned them, served next to 04's; `reference`: 05's metrics of the same
     draft (same_draft_reference), for the cost model's per-depth tau."""
-    from common.benchmark import context
+    from common.serving import context
     import shlex
 
     from common.io import write_json
@@ -661,7 +661,7 @@ def server_main(args, out: Path, inputs, m02b: dict, target_dir: Path, foreign=(
         if not engine.reports_per_round:
             raise StageError(f"--agreement-prompts needs per-round acceptance from the engine; {engine.label} "
                              "reports totals only (the smoke run compares its tau with the reference instead)")
-        from common.benchmark.agreement import AgreementCheck
+        from common.serving.agreement import AgreementCheck
         from common.benchmark.sampled import engine_sampling
         agreement = AgreementCheck(engine, target_dir, export_dir, m04, warm[:args.agreement_prompts],
                                    args.benchmark_max_new_tokens, args.request_timeout,

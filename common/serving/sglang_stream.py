@@ -13,8 +13,8 @@ new ones (tokenizer_manager `_handle_batch_output`).
 """
 from __future__ import annotations
 
-from common.benchmark.request_params import pinned
-from common.sglang.server import parse_answer, sse_request
+from common.serving.request_params import pinned
+from common.serving.sglang import parse_answer, sse_request
 from common.stage import StageError
 
 

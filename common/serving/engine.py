@@ -1,8 +1,8 @@
 """One interface over the serving engines 05 measures: SGLang (the GPU box) and vLLM (its CPU build
-serves the CPU worlds here). 05's sweep (common/benchmark/server_bench.py) only talks to an `Engine`.
+serves the CPU worlds here). 05's sweep (common/serving/sweep.py) only talks to an `Engine`.
 
 What differs between them, and where each answer comes from:
-                     SGLang (common/sglang/server.py)           vLLM (common/benchmark/vllm.py)
+                     SGLang (common/serving/sglang.py)           vLLM (common/serving/vllm.py)
   launch             python -m sglang.launch_server ...         python -m vllm.entrypoints.openai.api_server
   what it serves     GET /server_info                           GET /server_info?config_format=json (dev mode)
   algorithm          speculative_algorithm == "EAGLE3"          speculative_config.method == "eagle3"
@@ -13,17 +13,17 @@ What differs between them, and where each answer comes from:
   prefix caching     off: --disable-radix-cache                 off: --no-enable-prefix-caching
   sampling defaults  sampling_defaults, preferred_sampling_params  generation_config (+ its log line)
 Every server 05 launches has prefix caching off, and an attached one must have it off too (its info document
-says): the sweep times repeated passes over the same prompts (common/benchmark/server_bench.py).
+says): the sweep times repeated passes over the same prompts (common/serving/sweep.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.benchmark import vllm
-from common.benchmark.sglang_stream import generate_stream
-from common.sglang import server as srv
-from common.sglang.server import OURS
+from common.serving import vllm
+from common.serving.sglang_stream import generate_stream
+from common.serving import sglang as srv
+from common.serving.sglang import OURS
 from common.stage import StageError, stage_dir
 from common.target.head import read_target_text_config
 
@@ -319,7 +319,7 @@ def check_servable(engine: str, checked: dict, target_dir: Path) -> list[ServedD
     SGLang loads its own layout only (`LlamaForCausalLMEagle3`) and reads the capture points from
     `eagle_config.eagle_aux_hidden_state_layer_ids` (its default without them). vLLM reads the top-level
     `eagle_aux_hidden_state_layer_ids` as the points, and without them takes eagle_config's ids AS GIVEN
-    (common/benchmark/vllm.py): an SGLang-layout folder whose ids are not the points themselves (Llama's
+    (common/serving/vllm.py): an SGLang-layout folder whose ids are not the points themselves (Llama's
     points - 1, DeepSeek's [1, ...]) would be fed other layers. Without any declaration both engines
     use [2, N//2, N-3], which check_draft assumes too."""
     n = int(read_target_text_config(target_dir)["num_hidden_layers"])

@@ -200,7 +200,7 @@ def server_command(target: str | Path, port: int, tp_size: int, mem_fraction: fl
     """argv of `python -m sglang.launch_server` for a baseline (no draft) or an EAGLE3 server.
 
     `prefix_cache` False = `--disable-radix-cache`: 05's sweep times repeated passes over the same prompts,
-    which a radix cache would serve from memory (common/benchmark/server_bench.py); `--speculative-algorithm`
+    which a radix cache would serve from memory (common/serving/sweep.py); `--speculative-algorithm`
     is always EAGLE3 here, never EAGLE. CUDA graphs off = both phases' backends `disabled` (the
     non-deprecated form of `--disable-cuda-graph`). Next to a quantized target (`quantized_target`:
 target_quantization says) the draft is loaded
