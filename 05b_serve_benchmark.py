@@ -24,14 +24,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common.serving import deploy
-from common.serving.context import parse_buckets
-from common.serving.engine import ENGINES, check_servable
 from common.benchmark.inputs import (Repeated, check_shared_flags, drafts_identity, given_mode, load_inputs,
                                      target_and_drafts)
-from common.serving.sweep import same_draft_reference, server_main, warm_count
 from common.config import base_parser, parse_args
 from common.io import read_json
+from common.serving import deploy
+from common.serving.context import parse_buckets
+from common.serving.registry import ENGINES, check_servable
+from common.serving.sweep import same_draft_reference, server_main, warm_count
 from common.stage import (StageError, input_manifests, require_complete, stage_dir, start_stage,
                           write_manifest)
 

@@ -273,7 +273,7 @@ def compare_tau(reference_metrics: dict, server_metrics: dict, rel_tol: float) -
     ref = reference_metrics["by_num_draft_tokens"][str(NUM_DRAFT_TOKENS)]["tau"]
     key = f"{SPEC_SETTING.replace(',', '-')}/graph"
     run = server_metrics["runs"][key]["by_temperature"]["0"]["by_concurrency"]["1"]  # greedy, batch 1
-    if run.get("refused"):  # 05b did not believe the server's counts (server_bench.refuse): no tau to compare
+    if run.get("refused"):  # 05b did not believe the server's counts (common.serving.sweep.refuse): no tau to compare
         raise SmokeMismatch(layer, f"05b refused the run: {run['refused']}")
     pooled = run["accept_length_pooled"]
     rounds = run["completion_tokens"] / pooled
@@ -328,7 +328,7 @@ def check_agreement(server_metrics: dict) -> dict:
 
 
 def serve_target_for_01b(s: Settings, steps: dict, dry_run: bool) -> None:
-    from common.serving import sglang as srv
+    from common.serving import process, sglang
 
     label = {"sglang": "SGLang", "vllm": "vLLM"}[s.engine]
     cmd, env = target_server_command(s)
@@ -338,15 +338,17 @@ def serve_target_for_01b(s: Settings, steps: dict, dry_run: bool) -> None:
         run_step(steps["generate"][0], True)
         return
     log = s.work / "smoke_logs" / "target_server.log"
-    proc = srv.launch_server(cmd, log, env)
+    proc = process.launch_server(cmd, log, env)
     try:
         try:
-            srv.wait_ready(f"http://127.0.0.1:{s.port}", proc, 900, log_path=log, info=s.engine == "sglang")
+            process.wait_ready(f"http://127.0.0.1:{s.port}", proc, 900, log_path=log)
+            if s.engine == "sglang":  # and it answers its info document
+                sglang.get_server_info(f"http://127.0.0.1:{s.port}")
         except SystemExit as e:  # StageError: exited early or never ready
             raise SmokeMismatch(f"{label} serving the target", str(e)) from None
         run_step(steps["generate"][0], False)
     finally:
-        srv.stop_server(proc)
+        process.stop_server(proc)
 
 
 def main(argv=None, environ=os.environ) -> None:

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from common.serving import context
-from common.serving.engine import SGLangEngine, VllmEngine
 from common.io import write_jsonl
+from common.serving import context
+from common.serving.sglang import SGLangEngine
+from common.serving.vllm import VllmEngine
 from common.stage import StageError
 from common.text.chat_format import render_prompt
 from common.text.tokenizer import load_tokenizer

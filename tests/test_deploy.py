@@ -8,10 +8,9 @@ import json
 
 import pytest
 
-from common.serving import deploy
-from common.serving.sweep import write_report
+from common.serving import deploy, vllm
 from common.serving.sglang import server_command
-from common.serving import vllm
+from common.serving.sweep import write_report
 
 C_DRAFT, T_FIXED, C_TOKEN = 0.004, 0.020, 0.001   # seconds: the costs the generated sweep is made of
 TTFT = 0.05
@@ -37,7 +36,7 @@ JITTER = (0.99, 1.01)   # two timed passes of a setting, 1% either side of their
 
 
 def level_cell(setting, reqs, jitter=JITTER) -> dict:
-    """One (T, concurrency)'s numbers as server_bench.merge_passes leaves them: the passes' mean tok/s and each
+    """One (T, concurrency)'s numbers as sweep.merge_passes leaves them: the passes' mean tok/s and each
     pass's, tau pooled over the requests."""
     tokens = sum(r["completion_tokens"] for r in reqs)
     wall = sum(r["latency_s"] for r in reqs)   # concurrency 1: one request after the other

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from common.serving import sglang as srv
 from common.draft.export_sglang import export_sglang
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import write_jsonl
-from common.serving.engine import SGLangEngine, VllmEngine
+from common.serving import drafts, http, process, settings
+from common.serving import sglang as srv
+from common.serving.sglang import SGLangEngine, parse_meta
 from common.serving.sweep import run_prompts, summarize
-from common.serving.sglang_stream import parse_meta
+from common.serving.vllm import VllmEngine
 from common.stage import StageError, target_identity, tokenizer_identity, write_manifest
 from tests.sglang_server_stub import StubServer, StubState
 
@@ -73,21 +74,21 @@ def test_cuda_graph_mode_from_cuda_graph_config():
 
 
 def test_spec_settings():
-    assert srv.parse_spec_setting("3,1,4") == (3, 1, 4)
-    assert srv.parse_spec_setting("5,4,8") == (5, 4, 8)
-    assert srv.parse_spec_setting("3,1,4,adaptive") == (3, 1, 4, "adaptive")
+    assert settings.parse_spec_setting("3,1,4") == (3, 1, 4)
+    assert settings.parse_spec_setting("5,4,8") == (5, 4, 8)
+    assert settings.parse_spec_setting("3,1,4,adaptive") == (3, 1, 4, "adaptive")
     for bad in ("3,1,5", "1,4,9", "3,1", "0,1,1", "3,1,4,5", "3,1,4,adaptiv",
                 "5,1,6,adaptive",  # 5 is not one of 0.5.14's candidate steps: SGLang refuses the start
                 "3,2,7,adaptive"):  # adaptive drafts chains only: SGLang would silently turn it off
         with pytest.raises(StageError):
-            srv.parse_spec_setting(bad)
+            settings.parse_spec_setting(bad)
 
 
 def test_adaptive_setting_launched_checked_and_kept_out_of_the_cost_model(tmp_path):
     """--speculative-adaptive: set by 05 only, refused next to the options under which SGLang only warns
     and turns it off, read back from the info document, and never fitted as a fixed chain."""
     from common.serving import deploy
-    setting = srv.parse_spec_setting("3,1,4,adaptive")
+    setting = settings.parse_spec_setting("3,1,4,adaptive")
     cmd = srv.server_command("/m", 1, 1, 0.8, True, "/d", setting, "py")
     assert cmd[-1] == "--speculative-adaptive" and cmd[cmd.index("--speculative-num-steps") + 1] == "3"
     assert "--speculative-adaptive" not in srv.server_command("/m", 1, 1, 0.8, True, "/d", (3, 1, 4), "py")
@@ -269,7 +270,7 @@ def test_draft_identified_by_content(tmp_path, micro_target):
     with StubServer(StubState(algorithm="EAGLE3", draft_path=str(copy), model_path=str(micro_target))) as e:
         run_05b(tmp_path, "--eagle3-url", e)
     m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
-    assert m["preflight"]["draft_sha256"] == srv.folder_fingerprint(export, srv.DRAFT_FILES)
+    assert m["preflight"]["draft_sha256"] == drafts.folder_fingerprint(export, drafts.DRAFT_FILES)
     assert m["preflight"]["server_draft_path"] == str(copy)
     cfg = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-3}))
@@ -279,7 +280,7 @@ def test_draft_identified_by_content(tmp_path, micro_target):
 
 
 def test_streamed_error_raises_the_server_message():
-    from common.serving.sglang_stream import generate_stream
+    from common.serving.sglang import generate_stream
     msg = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
     with StubServer(StubState(algorithm="EAGLE3", draft_path="/d", error_message=msg)) as url:
         with pytest.raises(StageError, match=r"with an error: The input \(9000 tokens\)"):
@@ -287,8 +288,8 @@ def test_streamed_error_raises_the_server_message():
 
 
 def test_transient_failures_retried_then_one_clear_line(monkeypatch):
-    from common.serving.sglang_stream import generate_stream
-    monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.01)
+    from common.serving.sglang import generate_stream
+    monkeypatch.setattr(http, "RETRY_FIRST_WAIT_S", 0.01)
     state = StubState(algorithm="EAGLE3", draft_path="/d", fail_first=2)
     with StubServer(state) as url:
         r = generate_stream(url, [1, 2], 8, 30)  # two 503s, then the answer
@@ -321,16 +322,17 @@ def test_launch_ready_stop(tmp_path):
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
-    proc = srv.launch_server([sys.executable, "-c", code, str(port)], tmp_path / "log.txt")
+    proc = process.launch_server([sys.executable, "-c", code, str(port)], tmp_path / "log.txt")
     try:
-        info = srv.wait_ready(f"http://127.0.0.1:{port}", proc, 60, poll_s=0.2)
+        process.wait_ready(f"http://127.0.0.1:{port}", proc, 60, poll_s=0.2)
+        info = srv.get_server_info(f"http://127.0.0.1:{port}")
         assert info["speculative_algorithm"] == "EAGLE3" and srv.spec_settings_of(info) == (3, 1, 4)
     finally:
-        srv.stop_server(proc, grace_s=10)
-    assert proc.returncode is not None and srv.group_members(proc.pid) == []
-    dead = srv.launch_server([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "log2.txt")
+        process.stop_server(proc, grace_s=10)
+    assert proc.returncode is not None and process.group_members(proc.pid) == []
+    dead = process.launch_server([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "log2.txt")
     with pytest.raises(StageError, match="exited with status 3"):
-        srv.wait_ready("http://127.0.0.1:9", dead, 30, poll_s=0.2)
+        process.wait_ready("http://127.0.0.1:9", dead, 30, poll_s=0.2)
 
 
 def test_docs_show_the_commands_05_builds():
@@ -345,7 +347,7 @@ def test_docs_show_the_commands_05_builds():
     spec = srv.server_command("/models/Kimi-K2.5", 30020, 8, 0.85, True, "/data/eagle3/04_draft/export_sglang",
                               (3, 1, 4), **kimi)
     adaptive = srv.server_command("/models/Kimi-K2.5", 30020, 8, 0.85, True, "/data/eagle3/04_draft/export_sglang",
-                                  srv.parse_spec_setting("3,1,4,adaptive"), **kimi)
+                                  settings.parse_spec_setting("3,1,4,adaptive"), **kimi)
     plan = (REPO / "train_plan_v4.md").read_text()
     for cmd in (base, spec, adaptive):
         assert " ".join(cmd) + "\n" in doc, " ".join(cmd)
@@ -362,28 +364,28 @@ def test_stop_server_waits_for_the_whole_process_group(tmp_path):
     ready = tmp_path / "child_up"
     parent = ("import subprocess, sys, time; "
               f"subprocess.Popen([sys.executable, '-c', {child!r}, {str(ready)!r}]); time.sleep(60)")
-    proc = srv.launch_server([sys.executable, "-c", parent], tmp_path / "log.txt")
+    proc = process.launch_server([sys.executable, "-c", parent], tmp_path / "log.txt")
     import time
     deadline = time.time() + 30
     while not ready.exists() and time.time() < deadline:
         time.sleep(0.05)
-    members = srv.group_members(proc.pid)
+    members = process.group_members(proc.pid)
     assert len(members) == 2, members
-    srv.stop_server(proc, grace_s=20)
-    assert srv.group_members(proc.pid) == []
+    process.stop_server(proc, grace_s=20)
+    assert process.group_members(proc.pid) == []
 
 
 def test_stop_server_kills_what_ignores_sigterm(tmp_path):
     code = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "open(sys.argv[1], 'w').write('up'); time.sleep(60)")
     ready = tmp_path / "up"
-    proc = srv.launch_server([sys.executable, "-c", code, str(ready)], tmp_path / "log.txt")
+    proc = process.launch_server([sys.executable, "-c", code, str(ready)], tmp_path / "log.txt")
     import time
     deadline = time.time() + 30
     while not ready.exists() and time.time() < deadline:
         time.sleep(0.05)
-    srv.stop_server(proc, grace_s=0.5)
-    assert proc.returncode == -9 and srv.group_members(proc.pid) == []
+    process.stop_server(proc, grace_s=0.5)
+    assert proc.returncode == -9 and process.group_members(proc.pid) == []
 
 
 def test_kimi_preset_matches_the_plans_server_and_draft_heads():
@@ -451,8 +453,8 @@ class CutOnce:
 def test_network_failures_end_in_one_line_naming_the_server(monkeypatch):
     """An unresolvable host and a server that never answers stop at once with one line naming the server;
     a stream cut inside an event is retried, and the request is timed on its good attempt alone."""
-    from common.serving.sglang_stream import generate_stream
-    monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.2)
+    from common.serving.sglang import generate_stream
+    monkeypatch.setattr(http, "RETRY_FIRST_WAIT_S", 0.2)
     with pytest.raises(StageError, match=r"SGLang server http://sglang-box.invalid:30000: POST /generate: .*"
                                          r"is the address right"):
         generate_stream("http://sglang-box.invalid:30000", [1, 2], 8, 30)
@@ -569,7 +571,7 @@ class FakeProc:
 
 
 class FakeLaunches:
-    """Stand-ins for srv.launch_server / stop_server: each launched SGLang argv starts an in-process stub
+    """Stand-ins for process.launch_server / stop_server: each launched SGLang argv starts an in-process stub
     server on its --port serving what the argv asks for (target, draft, setting, graph mode), with
     `accept[draft path]` as its acceptance and `serve[draft path]` as the draft it reports instead (a server
     that loaded another folder). Records every (argv, StubState)."""
@@ -615,8 +617,8 @@ def free_ports(n: int) -> list[str]:
 def fake_launches(monkeypatch):
     def make(**kw):
         fake = FakeLaunches(**kw)
-        monkeypatch.setattr(srv, "launch_server", fake.launch)
-        monkeypatch.setattr(srv, "stop_server", fake.stop)
+        monkeypatch.setattr(process, "launch_server", fake.launch)
+        monkeypatch.setattr(process, "stop_server", fake.stop)
         return fake
     return make
 
@@ -655,7 +657,7 @@ def test_a_declared_draft_is_served_at_every_setting_like_04s(tmp_path, micro_ta
                                "public/3-1-4/nograph", "public/5-1-6/nograph"]
     run = m["runs"]["public/5-1-6/nograph"]
     assert run["draft"] == "public" and run["preflight"]["draft_name"] == "public"
-    assert run["preflight"]["draft_sha256"] == srv.folder_fingerprint(public, srv.DRAFT_FILES)
+    assert run["preflight"]["draft_sha256"] == drafts.folder_fingerprint(public, drafts.DRAFT_FILES)
     assert run["by_temperature"]["0"]["by_concurrency"]["1"]["speed_ratio"] is not None
     assert m["runs"]["3-1-4/graph"]["draft"] == "04"
     assert m["preflight"]["draft"] == str(export) and m["drafts"] == {"04": str(export), "public": str(public)}
@@ -708,7 +710,7 @@ def test_a_draft_an_engine_cannot_serve_is_refused_before_any_launch(tmp_path, m
     """Checked against the target (common/draft/imported.py) and against the engine's reading of its layout
     and capture points, with one line, before anything launches or is written."""
     from common.benchmark import compare as cmp
-    from common.serving.engine import check_servable
+    from common.serving.registry import check_servable
     from common.draft.export_speculators import export_speculators
     make_work(tmp_path, micro_target)
     public = other_draft(tmp_path, micro_target, "public", seed=1)
@@ -854,7 +856,7 @@ def test_a_bad_generate_answer_ends_05_in_one_line_naming_server_and_field(tmp_p
                                                                           fault, message):
     """A 200 from /generate that is a sign-in page, half a JSON event or a final chunk without its count:
     one line naming the server and what is wrong, at once (never retried: the server answered)."""
-    monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.01)
+    monkeypatch.setattr(http, "RETRY_FIRST_WAIT_S", 0.01)
     export = make_work(tmp_path, micro_target)
     spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), bad_answer=fault)
     with StubServer(spec) as e:

@@ -97,7 +97,7 @@ def test_foreign_draft_target_quantization_and_missing_metrics_refused(folders, 
 
 def test_a_declared_draft_is_identified_by_content_and_an_undeclared_one_refused(folders, tmp_path):
     """05b --draft public=PATH: the server's draft must be 04's or a declared one, by content."""
-    from common.serving.sglang import served_draft
+    from common.serving.drafts import served_draft
     target, draft = folders
     public, copy, other = tmp_path / "public", tmp_path / "mnt" / "public", tmp_path / "other"
     for folder, weights in ((public, b"public weights"), (other, b"other weights")):

@@ -1,5 +1,5 @@
 """05 `--draft NAME=PATH`: other EAGLE-3 drafts replayed next to 04's on the same prompts (05b serves them
-next to 04's at every setting instead: server_bench.py, engines.check_servable).
+next to 04's at every setting instead: common/serving/sweep.py, registry.check_servable).
 
 A draft is any EAGLE-3 folder in the SGLang layout (public Kimi drafts, SpecForge output, 04's own
 export) or the speculators layout, read and checked against the target by common/draft/imported.py

@@ -63,7 +63,7 @@ def replay_rounds(pred: list[list[int]], seq: list[int], num_prompt: int, answer
 
 @dataclass
 class AgreementCheck:
-    """05's agreement check, called once per EAGLE-3 server after its preflight (bench.run_server_benchmark)."""
+    """05's agreement check, called once per EAGLE-3 server after its preflight (sweep.run_server_benchmark)."""
     engine: object
     target_dir: Path
     export_dir: Path

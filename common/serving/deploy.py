@@ -1,4 +1,4 @@
-"""What 05b tells a user to deploy, from the sweep's own numbers (server_bench.write_report),
+"""What 05b tells a user to deploy, from the sweep's own numbers (sweep.write_report),
 per temperature level of the sweep (greedy, and each serving temperature of the preset: every run's
 `by_temperature`); the recommendation is the serving temperature's (the highest level above 0, the one the
 model is served at; greedy for a greedy preset), the other levels shown beside it:
@@ -6,7 +6,7 @@ model is served at; greedy for a greedy preset), the other levels shown beside i
 - per measured concurrency, the best EAGLE-3 setting - of every draft served (04's and each declared
   --draft) - with its output tok/s against the fastest baseline and a 95% interval (`pass_interval`),
   or the plain statement that no setting beats the baseline, or, when every run that could be compared
-  was refused (answers not believed, or measured under faults: server_bench), that nothing valid was
+  was refused (answers not believed, or measured under faults: sweep.py), that nothing valid was
   measured - then nothing is recommended, not even running without speculation;
 - the exact launch line of that setting (the engine's own command, 05's measurement-only parts dropped;
   `launch_line` refuses one that is not EAGLE3 / eagle3), with the draft named when several were served;
@@ -40,10 +40,11 @@ import statistics
 
 import numpy as np
 
+from common.benchmark.formatting import fmt
+from common.draft import OURS
 from common.serving import load_model
 from common.serving.context import SHORT, context_level, measured_buckets
-from common.benchmark.formatting import fmt
-from common.serving.sglang import OURS, is_adaptive
+from common.serving.settings import is_adaptive
 
 # What 05 adds for its own measurement, not for serving: the preflight's info document (vLLM dev mode),
 # per-request acceptance, unbuffered logs, prefix caching off (so repeated timed passes are fresh prefills;
@@ -121,7 +122,7 @@ def best_settings(metrics: dict) -> dict:
     """{concurrency: {baseline, best or None, candidates}} over every graph mode and draft (04's and each
     declared --draft), at one temperature level (at_temperature): each EAGLE-3 run is compared with the
     FASTEST baseline at that concurrency (what one could deploy without speculation), paired over the timed
-    passes; the best is the highest ratio whose interval lies above 1. A refused baseline (server_bench.refuse)
+    passes; the best is the highest ratio whose interval lies above 1. A refused baseline (sweep.refuse)
     is no baseline; `nothing_valid` lists the refusals when no baseline or no EAGLE-3 run is left to compare."""
     runs = metrics["runs"]
     concs = sorted({c for e in runs.values() for c in e["by_concurrency"]}, key=int)

@@ -1,7 +1,7 @@
 """05b (05b_serve_benchmark.py): the same prompts against a baseline and EAGLE-3 servers of one engine
 (common/serving/engine.py: SGLang or vLLM); tok/s, TTFT, tau, the agreement check's hook.
 
-SGLang's side: requests in common/serving/sglang_stream.py; the server-wide tau
+SGLang's side: requests in common/serving/sglang.py; the server-wide tau
 (`avg_spec_accept_length`) is a ratio of lifetime counters, so two readings cannot be subtracted; each
 run is windowed instead: the counters are reset (POST /set_internal_state) right
 before it and read right after it. The reset does not clear the per-interval counters that SGLang
@@ -37,13 +37,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common.serving import deploy
-from common.serving.engine import ENGINE_LABELS, engine_from_args
 from common.benchmark.formatting import fmt
+from common.draft import OURS
+from common.serving import deploy, process
 from common.serving.context import SHORT, bucket_words, context_level, longest_bucket
+from common.serving.registry import ENGINE_LABELS, engine_from_args
 from common.serving.request_params import request_seed, timed_sampling
-from common.serving.sglang_stream import generate_stream
-from common.serving.sglang import ADAPTIVE_STEPS, OURS, is_adaptive
+from common.serving.settings import ADAPTIVE_STEPS, is_adaptive
+from common.serving.sglang import adaptive_disabled_line, generate_stream
 from common.stage import StageError
 
 # How far a run's tau may lie above the server's own count over the same requests before the run's
@@ -441,8 +442,6 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     interleaved across temperatures and concurrency levels) and shut down before the next one (one model in
     memory at a time).
     """
-    from common.serving import sglang as srv
-
     request_fn = request_fn or engine.request
     graphs = [{"on": True, "off": False}[m] for m in args.cuda_graph]
     settings = [engine.parse_setting(s) for s in args.spec_settings]
@@ -540,21 +539,21 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
         metrics["commands"][key] = {"argv": cmd, "env": env} if env else cmd
         url = f"http://127.0.0.1:{port}"
         log = out / "server_logs" / (key.replace("/", "_") + ".log")
-        proc = srv.launch_server(cmd, log, env)
+        proc = process.launch_server(cmd, log, env)
         try:
-            srv.wait_ready(url, proc, args.server_timeout, log_path=log, info=False)
+            process.wait_ready(url, proc, args.server_timeout, log_path=log)
             reported_graph, reported, _ = check(url, setting is not None, draft)
             if reported_graph != graph:
                 raise StageError(f"{url} reports decode CUDA graphs {'on' if reported_graph else 'off'}, "
                                  f"but 05 launched it with them {'on' if graph else 'off'}; see {log}")
             if setting is not None and tuple(reported) != tuple(setting):
-                said = srv.adaptive_disabled_line(log)
+                said = adaptive_disabled_line(log)
                 raise StageError(f"{url} runs setting {setting_name(reported, graph)}, but 05 launched "
                                  f"{setting_name(setting, graph)}" + (f" (its log: {said})" if said else "")
                                  + f"; see {log}")
             sweep([prepare(url, key, graph, setting, log, draft)])
         finally:
-            srv.stop_server(proc)
+            process.stop_server(proc)
 
     attached = []  # every attached server is checked before any is warmed up or timed
     if args.baseline_url:
@@ -640,7 +639,7 @@ def server_main(args, out: Path, inputs, m02b: dict, target_dir: Path, foreign=(
     (common/benchmark/inputs.load_inputs), the rows are timed, the warm rows (held-out rows never timed)
     warm the servers up and feed the agreement check, and the --bench-context buckets are built from the
     pool (every held-out row but the warm-up ones). `foreign`: the declared drafts as
-    engines.check_servable returned them, served next to 04's; `reference`: 05's metrics of the same
+    registry.check_servable returned them, served next to 04's; `reference`: 05's metrics of the same
     draft (same_draft_reference), for the cost model's per-depth tau."""
     from common.serving import context
     import shlex
