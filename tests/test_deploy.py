@@ -152,6 +152,25 @@ def test_launch_line_is_eagle3_without_the_test_box_noise():
                                                        method="eagle"), True)
 
 
+def test_an_engine_05b_does_not_know_is_refused_not_read_as_another():
+    """The launch line, the report and the engine itself go through the registry by name: an unknown name is
+    one line naming the known ones (it used to be read by vLLM's rules), and each name keeps its label."""
+    import argparse
+
+    from common.serving.registry import ENGINES, check_servable, engine_from_args
+    from common.stage import StageError
+
+    assert {n: e.label for n, e in ENGINES.items()} == {"sglang": "SGLang", "vllm": "vLLM"}
+    settings = vllm.VllmSettings()
+    argv = vllm.server_command("/m/target", 30020, settings, False, "/m/draft", 3)
+    with pytest.raises(StageError, match=r"unknown serving engine 'tgi': 05b serves through 'sglang', 'vllm'"):
+        deploy.launch_line("tgi", argv, True)
+    with pytest.raises(StageError, match="unknown serving engine 'tgi'"):
+        engine_from_args(argparse.Namespace(engine="tgi"), None, {}, {}, None, None)
+    with pytest.raises(StageError, match="unknown serving engine 'tgi'"):
+        check_servable("tgi", {}, None)
+
+
 def test_report_names_the_best_setting_and_splits_tau_by_source_and_thinking(tmp_path):
     m = sweep({(3, 1, 4): [3.0, 2.6, 3.4, 2.8] * 2})
     for r, src in zip(cell(m, "3-1-4/nograph")["requests"], ["x", "y"] * 4):

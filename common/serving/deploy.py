@@ -33,7 +33,6 @@ labelled "extrapolated").
 """
 from __future__ import annotations
 
-import json
 import math
 import shlex
 import statistics
@@ -44,6 +43,7 @@ from common.benchmark.formatting import fmt
 from common.draft import OURS
 from common.serving import load_model
 from common.serving.context import SHORT, context_level, measured_buckets
+from common.serving.registry import engine_class
 from common.serving.settings import is_adaptive
 
 # What 05 adds for its own measurement, not for serving: the preflight's info document (vLLM dev mode),
@@ -166,7 +166,9 @@ def best_settings(metrics: dict) -> dict:
 def launch_line(engine: str, command, speculative: bool) -> str:
     """The command a user types: the engine's argv as 05 ran it, minus 05's measurement-only flags and
     environment and the test box's --host/--port, the interpreter as `python`. Refuses (ValueError) a
-    speculative command that is not EAGLE-3: SGLang `--speculative-algorithm EAGLE3`, vLLM method `eagle3`."""
+    speculative command that is not EAGLE-3 by the engine's own rule (Engine.check_launch_line: SGLang
+    `--speculative-algorithm EAGLE3`, vLLM method `eagle3`); an engine 05b does not know is refused too."""
+    check_launch_line = engine_class(engine).check_launch_line
     argv, env = (command["argv"], command.get("env") or {}) if isinstance(command, dict) else (command, {})
     argv = ["python"] + list(argv[1:])
     kept, i = [], 0
@@ -177,14 +179,7 @@ def launch_line(engine: str, command, speculative: bool) -> str:
         kept.append(argv[i])
         i += 1
     if speculative:
-        if engine == "sglang":
-            at = [j for j, a in enumerate(kept) if a == "--speculative-algorithm"]
-            if len(at) != 1 or kept[at[0] + 1:at[0] + 2] != ["EAGLE3"]:
-                raise ValueError(f"not an EAGLE3 launch line: {shlex.join(kept)}")
-        else:
-            at = [j for j, a in enumerate(kept) if a == "--speculative-config"]
-            if len(at) != 1 or json.loads(kept[at[0] + 1]).get("method") != "eagle3":
-                raise ValueError(f"not an eagle3 launch line: {shlex.join(kept)}")
+        check_launch_line(kept)
     prefix = [f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in MEASUREMENT_ENV]
     return " ".join(prefix + [shlex.join(kept)])
 

@@ -49,6 +49,26 @@ class Engine:
     # decode iterations from outside a run that window_end's server tau may hold (and of the run's own
     # that it may miss); 05 holds the run's counts against it only over runs many times longer
     server_tau_slop = 0
+    server_tau_note = ""  # how report.md says where the server's own tau comes from, and what it may hold
+
+    @classmethod
+    def from_args(cls, args, export_dir: Path, m02b: dict, m04: dict, target_dir: Path, work_dir: Path,
+                  foreign: list[ServedDraft]) -> Engine:
+        """This engine as 05b's flags set it up (registry.engine_from_args): 04's SGLang export and the
+        manifests, the target, the work dir, and the declared drafts served next to 04's."""
+        raise NotImplementedError
+
+    @classmethod
+    def refuse_unservable(cls, where: str, draft, points: list[int], default: list[int]) -> None:
+        """One StageError (starting with `where`) when this engine would not serve the declared `draft`
+        (common/draft/imported.ImportedDraft) as checked: its layout, or other capture points than `points`
+        (`default`: the engines' points when a draft declares none). Called before anything launches."""
+
+    @staticmethod
+    def check_launch_line(argv: list[str]) -> None:
+        """ValueError unless `argv` (a speculative launch line as deploy.launch_line shows it) runs EAGLE-3:
+        the deploy section never recommends a line that would serve the draft at chance."""
+        raise NotImplementedError
 
     def parse_setting(self, text: str) -> tuple:
         return parse_spec_setting(text)

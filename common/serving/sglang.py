@@ -31,6 +31,7 @@ new ones (tokenizer_manager `_handle_batch_output`).
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import urllib.error
 from dataclasses import dataclass, field
@@ -407,8 +408,8 @@ def parse_meta(meta: dict) -> dict:
 # ---------------------------------------------------------------- the engine
 @dataclass
 class SGLangEngine(Engine):
-    """engine.Engine over SGLang servers: each method is the step of this module of the same name (or the
-    few it takes), in the sweep's terms."""
+    """engine.Engine over SGLang servers, built from this module's functions (a method named like one of them
+    calls it); registry.ENGINES names it "sglang"."""
     target_dir: Path
     export_dir: Path
     m02b: dict
@@ -422,7 +423,38 @@ class SGLangEngine(Engine):
     foreign: list[ServedDraft] = field(default_factory=list)  # the declared --draft ones
     name = "sglang"
     label = "SGLang"
-    server_tau_slop = 39  # its counters are folded in every 40 decode iterations (sweep.SERVER_TAU_NOTE)
+    server_tau_slop = 39  # its counters are folded in every 40 decode iterations (server_tau_note)
+    server_tau_note = ("server tau = `internal_states[0].avg_spec_accept_length` after POST /set_internal_state reset "
+                       "its lifetime counters right before this run. The reset does not clear SGLang's per-interval "
+                       "counters, which it folds into the lifetime ones every 40 decode iterations "
+                       "(--decode-log-interval): the number may include up to 39 decode iterations from before the run "
+                       "and miss up to 39 of its last ones (sglang 0.5.14 and 0.5.23 scheduler metrics). Per-request tau "
+                       "is exact. '-' = not available. CUDA-graph mode as the server reports it "
+                       "(`cuda_graph_config.decode.backend`).")
+
+    @classmethod
+    def from_args(cls, args, export_dir, m02b, m04, target_dir, work_dir, foreign):
+        return cls(target_dir, export_dir, m02b, m04, tp_size=args.sglang_tp_size,
+                   mem_fraction=args.mem_fraction_static, python=args.sglang_python,
+                   extra_args=list(args.server_extra_args), min_accept_length=args.min_accept_length,
+                   draft_attention_backend=args.sglang_draft_attention_backend, foreign=list(foreign))
+
+    @classmethod
+    def refuse_unservable(cls, where, draft, points, default):
+        """SGLang loads its own layout only (`LlamaForCausalLMEagle3`) and reads the capture points from
+        `eagle_config.eagle_aux_hidden_state_layer_ids` (`default` without them)."""
+        if draft.layout != "sglang":
+            raise StageError(f"{where} loads EAGLE-3 drafts in its own layout (LlamaForCausalLMEagle3) only, this "
+                             f"one is in the {draft.layout} layout: give the draft's SGLang-layout folder")
+        if draft.sglang_ids is None and list(points) != default:
+            raise StageError(f"{where} would feed it h{default} (no eagle_config.eagle_aux_hidden_state_layer_ids: "
+                             f"its default), but it reads h{list(points)}: add eagle_config's ids to its config.json")
+
+    @staticmethod
+    def check_launch_line(argv):
+        at = [j for j, a in enumerate(argv) if a == "--speculative-algorithm"]
+        if len(at) != 1 or argv[at[0] + 1:at[0] + 2] != ["EAGLE3"]:
+            raise ValueError(f"not an EAGLE3 launch line: {shlex.join(argv)}")
 
     def command(self, port, graph, setting, draft=None):
         folder = (draft or self.drafts[0]).path if setting else None

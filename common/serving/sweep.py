@@ -41,7 +41,7 @@ from common.benchmark.formatting import fmt
 from common.draft import OURS
 from common.serving import deploy, process
 from common.serving.context import SHORT, bucket_words, context_level, longest_bucket
-from common.serving.registry import ENGINE_LABELS, engine_from_args
+from common.serving.registry import engine_class, engine_from_args
 from common.serving.request_params import request_seed, timed_sampling
 from common.serving.settings import ADAPTIVE_STEPS, is_adaptive
 from common.serving.sglang import adaptive_disabled_line, generate_stream
@@ -50,7 +50,7 @@ from common.stage import StageError
 # How far a run's tau may lie above the server's own count over the same requests before the run's
 # counts are not believed. Honest servers stay far inside it: vLLM's counters also count drafts accepted
 # past the token budget, so its tau is never below ours; SGLang's window holds iterations from outside
-# the run (SERVER_TAU_NOTE), so it is compared only over runs many times longer than that slop.
+# the run (its server_tau_note), so it is compared only over runs many times longer than that slop.
 SERVER_TAU_TOLERANCE = 0.25
 # The numbers a refused run no longer has (None): everything derived from the counts not believed.
 BELIEVED = ("completion_tokens", "output_tokens_per_s", "per_request_tokens_per_s", "accept_length_mean",
@@ -260,31 +260,18 @@ def run_fault(run: dict | None, name: str, max_retried: int) -> str | None:
     return None
 
 
-SERVER_TAU_NOTE = {
-    "sglang": "server tau = `internal_states[0].avg_spec_accept_length` after POST /set_internal_state reset its "
-              "lifetime counters right before this run. The reset does not clear SGLang's per-interval counters, "
-              "which it folds into the lifetime ones every 40 decode iterations (--decode-log-interval): the "
-              "number may include up to 39 decode iterations from before the run and miss up to 39 of its "
-              "last ones (sglang 0.5.14 and 0.5.23 scheduler metrics). Per-request tau is exact. '-' = not "
-              "available. CUDA-graph mode as the server reports it (`cuda_graph_config.decode.backend`).",
-    "vllm": "server tau = 1 + accepted / drafts from vLLM's /metrics counters differenced around this run. "
-            "It differs from tau (pooled) in two ways that partly cancel: it leaves out each request's prefill "
-            "token, and it counts drafts accepted past the token budget or an end-of-turn, which the answer "
-            "cuts off. "
-            "Graph mode: `enforce_eager` as the server reports it.",
-}
-
 
 def write_report(out: Path, metrics: dict, reference: dict | None = None) -> None:
     """report.md; its deploy section (common/serving/deploy.py) from metrics["deploy"], computed here
     when absent (`reference`: 05 reference metrics of the same draft, for the per-depth tau)."""
     engine = metrics.get("engine", "sglang")
+    label, tau_note = engine_class(engine).label, engine_class(engine).server_tau_note
     if "deploy" not in metrics:
         metrics["deploy"] = deploy.summary(metrics, reference)
     drafts = metrics.get("drafts") or {}
     shown = (f"drafts {', '.join(f'{n} `{p}`' for n, p in drafts.items())} (each at every setting, against the "
              "same baseline)" if len(drafts) > 1 else f"draft `{metrics['draft']}`")
-    lines = [f"# 05 server benchmark ({ENGINE_LABELS[engine]})", "",
+    lines = [f"# 05 server benchmark ({label})", "",
              f"Target `{metrics['target']}`, {shown}, {metrics['num_prompts']} timed prompts, "
              f"max {metrics['max_new_tokens']} new tokens, {sweep_words(metrics)} Preflight: "
              f"`{json.dumps(metrics.get('preflight', {}))}`."
@@ -299,7 +286,7 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
     if refused:
         lines += [f"* {r}" for r in refused] + [""]
     lines += ["tau = completion_tokens / verify rounds per request (the bonus token and the prefill token "
-              "included: SGLang's definition); " + SERVER_TAU_NOTE[engine] + " Launch commands: `commands.json`."]
+              "included: SGLang's definition); " + tau_note + " Launch commands: `commands.json`."]
     if metrics.get("agreement"):
         lines += ["", "## Agreement with replay", "",
                   "Each EAGLE-3 server answered the warm-up prompts one at a time; its per-round accepted counts "
@@ -314,7 +301,7 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
                          f"{e['accepted_per_position']} | {r['accepted_per_position']} | {e['tau']:.4f} / "
                          f"{r['tau']:.4f} | {'yes' if a['exact'] else 'no'} |")
         lines += sampled_agreement_lines(metrics["agreement"])
-    lines += deploy.report_lines(metrics["deploy"], ENGINE_LABELS[engine])
+    lines += deploy.report_lines(metrics["deploy"], label)
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 

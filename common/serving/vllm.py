@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import urllib.error
 import urllib.request
@@ -56,7 +57,7 @@ from common.serving.engine import Engine, ServedDraft
 from common.serving.http import BadAnswer, http_json, parse_answer, sse_request, with_retries
 from common.serving.request_params import pinned
 from common.serving.settings import is_adaptive, parse_spec_setting
-from common.stage import StageError
+from common.stage import StageError, stage_dir
 
 METHOD = "eagle3"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -463,8 +464,8 @@ def sampling_defect(settings: VllmSettings, timeout: float = 300.0) -> str | Non
 # ---------------------------------------------------------------- the engine
 @dataclass
 class VllmEngine(Engine):
-    """engine.Engine over vLLM servers: each method is the step of this module of the same name (or the
-    few it takes), in the sweep's terms."""
+    """engine.Engine over vLLM servers, built from this module's functions (a method named like one of them
+    calls it); registry.ENGINES names it "vllm"."""
     target_dir: Path
     export_dir: Path      # 04's SGLang export: the files the preflight checks against the manifests
     draft_dir: Path       # what the server loads: export_dir or 04's speculators export
@@ -477,6 +478,41 @@ class VllmEngine(Engine):
     name = "vllm"
     label = "vLLM"
     reports_per_round = True
+    server_tau_note = ("server tau = 1 + accepted / drafts from vLLM's /metrics counters differenced around this run. It "
+                       "differs from tau (pooled) in two ways that partly cancel: it leaves out each request's prefill "
+                       "token, and it counts drafts accepted past the token budget or an end-of-turn, which the answer "
+                       "cuts off. Graph mode: `enforce_eager` as the server reports it.")
+
+    @classmethod
+    def from_args(cls, args, export_dir, m02b, m04, target_dir, work_dir, foreign):
+        draft_dir = (export_dir if args.draft_format == "sglang"
+                     else stage_dir(work_dir, "04_train") / "export_speculators")
+        if not (draft_dir / "config.json").is_file():
+            raise StageError(f"{draft_dir} has no config.json: re-run `python 04_train.py --overwrite`")
+        settings = VllmSettings(python=args.vllm_python, dtype=args.vllm_dtype,
+                                kv_cache_space_gib=args.vllm_kv_cache_space, threads=args.vllm_threads,
+                                thread_binding=args.vllm_thread_binding, max_model_len=args.vllm_max_model_len,
+                                preload_iomp=args.vllm_preload_iomp, extra_args=tuple(args.server_extra_args),
+                                fix_sampling=args.vllm_fix_sampling)
+        return cls(target_dir, export_dir, draft_dir, m02b, m04, settings,
+                   min_accept_length=args.min_accept_length, foreign=list(foreign))
+
+    @classmethod
+    def refuse_unservable(cls, where, draft, points, default):
+        """vLLM loads both layouts and reads the top-level `eagle_aux_hidden_state_layer_ids` as the points;
+        without them it takes eagle_config's ids AS GIVEN (module docstring): an SGLang-layout folder whose ids
+        are not the points themselves (Llama's points - 1, DeepSeek's [1, ...]) would be fed other layers."""
+        if draft.vllm_points is None and draft.sglang_ids is not None and draft.sglang_ids != list(points):
+            raise StageError(f"{where} would feed it h{draft.sglang_ids} (no top-level "
+                             f"eagle_aux_hidden_state_layer_ids: it takes eagle_config's ids as the points), but it "
+                             f"reads h{list(points)}: add top-level eagle_aux_hidden_state_layer_ids {list(points)} "
+                             "to its config.json")
+
+    @staticmethod
+    def check_launch_line(argv):
+        at = [j for j, a in enumerate(argv) if a == "--speculative-config"]
+        if len(at) != 1 or json.loads(argv[at[0] + 1]).get("method") != METHOD:
+            raise ValueError(f"not an eagle3 launch line: {shlex.join(argv)}")
 
     def sampling_defect(self):
         return sampling_defect(self.settings)
