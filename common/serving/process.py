@@ -21,7 +21,7 @@ def launch_server(cmd: list[str], log_path: Path, env: dict | None = None) -> su
     `env`: variables set for the server on top of this process's environment."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     shown = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-    print(f"[05] launching: {shown + ' ' if shown else ''}{' '.join(cmd)}\n[05]   log: {log_path}")
+    print(f"[05b] launching: {shown + ' ' if shown else ''}{' '.join(cmd)}\n[05b]   log: {log_path}")
     log = open(log_path, "ab")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **(env or {})})
@@ -94,7 +94,7 @@ def stop_server(proc: subprocess.Popen | None, grace_s: float = 60.0, kill_wait_
         pass
     left = wait_group_exit(pgid, max(0.0, deadline - time.time()))
     if left:
-        print(f"[05] server processes {left} still alive {grace_s:.0f} s after SIGTERM: SIGKILL")
+        print(f"[05b] server processes {left} still alive {grace_s:.0f} s after SIGTERM: SIGKILL")
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:

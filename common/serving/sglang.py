@@ -332,7 +332,7 @@ def preflight(base_url: str, export_dir: Path, m02b: dict, m04: dict, warmup_fn,
     if tau_server is not None:
         check_acceptance(tau_server, min_accept_length, f"{base_url} avg_spec_accept_length")
     backends = {"target": info.get("attention_backend"), "draft": info.get("speculative_draft_attention_backend")}
-    print(f"[05] preflight ok: EAGLE3, draft {name + ' ' if draft else ''}{folder}, warm-up tau {tau_requests:.2f} "
+    print(f"[05b] preflight ok: EAGLE3, draft {name + ' ' if draft else ''}{folder}, warm-up tau {tau_requests:.2f} "
           f"(server {tau_server}); attention backends: target {backends['target']}, draft "
           f"{backends['draft'] or 'inherited from the target'}; draft quantization "
           f"{info.get('speculative_draft_model_quantization')}")

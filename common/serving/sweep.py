@@ -451,7 +451,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     if any(t > 0 for t in levels):  # a build that cannot verify sampled drafts times its defect, not the draft
         metrics["sampling_defect"] = engine.sampling_defect()
         if metrics["sampling_defect"]:
-            print(f"[05] {engine.label} cannot verify sampled drafts here: {metrics['sampling_defect']}. The sampled "
+            print(f"[05b] {engine.label} cannot verify sampled drafts here: {metrics['sampling_defect']}. The sampled "
                   "levels are timed, but nothing is recommended from them")
     collected: dict[tuple, list] = {}   # (run key, T, context, c) -> its passes, merged once the run is done
 
@@ -464,7 +464,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
         """The server's checks and its warm-up, the same requests on every server, before any timed pass."""
         entry = {"cuda_graph": graph, "setting": setting, "url": url,
                  "sampling_defaults": engine.sampling_defaults(url, log), "by_temperature": {}}
-        print(f"[05] {key}: the server's own sampling defaults {json.dumps(entry['sampling_defaults'])} (every request "
+        print(f"[05b] {key}: the server's own sampling defaults {json.dumps(entry['sampling_defaults'])} (every request "
               "05 sends sets temperature, top-p, top-k, min-p, repetition penalty and seed itself)")
         if setting is None:
             warm_up(url, warm_requests, WARMUP_TOKENS, args.request_timeout, request_fn)
@@ -493,7 +493,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
             refuse(s, f"{url}: {why}")
         collected.setdefault((key, t, ctx, str(c)), []).append(s)
         metrics["pass_order"].append({"run": key, "temperature": t, "context": ctx, "concurrency": c, "pass": r})
-        where = f"[05] {key} T={t}{'' if ctx == SHORT else f' context {ctx}'} c={c} pass {r + 1}/{repeats}"
+        where = f"[05b] {key} T={t}{'' if ctx == SHORT else f' context {ctx}'} c={c} pass {r + 1}/{repeats}"
         if "refused" in s:  # one line; the sweep goes on, and the report and deploy leave the run out
             print(f"{where}: REFUSED, its counts are not believed: {s['refused']}")
             return

@@ -456,7 +456,7 @@ def sampling_defect(settings: VllmSettings, timeout: float = 300.0) -> str | Non
     sampled tau measures the engine, not the draft."""
     got = probe_sampling(settings, timeout)
     if not got["probed"]:
-        print(f"[05] vLLM sampler probe: not probed on this platform ({got['platform']}): the CPU build's "
+        print(f"[05b] vLLM sampler probe: not probed on this platform ({got['platform']}): the CPU build's "
               "temperature/top-p defect cannot occur there; the sampled agreement's gate still judges acceptance")
     return got["defect"]
 
@@ -570,7 +570,7 @@ class VllmEngine(Engine):
         tau = warmup_fn(url)
         window = read_counters(url).minus(before).summary()
         check_acceptance(tau, self.min_accept_length, f"{url} warm-up (per-request)")
-        print(f"[05] preflight ok: eagle3, draft {'' if draft.ours else draft.name + ' '}{draft.path}, k {k}, aux "
+        print(f"[05b] preflight ok: eagle3, draft {'' if draft.ours else draft.name + ' '}{draft.path}, k {k}, aux "
               f"layers {layers if layers is not None else 'not reported (attached)'}, warm-up tau {tau:.2f} "
               f"(server {window['server_accept_length']})")
         return {"speculative_algorithm": METHOD, "draft": str(draft.path),
