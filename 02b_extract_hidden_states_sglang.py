@@ -12,7 +12,7 @@ and input_ids/loss_mask, in the feature format of common/target/shards.py (fp8 a
 prompt-tail window; recorded in the manifest, read by 03/04 without flags). Shard k holds samples
 [k*S, (k+1)*S) of tokenized_data.jsonl, so a re-run keeps every finished shard and redoes the rest; the
 disk the remaining shards need is checked before the model loads. Backends: `hf` (common/target/capture.py)
-and `sglang` (common/sglang/capture.py: SGLang's model runner, tensor parallel under torchrun, rank 0
+and `sglang` (common/target/sglang_capture.py: SGLang's model runner, tensor parallel under torchrun, rank 0
 writes; docs/sglang.md). Capture points SGLang would not serve as the draft's are refused
 (common/target/capture.sglang_layer_ids).
 """
@@ -29,9 +29,9 @@ from transformers import AutoModelForCausalLM
 
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl
-from common.sglang import capture as cs
 from common.stage import (StageError, input_manifests, is_complete, require_complete, resolve_target, stage_dir,
                           start_stage, write_manifest)
+from common.target import sglang_capture as cs
 from common.target.capture import (capture_hf, default_capture_points, load_target_config, sglang_layer_ids,
                                    target_architecture, target_dims, validate_capture_points)
 from common.target.head import load_target_head

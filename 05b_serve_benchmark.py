@@ -16,7 +16,7 @@ A baseline and, per draft (04's, every --draft) and --spec-settings, an EAGLE-3 
 vLLM; docs/sglang.md, docs/serving.md), preflighted (EAGLE3 / eagle3, its draft, target, aux layers,
 warm-up tau), 04's checked against replay (--agreement-prompts), all warmed up alike on never-timed
 prompts, prefix caching off; tok/s, TTFT, tau and the ratio to the baseline (interval over --bench-repeats
-passes) per draft, temperature, prompt length and concurrency; what to deploy (common/benchmark/deploy.py),
+passes) per draft, temperature, prompt length and concurrency; what to deploy (common/serving/deploy.py),
 its cost model fed 05's per-depth tau when 05 measured this draft (recorded in the manifest's inputs).
 """
 from __future__ import annotations
@@ -24,14 +24,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common.benchmark import deploy
-from common.benchmark.context import parse_buckets
-from common.benchmark.engines import ENGINES, check_servable
 from common.benchmark.inputs import (Repeated, check_shared_flags, drafts_identity, given_mode, load_inputs,
                                      target_and_drafts)
-from common.benchmark.server_bench import same_draft_reference, server_main, warm_count
 from common.config import base_parser, parse_args
 from common.io import read_json
+from common.serving import deploy
+from common.serving.context import parse_buckets
+from common.serving.registry import ENGINES, check_servable
+from common.serving.sweep import same_draft_reference, server_main, warm_count
 from common.stage import (StageError, input_manifests, require_complete, stage_dir, start_stage,
                           write_manifest)
 
@@ -53,7 +53,7 @@ def build_parser():
                    help="target model folder the servers load; read from the 04 manifest, and when given it must "
                         "match")
     g.add_argument("--bench-seed", type=int, default=0,
-                   help="seed of every sampled request (per prompt: common/benchmark/request_params.py) and of the "
+                   help="seed of every sampled request (per prompt: common/serving/request_params.py) and of the "
                         "sampled agreement check's replay")
     g.add_argument("--acceptance-temperatures", type=float, nargs="+", default=[0.0],
                    help="the serving temperatures: every run is timed greedily and at each T > 0 of these, with "
@@ -84,7 +84,7 @@ def build_parser():
                    help="prompt-length buckets every (setting, T, concurrency) is timed on: short = the held-out "
                         "prompts as they are; a length L = held-out prompts of about L tokens (0.9 L to L): the "
                         "split's longest as they stand, else padded with earlier held-out conversations as prior "
-                        "turns in the target's chat format (common/benchmark/context.py); short is always timed")
+                        "turns in the target's chat format (common/serving/context.py); short is always timed")
     s.add_argument("--bench-context-prompts", type=int, default=None,
                    help="timed prompts of each --bench-context length bucket (default: as many as the short "
                         "bucket's, --num-prompts)")

@@ -7,7 +7,7 @@ tau (05 reference: common/benchmark/replay.py, exact greedy acceptance) at k on 
 and on the first --engine-prompts of them; (3) the real engine's tau: vLLM's CPU build serves the
 target with the draft at k and answers those first prompts one at a time (greedy); tau = 1 + accepted
 drafts / rounds from its per-round counts (the definition replay uses). The engine's answers are then
-replayed round by round (common/benchmark/agreement.py): every round must be equal, so a draft whose
+replayed round by round (common/serving/agreement.py): every round must be equal, so a draft whose
 served tau differs from replay's is caught, not averaged in.
 
 04's number is the one 04 printed where the draft's run evaluated on the base run's eval split (its
@@ -38,12 +38,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import draft_rows as dr  # noqa: E402
 
-from common.benchmark import vllm  # noqa: E402
-from common.benchmark.agreement import check_answers  # noqa: E402
-from common.benchmark.engines import VllmEngine  # noqa: E402
 from common.config import parse_args  # noqa: E402
 from common.io import read_json  # noqa: E402
-from common.sglang import server as srv  # noqa: E402
+from common.serving import process, vllm  # noqa: E402
+from common.serving.agreement import check_answers  # noqa: E402
+from common.serving.vllm import VllmEngine  # noqa: E402
 
 
 def pearson(a: list[float], b: list[float]) -> float:
@@ -152,10 +151,10 @@ def serve_and_check(export: Path, held, m02b: dict, points: list[int], prompts: 
     engine = VllmEngine(held.target_dir, export, export, m02b, {"capture_points": points}, settings)
     cmd, env = engine.command(args.port, False, (k, 1, k + 1))
     url = f"http://127.0.0.1:{args.port}"
-    proc = srv.launch_server(cmd, log, env)
+    proc = process.launch_server(cmd, log, env)
     try:
         t0 = time.time()
-        srv.wait_ready(url, proc, 900, log_path=log, info=False)
+        process.wait_ready(url, proc, 900, log_path=log)
         ready_s = time.time() - t0
         engine.check_eagle3(url)                           # eagle3, this draft by content, our target
         layers = vllm.check_aux_layers(log, points, url)   # the engine feeds the capture points
@@ -165,7 +164,7 @@ def serve_and_check(export: Path, held, m02b: dict, points: list[int], prompts: 
         answer_s = time.time() - t0
         window = engine.window_end(url, start)
     finally:
-        srv.stop_server(proc)
+        process.stop_server(proc)
     draft = load_sglang_export(export, held.target.get_input_embeddings().weight.detach()).eval()
     models = (held.target, draft, held.replay_set.eos, points)
     res = check_answers(models, prompts, answers, k, 0.0)

@@ -108,7 +108,7 @@ def data_specs(s: Settings) -> str:
 
 
 def vllm_settings(s: Settings):
-    from common.benchmark.vllm import VllmSettings
+    from common.serving.vllm import VllmSettings
 
     return VllmSettings(python=s.vllm_py, max_model_len=4096)
 
@@ -116,11 +116,11 @@ def vllm_settings(s: Settings):
 def target_server_command(s: Settings) -> tuple[list[str], dict]:
     """The server 01b generates against (the target alone, served under SERVED_NAME) and its env."""
     if s.engine == "vllm":
-        from common.benchmark import vllm
+        from common.serving import vllm
 
         return (vllm.server_command(s.target, s.port, vllm_settings(s), served_name=SERVED_NAME),
                 vllm.server_env(vllm_settings(s)))
-    from common.sglang.server import server_command
+    from common.serving.sglang import server_command
 
     return server_command(s.target, s.port, 1, s.mem_fraction, True, python=s.sglang_py,
                           extra_args=["--served-model-name", SERVED_NAME, "--context-length", "4096"]), {}
@@ -273,7 +273,7 @@ def compare_tau(reference_metrics: dict, server_metrics: dict, rel_tol: float) -
     ref = reference_metrics["by_num_draft_tokens"][str(NUM_DRAFT_TOKENS)]["tau"]
     key = f"{SPEC_SETTING.replace(',', '-')}/graph"
     run = server_metrics["runs"][key]["by_temperature"]["0"]["by_concurrency"]["1"]  # greedy, batch 1
-    if run.get("refused"):  # 05b did not believe the server's counts (server_bench.refuse): no tau to compare
+    if run.get("refused"):  # 05b did not believe the server's counts (common.serving.sweep.refuse): no tau to compare
         raise SmokeMismatch(layer, f"05b refused the run: {run['refused']}")
     pooled = run["accept_length_pooled"]
     rounds = run["completion_tokens"] / pooled
@@ -328,7 +328,7 @@ def check_agreement(server_metrics: dict) -> dict:
 
 
 def serve_target_for_01b(s: Settings, steps: dict, dry_run: bool) -> None:
-    from common.sglang import server as srv
+    from common.serving import process, sglang
 
     label = {"sglang": "SGLang", "vllm": "vLLM"}[s.engine]
     cmd, env = target_server_command(s)
@@ -338,15 +338,17 @@ def serve_target_for_01b(s: Settings, steps: dict, dry_run: bool) -> None:
         run_step(steps["generate"][0], True)
         return
     log = s.work / "smoke_logs" / "target_server.log"
-    proc = srv.launch_server(cmd, log, env)
+    proc = process.launch_server(cmd, log, env)
     try:
         try:
-            srv.wait_ready(f"http://127.0.0.1:{s.port}", proc, 900, log_path=log, info=s.engine == "sglang")
+            process.wait_ready(f"http://127.0.0.1:{s.port}", proc, 900, log_path=log)
+            if s.engine == "sglang":  # and it answers its info document
+                sglang.get_server_info(f"http://127.0.0.1:{s.port}")
         except SystemExit as e:  # StageError: exited early or never ready
             raise SmokeMismatch(f"{label} serving the target", str(e)) from None
         run_step(steps["generate"][0], False)
     finally:
-        srv.stop_server(proc)
+        process.stop_server(proc)
 
 
 def main(argv=None, environ=os.environ) -> None:

@@ -1,4 +1,4 @@
-"""05b's prompt-length buckets (--bench-context, common/benchmark/context.py): prompts of about L
+"""05b's prompt-length buckets (--bench-context, common/serving/context.py): prompts of about L
 tokens made of real held-out text in the target's chat format (never random ids), deterministic, disjoint from
 the warm-up prompts; the sweep timed on the grid of bucket x concurrency, stored per cell in metrics.json and
 reported per cell; and the refusal, before any launch, of a bucket the launched servers' context cannot hold."""
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from common.benchmark import context
-from common.benchmark.engines import SGLangEngine, VllmEngine
 from common.io import write_jsonl
+from common.serving import context
+from common.serving.sglang import SGLangEngine
+from common.serving.vllm import VllmEngine
 from common.stage import StageError
 from common.text.chat_format import render_prompt
 from common.text.tokenizer import load_tokenizer
@@ -154,7 +155,7 @@ def test_a_bucket_the_launched_servers_cannot_hold_is_refused_before_any_launch(
     """The longest bucket + --benchmark-max-new-tokens must fit the context the launched servers admit
     (SGLang: --context-length in --server-extra-args, else what it derives from the target's config; vLLM:
     --vllm-max-model-len); otherwise 05 stops in one line before anything starts."""
-    from common.sglang import server as srv
+    from common.serving import sglang as srv
     make_work(tmp_path, micro_target)
     write_held_out(tmp_path, micro_target)
     assert srv.derived_context_length(micro_target) == 4096     # the micro target's max_position_embeddings
@@ -189,7 +190,7 @@ def test_the_presets_grids_fit_their_servers():
     (make bench-serve): c = 1, 4 x short and ~1.5K within vLLM's --max-model-len 2048, at the preset's 256 new
     tokens and bench-serve's 128."""
     from common.config import load_config
-    from common.sglang import server as srv
+    from common.serving import sglang as srv
     kimi = load_config(REPO / "configs" / "kimi-k2.5.yaml")
     assert kimi["bench-concurrency"] == [1, 16, 64]
     assert context.parse_buckets(kimi["bench-context"]) == ["short", "16384", "65536"]

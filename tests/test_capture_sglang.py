@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from common.sglang import capture as cs
+from common.target import sglang_capture as cs
 from common.target.capture import capture_hf
 from common.target.shards import ShardReader, list_shards, shard_name
 from common.io import iter_jsonl

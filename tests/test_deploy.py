@@ -1,4 +1,4 @@
-"""05b's deploy section (common/benchmark/deploy.py) on synthetic sweeps whose right answers
+"""05b's deploy section (common/serving/deploy.py) on synthetic sweeps whose right answers
 are known: a generated sweep with known draft and verify costs, one where no setting beats the baseline,
 one where every run was refused, the launch line of each engine, the interval over paired timed passes,
 and a sampled preset whose recommendation comes from its serving temperature."""
@@ -8,10 +8,9 @@ import json
 
 import pytest
 
-from common.benchmark import deploy
-from common.benchmark.server_bench import write_report
-from common.sglang.server import server_command
-from common.benchmark import vllm
+from common.serving import deploy, vllm
+from common.serving.sglang import server_command
+from common.serving.sweep import write_report
 
 C_DRAFT, T_FIXED, C_TOKEN = 0.004, 0.020, 0.001   # seconds: the costs the generated sweep is made of
 TTFT = 0.05
@@ -37,7 +36,7 @@ JITTER = (0.99, 1.01)   # two timed passes of a setting, 1% either side of their
 
 
 def level_cell(setting, reqs, jitter=JITTER) -> dict:
-    """One (T, concurrency)'s numbers as server_bench.merge_passes leaves them: the passes' mean tok/s and each
+    """One (T, concurrency)'s numbers as sweep.merge_passes leaves them: the passes' mean tok/s and each
     pass's, tau pooled over the requests."""
     tokens = sum(r["completion_tokens"] for r in reqs)
     wall = sum(r["latency_s"] for r in reqs)   # concurrency 1: one request after the other
@@ -153,6 +152,25 @@ def test_launch_line_is_eagle3_without_the_test_box_noise():
                                                        method="eagle"), True)
 
 
+def test_an_engine_05b_does_not_know_is_refused_not_read_as_another():
+    """The launch line, the report and the engine itself go through the registry by name: an unknown name is
+    one line naming the known ones (it used to be read by vLLM's rules), and each name keeps its label."""
+    import argparse
+
+    from common.serving.registry import ENGINES, check_servable, engine_from_args
+    from common.stage import StageError
+
+    assert {n: e.label for n, e in ENGINES.items()} == {"sglang": "SGLang", "vllm": "vLLM"}
+    settings = vllm.VllmSettings()
+    argv = vllm.server_command("/m/target", 30020, settings, False, "/m/draft", 3)
+    with pytest.raises(StageError, match=r"unknown serving engine 'tgi': 05b serves through 'sglang', 'vllm'"):
+        deploy.launch_line("tgi", argv, True)
+    with pytest.raises(StageError, match="unknown serving engine 'tgi'"):
+        engine_from_args(argparse.Namespace(engine="tgi"), None, {}, {}, None, None)
+    with pytest.raises(StageError, match="unknown serving engine 'tgi'"):
+        check_servable("tgi", {}, None)
+
+
 def test_report_names_the_best_setting_and_splits_tau_by_source_and_thinking(tmp_path):
     m = sweep({(3, 1, 4): [3.0, 2.6, 3.4, 2.8] * 2})
     for r, src in zip(cell(m, "3-1-4/nograph")["requests"], ["x", "y"] * 4):
@@ -171,7 +189,7 @@ def test_the_reference_counts_only_for_the_same_draft(tmp_path):
     keyed 04's hash "04_draft"."""
     import argparse
 
-    from common.benchmark.server_bench import same_draft_reference
+    from common.serving.sweep import same_draft_reference
     from common.stage import input_manifests, manifest_sha256, write_manifest
 
     ns = argparse.Namespace()
@@ -217,7 +235,7 @@ def test_when_every_run_was_refused_nothing_valid_was_measured_and_nothing_is_re
     """Every EAGLE-3 run refused (here: measured under retries, --max-retried-requests): "no setting beats the
     baseline, run without speculation" would be a verdict on numbers nobody believes. The section says that
     nothing valid was measured, names the refusals, and recommends nothing."""
-    from common.benchmark.server_bench import add_ratios
+    from common.serving.sweep import add_ratios
     m = sweep({(3, 1, 4): [3.0, 2.6, 3.4, 2.8] * 2, (5, 1, 6): [3.2, 3.0] * 4})
     for key in ("3-1-4/nograph", "5-1-6/nograph"):
         cell(m, key)["retried_requests"] = 2
@@ -341,7 +359,7 @@ def test_the_load_model_fits_a_verify_cost_that_grows_with_the_tokens_in_flight(
     (t_round = c_draft x steps + a + b x c x n); the predicted ratio falls with the load, down to where the chain
     stops paying. At one concurrency a and b cannot be told apart: the model says it ASSUMES a = 2b (a 4-token
     verify ~ 2 plain decode steps), scaled to the measured baseline step. Every number is marked predicted."""
-    from common.benchmark import load_model
+    from common.serving import load_model
     m = load_sweep(concs=(1, 8))
     models = deploy.summary(m, None)["by_temperature"]["0"]["load_models"]
     assert [(x["context"], x["cuda_graph"]) for x in models] == [("short", False)]

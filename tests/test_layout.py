@@ -2,10 +2,11 @@
 
 Layers: the stage contract (common.stage/config/io) imports nothing else of common; the shared cores
 (text, target, draft) import only the contract; each stage-owned package (datasets, generation,
-training, benchmark) and the engine/world packages (sglang, worlds) import what ALLOWED lists. Nothing
-under common/ imports, loads or executes a stage script, or any module by a computed name
-(import_module, exec_module, spec_from_file_location, run_path, __import__). Module imports never form
-a loop. A module outside the known packages fails too, so a new flat module has to pick its room.
+training, benchmark, serving) and the world package (worlds) import what ALLOWED lists (05b's serving
+side reuses 05's benchmark code, never the other way round). Nothing under common/ imports, loads or
+executes a stage script, or any module by a computed name (import_module, exec_module,
+spec_from_file_location, run_path, __import__). Module imports never form a loop. A module outside the
+known packages fails too, so a new flat module has to pick its room.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ ALLOWED = {
     "datasets": {"contract", "text", "datasets"},
     "generation": {"contract", "text", "generation"},
     "training": {"contract", "target", "draft", "training"},
-    "sglang": {"contract", "text", "target", "draft", "sglang"},
-    "benchmark": {"contract", "text", "target", "draft", "sglang", "benchmark"},
+    "benchmark": {"contract", "text", "target", "draft", "benchmark"},
+    "serving": {"contract", "text", "target", "draft", "benchmark", "serving"},
     "worlds": {"contract", "text", "target", "draft", "generation", "training", "worlds"},
 }
 STAGE_NAME = re.compile(r"^\d\d[a-z]?_\w+$")
@@ -143,14 +144,15 @@ def test_every_package_says_what_lives_there():
 
 def test_checker_catches_each_kind_of_violation(tmp_path):
     """The rule tests above must be able to fail: plant one violation of each kind in a copy."""
-    for pkg in ("text", "draft", "sglang", "training"):
+    for pkg in ("text", "draft", "benchmark", "serving", "training"):
         (tmp_path / "common" / pkg).mkdir(parents=True)
         (tmp_path / "common" / pkg / "__init__.py").write_text('"""x"""\n')
     (tmp_path / "common" / "__init__.py").write_text("")
     (tmp_path / "common" / "io.py").write_text("from common.target.shards import ShardReader\n")
-    (tmp_path / "common" / "text" / "a.py").write_text("def f():\n    from common.sglang import server\n")
+    (tmp_path / "common" / "text" / "a.py").write_text("def f():\n    from common.serving import http\n")
     (tmp_path / "common" / "draft" / "b.py").write_text("from common.text import chat_format\n")
-    (tmp_path / "common" / "sglang" / "c.py").write_text(
+    (tmp_path / "common" / "benchmark" / "f.py").write_text("from common.serving.sweep import write_report\n")
+    (tmp_path / "common" / "serving" / "c.py").write_text(
         "import importlib\nstage = importlib.import_module('04_train')\n")
     # The old config.all_stage_flags: every stage file executed from below, by a computed path.
     (tmp_path / "common" / "config.py").write_text(
@@ -162,8 +164,9 @@ def test_checker_catches_each_kind_of_violation(tmp_path):
     (tmp_path / "common" / "loose.py").write_text("")
     found = "\n".join(violations(tmp_path))
     assert "io.py:1: contract imports common.target.shards" in found
-    assert "a.py:2: text imports common.sglang" in found
+    assert "a.py:2: text imports common.serving" in found
     assert "b.py:1: draft imports common.text" in found
+    assert "f.py:1: benchmark imports common.serving.sweep (serving)" in found
     assert "c.py:2: loads a module at run time (import_module)" in found
     assert "config.py:3: loads a module at run time (spec_from_file_location)" in found
     assert "config.py:4: loads a module at run time (exec_module)" in found

@@ -9,8 +9,9 @@ import pytest
 from common.draft.export_sglang import export_sglang
 
 from common.draft.model import Eagle3DraftModel, draft_config
-from common.benchmark.server_bench import warmup
-from common.sglang.server import check_draft_files, get_server_info, preflight
+from common.serving.drafts import check_draft_files
+from common.serving.sglang import get_server_info, preflight
+from common.serving.sweep import warmup
 from common.stage import StageError
 from tests.sglang_server_stub import StubServer, StubState
 

@@ -235,7 +235,7 @@ def test_sampled_engine_answers_checked_round_by_round(target):
     """agreement.check_sampled_answers on answers shaped like vLLM's (output ids + per_step_accepted): the
     sampled loop (the engines' rule) passes; an engine that accepts by another rule (here one draft more
     in some round) is caught."""
-    from common.benchmark.agreement import check_sampled_answers
+    from common.serving.agreement import check_sampled_answers
 
     params, k, max_new = sd.SamplingParams(T_SHARP, 0.9), 3, 12
     prompts = random_prompts(6, target.config.vocab_size, seed=1)
@@ -288,7 +288,7 @@ def test_sampled_gate_fails_an_engine_verifying_at_another_temperature(target, t
     accepts far fewer drafts than p(d) at the requested T / top-p predicts: 05 stops in one line naming the
     draft positions with their observed and expected counts. The engine that verifies as asked passes (on
     8 prompts x 16 tokens, 20 seeds gave |z| <= 2.0 for it and z from -11 to -17 for the 3x one)."""
-    from common.benchmark.agreement import AgreementCheck
+    from common.serving.agreement import AgreementCheck
     from common.stage import StageError
 
     asked = sd.SamplingParams(T_SHARP, 0.95)

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from common.sglang import server as srv
 from common.draft.export_sglang import export_sglang
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import write_jsonl
-from common.benchmark.engines import SGLangEngine, VllmEngine
-from common.benchmark.server_bench import run_prompts, summarize
-from common.benchmark.sglang_stream import parse_meta
+from common.serving import drafts, http, process, settings
+from common.serving import sglang as srv
+from common.serving.sglang import SGLangEngine, parse_meta
+from common.serving.sweep import run_prompts, summarize
+from common.serving.vllm import VllmEngine
 from common.stage import StageError, target_identity, tokenizer_identity, write_manifest
 from tests.sglang_server_stub import StubServer, StubState
 
@@ -73,21 +74,21 @@ def test_cuda_graph_mode_from_cuda_graph_config():
 
 
 def test_spec_settings():
-    assert srv.parse_spec_setting("3,1,4") == (3, 1, 4)
-    assert srv.parse_spec_setting("5,4,8") == (5, 4, 8)
-    assert srv.parse_spec_setting("3,1,4,adaptive") == (3, 1, 4, "adaptive")
+    assert settings.parse_spec_setting("3,1,4") == (3, 1, 4)
+    assert settings.parse_spec_setting("5,4,8") == (5, 4, 8)
+    assert settings.parse_spec_setting("3,1,4,adaptive") == (3, 1, 4, "adaptive")
     for bad in ("3,1,5", "1,4,9", "3,1", "0,1,1", "3,1,4,5", "3,1,4,adaptiv",
                 "5,1,6,adaptive",  # 5 is not one of 0.5.14's candidate steps: SGLang refuses the start
                 "3,2,7,adaptive"):  # adaptive drafts chains only: SGLang would silently turn it off
         with pytest.raises(StageError):
-            srv.parse_spec_setting(bad)
+            settings.parse_spec_setting(bad)
 
 
 def test_adaptive_setting_launched_checked_and_kept_out_of_the_cost_model(tmp_path):
     """--speculative-adaptive: set by 05 only, refused next to the options under which SGLang only warns
     and turns it off, read back from the info document, and never fitted as a fixed chain."""
-    from common.benchmark import deploy
-    setting = srv.parse_spec_setting("3,1,4,adaptive")
+    from common.serving import deploy
+    setting = settings.parse_spec_setting("3,1,4,adaptive")
     cmd = srv.server_command("/m", 1, 1, 0.8, True, "/d", setting, "py")
     assert cmd[-1] == "--speculative-adaptive" and cmd[cmd.index("--speculative-num-steps") + 1] == "3"
     assert "--speculative-adaptive" not in srv.server_command("/m", 1, 1, 0.8, True, "/d", (3, 1, 4), "py")
@@ -116,7 +117,7 @@ def test_adaptive_setting_launched_checked_and_kept_out_of_the_cost_model(tmp_pa
 def test_a_launched_server_that_dropped_adaptive_is_refused(tmp_path):
     """SGLang turns --speculative-adaptive off with a warning (topk, DP attention, ...): a launched
     server whose info document says another setting than 05 asked for is refused, quoting its log."""
-    from common.benchmark.server_bench import run_server_benchmark
+    from common.serving.sweep import run_server_benchmark
 
     class StubEngine(SGLangEngine):
         def command(self, port, graph, setting, draft=None):
@@ -269,7 +270,7 @@ def test_draft_identified_by_content(tmp_path, micro_target):
     with StubServer(StubState(algorithm="EAGLE3", draft_path=str(copy), model_path=str(micro_target))) as e:
         run_05b(tmp_path, "--eagle3-url", e)
     m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
-    assert m["preflight"]["draft_sha256"] == srv.folder_fingerprint(export, srv.DRAFT_FILES)
+    assert m["preflight"]["draft_sha256"] == drafts.folder_fingerprint(export, drafts.DRAFT_FILES)
     assert m["preflight"]["server_draft_path"] == str(copy)
     cfg = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-3}))
@@ -279,7 +280,7 @@ def test_draft_identified_by_content(tmp_path, micro_target):
 
 
 def test_streamed_error_raises_the_server_message():
-    from common.benchmark.sglang_stream import generate_stream
+    from common.serving.sglang import generate_stream
     msg = "The input (9000 tokens) is longer than the model's context length (8192 tokens)."
     with StubServer(StubState(algorithm="EAGLE3", draft_path="/d", error_message=msg)) as url:
         with pytest.raises(StageError, match=r"with an error: The input \(9000 tokens\)"):
@@ -287,8 +288,8 @@ def test_streamed_error_raises_the_server_message():
 
 
 def test_transient_failures_retried_then_one_clear_line(monkeypatch):
-    from common.benchmark.sglang_stream import generate_stream
-    monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.01)
+    from common.serving.sglang import generate_stream
+    monkeypatch.setattr(http, "RETRY_FIRST_WAIT_S", 0.01)
     state = StubState(algorithm="EAGLE3", draft_path="/d", fail_first=2)
     with StubServer(state) as url:
         r = generate_stream(url, [1, 2], 8, 30)  # two 503s, then the answer
@@ -321,16 +322,17 @@ def test_launch_ready_stop(tmp_path):
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
-    proc = srv.launch_server([sys.executable, "-c", code, str(port)], tmp_path / "log.txt")
+    proc = process.launch_server([sys.executable, "-c", code, str(port)], tmp_path / "log.txt")
     try:
-        info = srv.wait_ready(f"http://127.0.0.1:{port}", proc, 60, poll_s=0.2)
+        process.wait_ready(f"http://127.0.0.1:{port}", proc, 60, poll_s=0.2)
+        info = srv.get_server_info(f"http://127.0.0.1:{port}")
         assert info["speculative_algorithm"] == "EAGLE3" and srv.spec_settings_of(info) == (3, 1, 4)
     finally:
-        srv.stop_server(proc, grace_s=10)
-    assert proc.returncode is not None and srv.group_members(proc.pid) == []
-    dead = srv.launch_server([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "log2.txt")
+        process.stop_server(proc, grace_s=10)
+    assert proc.returncode is not None and process.group_members(proc.pid) == []
+    dead = process.launch_server([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "log2.txt")
     with pytest.raises(StageError, match="exited with status 3"):
-        srv.wait_ready("http://127.0.0.1:9", dead, 30, poll_s=0.2)
+        process.wait_ready("http://127.0.0.1:9", dead, 30, poll_s=0.2)
 
 
 def test_docs_show_the_commands_05_builds():
@@ -345,7 +347,7 @@ def test_docs_show_the_commands_05_builds():
     spec = srv.server_command("/models/Kimi-K2.5", 30020, 8, 0.85, True, "/data/eagle3/04_draft/export_sglang",
                               (3, 1, 4), **kimi)
     adaptive = srv.server_command("/models/Kimi-K2.5", 30020, 8, 0.85, True, "/data/eagle3/04_draft/export_sglang",
-                                  srv.parse_spec_setting("3,1,4,adaptive"), **kimi)
+                                  settings.parse_spec_setting("3,1,4,adaptive"), **kimi)
     plan = (REPO / "train_plan_v4.md").read_text()
     for cmd in (base, spec, adaptive):
         assert " ".join(cmd) + "\n" in doc, " ".join(cmd)
@@ -362,28 +364,28 @@ def test_stop_server_waits_for_the_whole_process_group(tmp_path):
     ready = tmp_path / "child_up"
     parent = ("import subprocess, sys, time; "
               f"subprocess.Popen([sys.executable, '-c', {child!r}, {str(ready)!r}]); time.sleep(60)")
-    proc = srv.launch_server([sys.executable, "-c", parent], tmp_path / "log.txt")
+    proc = process.launch_server([sys.executable, "-c", parent], tmp_path / "log.txt")
     import time
     deadline = time.time() + 30
     while not ready.exists() and time.time() < deadline:
         time.sleep(0.05)
-    members = srv.group_members(proc.pid)
+    members = process.group_members(proc.pid)
     assert len(members) == 2, members
-    srv.stop_server(proc, grace_s=20)
-    assert srv.group_members(proc.pid) == []
+    process.stop_server(proc, grace_s=20)
+    assert process.group_members(proc.pid) == []
 
 
 def test_stop_server_kills_what_ignores_sigterm(tmp_path):
     code = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "open(sys.argv[1], 'w').write('up'); time.sleep(60)")
     ready = tmp_path / "up"
-    proc = srv.launch_server([sys.executable, "-c", code, str(ready)], tmp_path / "log.txt")
+    proc = process.launch_server([sys.executable, "-c", code, str(ready)], tmp_path / "log.txt")
     import time
     deadline = time.time() + 30
     while not ready.exists() and time.time() < deadline:
         time.sleep(0.05)
-    srv.stop_server(proc, grace_s=0.5)
-    assert proc.returncode == -9 and srv.group_members(proc.pid) == []
+    process.stop_server(proc, grace_s=0.5)
+    assert proc.returncode == -9 and process.group_members(proc.pid) == []
 
 
 def test_kimi_preset_matches_the_plans_server_and_draft_heads():
@@ -451,8 +453,8 @@ class CutOnce:
 def test_network_failures_end_in_one_line_naming_the_server(monkeypatch):
     """An unresolvable host and a server that never answers stop at once with one line naming the server;
     a stream cut inside an event is retried, and the request is timed on its good attempt alone."""
-    from common.benchmark.sglang_stream import generate_stream
-    monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.2)
+    from common.serving.sglang import generate_stream
+    monkeypatch.setattr(http, "RETRY_FIRST_WAIT_S", 0.2)
     with pytest.raises(StageError, match=r"SGLang server http://sglang-box.invalid:30000: POST /generate: .*"
                                          r"is the address right"):
         generate_stream("http://sglang-box.invalid:30000", [1, 2], 8, 30)
@@ -472,7 +474,7 @@ def test_network_failures_end_in_one_line_naming_the_server(monkeypatch):
 
 
 def test_a_ratio_taken_under_retries_is_refused():
-    from common.benchmark.server_bench import add_ratios, summarize
+    from common.serving.sweep import add_ratios, summarize
     good = {"completion_tokens": 10, "spec_verify_ct": None, "accept_length": None, "ttft_s": 0.1, "latency_s": 1.0}
     base = summarize([dict(good) for _ in range(4)], 4.0, 1)
     spec = summarize([dict(good), dict(good, retries=2), dict(good), dict(good)], 2.0, 1)
@@ -517,7 +519,7 @@ def test_quantized_target_keeps_its_quantization_off_the_draft(tmp_path):
 def test_report_says_what_the_windowed_server_tau_includes(tmp_path):
     """SGLang's reset zeroes the lifetime counters, not the per-interval ones: the report says the server's
     windowed number may hold up to 39 decode iterations from before the run."""
-    from common.benchmark.server_bench import write_report
+    from common.serving.sweep import write_report
     run = {"output_tokens_per_s": 10.0, "ttft_mean_s": 0.1, "accept_length_mean": 2.0, "accept_length_pooled": 2.0,
            "server_accept_length": 2.1, "speed_ratio": 1.2}
     m = {"engine": "sglang", "target": "t", "draft": "d", "num_prompts": 1, "max_new_tokens": 8,
@@ -530,7 +532,7 @@ def test_report_says_what_the_windowed_server_tau_includes(tmp_path):
 def test_sampled_agreement_rows_name_an_engine_defect():
     """The report's sampled agreement: a row that disagrees because the engine build cannot verify sampled
     drafts says so (with the reason) instead of blaming the draft; one that disagrees otherwise says DISAGREE."""
-    from common.benchmark.server_bench import sampled_agreement_lines
+    from common.serving.sweep import sampled_agreement_lines
     x = {"expected": {"engine_tau": 1.0, "replay_tau": 1.43, "difference": -0.43, "ci": [-0.5, -0.36], "agree": False},
          "top_p": 0.95}
     lines = sampled_agreement_lines({"3-1-4/nograph": {"sampled": {"1": {**x, "engine_defect": "its expand drops floats"}}},
@@ -569,7 +571,7 @@ class FakeProc:
 
 
 class FakeLaunches:
-    """Stand-ins for srv.launch_server / stop_server: each launched SGLang argv starts an in-process stub
+    """Stand-ins for process.launch_server / stop_server: each launched SGLang argv starts an in-process stub
     server on its --port serving what the argv asks for (target, draft, setting, graph mode), with
     `accept[draft path]` as its acceptance and `serve[draft path]` as the draft it reports instead (a server
     that loaded another folder). Records every (argv, StubState)."""
@@ -615,8 +617,8 @@ def free_ports(n: int) -> list[str]:
 def fake_launches(monkeypatch):
     def make(**kw):
         fake = FakeLaunches(**kw)
-        monkeypatch.setattr(srv, "launch_server", fake.launch)
-        monkeypatch.setattr(srv, "stop_server", fake.stop)
+        monkeypatch.setattr(process, "launch_server", fake.launch)
+        monkeypatch.setattr(process, "stop_server", fake.stop)
         return fake
     return make
 
@@ -655,7 +657,7 @@ def test_a_declared_draft_is_served_at_every_setting_like_04s(tmp_path, micro_ta
                                "public/3-1-4/nograph", "public/5-1-6/nograph"]
     run = m["runs"]["public/5-1-6/nograph"]
     assert run["draft"] == "public" and run["preflight"]["draft_name"] == "public"
-    assert run["preflight"]["draft_sha256"] == srv.folder_fingerprint(public, srv.DRAFT_FILES)
+    assert run["preflight"]["draft_sha256"] == drafts.folder_fingerprint(public, drafts.DRAFT_FILES)
     assert run["by_temperature"]["0"]["by_concurrency"]["1"]["speed_ratio"] is not None
     assert m["runs"]["3-1-4/graph"]["draft"] == "04"
     assert m["preflight"]["draft"] == str(export) and m["drafts"] == {"04": str(export), "public": str(public)}
@@ -708,7 +710,7 @@ def test_a_draft_an_engine_cannot_serve_is_refused_before_any_launch(tmp_path, m
     """Checked against the target (common/draft/imported.py) and against the engine's reading of its layout
     and capture points, with one line, before anything launches or is written."""
     from common.benchmark import compare as cmp
-    from common.benchmark.engines import check_servable
+    from common.serving.registry import check_servable
     from common.draft.export_speculators import export_speculators
     make_work(tmp_path, micro_target)
     public = other_draft(tmp_path, micro_target, "public", seed=1)
@@ -772,7 +774,7 @@ def test_counts_are_held_against_the_ids_received_and_the_servers_own_tau():
     """Within the bound, a count is still checked against the token ids that came back (or, without ids,
     the chunks that carried tokens) and against the server's own tau when the run is long enough for its
     window; an adaptive setting may reach SGLang's deepest candidate chain."""
-    from common.benchmark.server_bench import answer_fault, round_bound, server_tau_fault
+    from common.serving.sweep import answer_fault, round_bound, server_tau_fault
     with StubServer(StubState(algorithm="EAGLE3", draft_path="/d", accept_length=2.0, count_scale=2)) as url:
         s = run_prompts(url, [[1, 2], [3]], 24, 1, 30, bound=4)  # 48 in 12 rounds: under the bound
     assert s["refused"] == f"{url}: request 1 of 2: completion_tokens 48, but 24 token ids came back"
@@ -793,8 +795,8 @@ def test_counts_are_held_against_the_ids_received_and_the_servers_own_tau():
 
 
 def test_a_refused_baseline_refuses_every_ratio_against_it():
-    from common.benchmark import deploy
-    from common.benchmark.server_bench import add_ratios, refuse
+    from common.serving import deploy
+    from common.serving.sweep import add_ratios, refuse
     good = {"completion_tokens": 10, "spec_verify_ct": None, "accept_length": None, "ttft_s": 0.1, "latency_s": 1.0}
     base, spec = summarize([dict(good)] * 4, 4.0, 1), summarize([dict(good)] * 4, 2.0, 1)
     refuse(base, "http://b: request 1 of 4: completion_tokens 10, but 5 token ids came back")
@@ -854,7 +856,7 @@ def test_a_bad_generate_answer_ends_05_in_one_line_naming_server_and_field(tmp_p
                                                                           fault, message):
     """A 200 from /generate that is a sign-in page, half a JSON event or a final chunk without its count:
     one line naming the server and what is wrong, at once (never retried: the server answered)."""
-    monkeypatch.setattr(srv, "RETRY_FIRST_WAIT_S", 0.01)
+    monkeypatch.setattr(http, "RETRY_FIRST_WAIT_S", 0.01)
     export = make_work(tmp_path, micro_target)
     spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), bad_answer=fault)
     with StubServer(spec) as e:
@@ -895,7 +897,7 @@ def test_the_html_page_is_one_line_on_stderr_without_a_traceback(tmp_path, micro
 def test_vllm_stream_answers_are_parsed_by_name():
     """vLLM's streamed completion: a usage chunk without completion_tokens is one line naming the field; the
     ids it streams are kept (None when it sends none, with the chunks that carried text counted instead)."""
-    from common.benchmark.vllm import complete_stream
+    from common.serving.vllm import complete_stream
     text = {"choices": [{"text": "ab", "token_ids": [5, 6], "finish_reason": None}]}
     with SSEOnce(events(text, {"choices": [], "usage": {"prompt_tokens": 2}})) as url:
         with pytest.raises(StageError, match=rf"^vLLM server {url}: POST /v1/completions: the answer has no "
@@ -916,7 +918,7 @@ def test_vllm_stream_answers_are_parsed_by_name():
 
 def test_agreement_refuses_answers_without_ids_in_one_line():
     """The agreement check replays the engine's own tokens: an answer without ids stops it by name."""
-    from common.benchmark.agreement import with_ids
+    from common.serving.agreement import with_ids
     from common.stage import StageError
 
     ok = [{"output_ids": [1, 2]}]
@@ -964,7 +966,7 @@ def test_agreement_requests_go_to_every_server_the_check_does_not_judge():
     at each sampled temperature with prompt_seed(--seed, ids, T/top-p, "engine") % 2**31)."""
     from common.benchmark import sampled as smp
     from common.benchmark import spec_decode as sd
-    from common.benchmark.server_bench import mirror_agreement
+    from common.serving.sweep import mirror_agreement
 
     check = argparse.Namespace(prompts=[[1, 2], [3]], max_new_tokens=16, timeout=5, seed=7,
                                sampling=(sd.SamplingParams(1.0, 0.95),))
@@ -994,7 +996,7 @@ def test_prefix_caching_is_off_on_every_server_alike(tmp_path, micro_target, fak
     """Timed passes answer the same prompts again, so prefix caching is off on every server: launched with
     the engine's flag (SGLang --disable-radix-cache, vLLM --no-enable-prefix-caching), an attached one refused
     unless its info document says off; the launch line to deploy leaves the flag out."""
-    from common.benchmark import vllm
+    from common.serving import vllm
     make_work(tmp_path, micro_target)
     fake = fake_launches()
     sweep_05b(tmp_path)
@@ -1062,7 +1064,7 @@ def test_sampled_requests_pin_every_parameter_and_a_rerun_sends_the_same_seeds(t
                 assert (sp["temperature"], sp["top_p"]) in ((0.0, 1.0), (1.0, 0.95))
                 got.setdefault((tuple(r["input_ids"]), sp["temperature"]), set()).add(sp["sampling_seed"])
         assert all(len(v) == 1 for v in got.values())   # one seed per prompt and temperature, on both servers
-        from common.benchmark.request_params import request_seed
+        from common.serving.request_params import request_seed
         assert got[((1, 2), 1.0)] == {request_seed(0, [1, 2], 1.0, 0.95)}
         seeds.append(got)
     assert seeds[0] == seeds[1]
@@ -1075,8 +1077,8 @@ def test_sampled_requests_pin_every_parameter_and_a_rerun_sends_the_same_seeds(t
 def test_pinned_parameters_in_both_engines_and_the_instant_temperature():
     """vLLM's completion carries every parameter too, greedy and sampled; a thinking-off prompt is sampled at
     the preset's instant-mode temperature when it gives one."""
-    from common.benchmark.request_params import timed_sampling
-    from common.benchmark.vllm import complete_stream
+    from common.serving.request_params import timed_sampling
+    from common.serving.vllm import complete_stream
     done = {"choices": [{"text": "ab", "token_ids": [5, 6]}], "usage": {"completion_tokens": 2}}
     server = SSEOnce(events(done))
     with server as url:

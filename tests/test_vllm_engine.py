@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from common.benchmark import vllm
-from common.benchmark.agreement import first_difference, replay_rounds, totals
+from common.serving import vllm
+from common.serving.agreement import first_difference, replay_rounds, totals
 from common.stage import StageError
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "vllm"
@@ -97,7 +97,7 @@ def test_foreign_draft_target_quantization_and_missing_metrics_refused(folders, 
 
 def test_a_declared_draft_is_identified_by_content_and_an_undeclared_one_refused(folders, tmp_path):
     """05b --draft public=PATH: the server's draft must be 04's or a declared one, by content."""
-    from common.sglang.server import served_draft
+    from common.serving.drafts import served_draft
     target, draft = folders
     public, copy, other = tmp_path / "public", tmp_path / "mnt" / "public", tmp_path / "other"
     for folder, weights in ((public, b"public weights"), (other, b"other weights")):
@@ -191,7 +191,7 @@ def test_sampling_probe_failure_is_one_line(tmp_path):
     line naming that python, not a traceback."""
     import sys
 
-    from common.benchmark import vllm
+    from common.serving import vllm
     from common.stage import StageError
     with pytest.raises(StageError, match=r"the vLLM sampler probe failed in .*python.* \(exit 1\): "
                                          "ModuleNotFoundError"):

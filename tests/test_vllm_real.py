@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 
 from common.io import iter_jsonl
-from common.benchmark import vllm
-from common.sglang import server as srv
+from common.serving import process, vllm
 from common.stage import StageError
 
 pytestmark = pytest.mark.engine   # the real-engine tier: `make test` runs it, `make test-fast` leaves it out
@@ -89,10 +88,10 @@ class Served:
         # prefix caching off, as 05b launches its own: 05b refuses an attached server that caches
         cmd = vllm.server_command(TARGET, self.port, settings(), False, draft, k, served_name=SERVED, method=method,
                                   prefix_cache=False)
-        self.proc = srv.launch_server(cmd, self.log, vllm.server_env(settings()))
+        self.proc = process.launch_server(cmd, self.log, vllm.server_env(settings()))
 
     def ready(self):
-        srv.wait_ready(self.url, self.proc, 600, log_path=self.log, info=False)
+        process.wait_ready(self.url, self.proc, 600, log_path=self.log)
         return self
 
 
@@ -124,7 +123,7 @@ def world(tmp_path_factory):
         yield {"work": work, "root": root, "sglang_ids": sglang_ids, **servers}
     finally:
         for s in servers.values():
-            srv.stop_server(s.proc)
+            process.stop_server(s.proc)
 
 
 def test_01b_against_a_real_vllm_server(world):
@@ -210,8 +209,8 @@ def test_planted_eagle_method_is_caught(world):
 def test_planted_capture_ids_off_by_one_are_caught(world):
     """The SGLang export without vLLM's top-level ids: vLLM reads eagle_config's (points - 1) as its own.
     The engine's log says so, and the agreement check names the draft's inputs."""
-    from common.benchmark.agreement import AgreementCheck
-    from common.benchmark.engines import VllmEngine
+    from common.serving.agreement import AgreementCheck
+    from common.serving.vllm import VllmEngine
 
     s, work = world["ids"], world["work"]
     with pytest.raises(StageError, match=r"inputs of layers \[1, 14, 26\].*capture points \[2, 15, 27\]"):

@@ -1,6 +1,5 @@
-"""The two benchmark stages: 05's reference loop and replay on the CPU/GPU (reference.py, replay.py,
-spec_decode.py; where the draft fails by segment, position and source: segments.py) and 05b's server
-sweep over any engine (engines.Engine over SGLang and vLLM, server_bench.py, vllm.py; its prompt-length
-buckets: context.py) with the agreement check between the two (agreement.py), and what to deploy from it
-(deploy.py; the verify cost against load: load_model.py); what both read and check first: inputs.py.
-Imports the stage contract, common.text, common.target, common.draft and common.sglang."""
+"""05's reference benchmark on the CPU/GPU: the reference loop and replay (reference.py, replay.py,
+spec_decode.py; sampled acceptance: sampled.py; where the draft fails by segment, position and source:
+segments.py), other drafts compared with 04's (compare.py), and what both benchmark stages read and check
+first (inputs.py) and print (formatting.py). 05b's server sweep lives in common/serving/ and reuses these.
+Imports the stage contract, common.text, common.target and common.draft."""

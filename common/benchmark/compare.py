@@ -1,5 +1,5 @@
 """05 `--draft NAME=PATH`: other EAGLE-3 drafts replayed next to 04's on the same prompts (05b serves them
-next to 04's at every setting instead: server_bench.py, engines.check_servable).
+next to 04's at every setting instead: common/serving/sweep.py, registry.check_servable).
 
 A draft is any EAGLE-3 folder in the SGLang layout (public Kimi drafts, SpecForge output, 04's own
 export) or the speculators layout, read and checked against the target by common/draft/imported.py
@@ -23,9 +23,9 @@ from pathlib import Path
 from common.benchmark import replay as rp
 from common.benchmark import segments as sg
 from common.benchmark.formatting import fmt, fmt_ci
+from common.draft import OURS  # how 04's draft ("trained" inside 05) is named in the comparison
 from common.draft.imported import build_model, check_draft, read_draft
 from common.io import read_json
-from common.sglang.server import OURS  # how 04's draft ("trained" inside 05) is named in the comparison
 from common.stage import StageError
 from common.target.capture import sglang_points_reader, target_architecture
 from common.target.head import read_target_text_config

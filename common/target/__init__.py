@@ -1,3 +1,3 @@
-"""What we read of the target: the capture convention and HF capture of hidden states, the target's
-embedding and lm_head, and the feature shards 02b writes and 03/04 read. Imports only the stage
-contract."""
+"""What we read of the target: the capture convention and the capture of hidden states (HF: capture.py;
+02b's SGLang model runner: sglang_capture.py), the target's embedding and lm_head, and the feature shards
+02b writes and 03/04 read. Imports only the stage contract."""

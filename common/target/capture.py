@@ -4,7 +4,7 @@ Convention (docs/design.md section 1): a capture point i names h_i, the residual
 decoder layer i (h_0 = embeddings, h_i = output of layer i-1). The draft reads the concatenation
 [h_low | h_mid | h_high] (ascending), width 3H, and the teacher's logits come from the target's final
 post-norm hidden state (the lm_head input). Every backend returns exactly these two tensors
-(`capture_hf` here, SGLang's in common/sglang/capture.py). Which draft-config ids make SGLang capture
+(`capture_hf` here, SGLang's in sglang_capture.py beside it). Which draft-config ids make SGLang capture
 the same h_i depends on the target's model family: SGLANG_LAYER_ID_RULES below, the one place it is kept.
 """
 from __future__ import annotations

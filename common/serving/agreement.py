@@ -63,7 +63,7 @@ def replay_rounds(pred: list[list[int]], seq: list[int], num_prompt: int, answer
 
 @dataclass
 class AgreementCheck:
-    """05's agreement check, called once per EAGLE-3 server after its preflight (bench.run_server_benchmark)."""
+    """05's agreement check, called once per EAGLE-3 server after its preflight (sweep.run_server_benchmark)."""
     engine: object
     target_dir: Path
     export_dir: Path
@@ -111,7 +111,7 @@ class AgreementCheck:
         result["counters_equal_per_request_sums"] = counters_ok
         write_json(self.out / "agreement" / f"{key.replace('/', '_')}.json", result)
         e, r = result["engine"], result["replay"]
-        print(f"[05] agreement {key}: {self.engine.label} tau {e['tau']:.4f} ({e['num_rounds']} rounds, accepted "
+        print(f"[05b] agreement {key}: {self.engine.label} tau {e['tau']:.4f} ({e['num_rounds']} rounds, accepted "
               f"per position {e['accepted_per_position']}) vs replay {r['tau']:.4f} ({r['num_rounds']} rounds, "
               f"{r['accepted_per_position']}) on {len(self.prompts)} prompts: "
               f"{'AGREE' if result['agree'] else 'DISAGREE'}")
@@ -137,7 +137,7 @@ class AgreementCheck:
             self._defect = self.engine.sampling_defect()
         out, defect = {}, self._defect
         if defect:
-            print(f"[05] agreement {key}: {self.engine.label} cannot verify sampled drafts here: {defect}. Its "
+            print(f"[05b] agreement {key}: {self.engine.label} cannot verify sampled drafts here: {defect}. Its "
                   "sampled tau below measures that defect, not the draft")
         for params in self.sampling:
             answers = with_ids(url, [self.engine.request(url, ids, self.max_new_tokens, self.timeout, sampling={
@@ -151,7 +151,7 @@ class AgreementCheck:
             x, g = res["expected"], res["expected"]["along_answers"]
             verdict = "agree" if x["agree"] else ("engine defect" if defect else "DISAGREE")
             gate = "pass" if g["agree"] else ("engine defect" if defect else "FAIL")
-            print(f"[05] agreement {key} T={params.temperature:g} top-p {params.top_p:g}: {res['exact_prompts']}/"
+            print(f"[05b] agreement {key} T={params.temperature:g} top-p {params.top_p:g}: {res['exact_prompts']}/"
                   f"{len(self.prompts)} answers' rounds equal replay along them; {self.engine.label} tau "
                   f"{x['engine_tau']:.3f} vs sampled replay {x['replay_tau']:.3f}, difference {x['difference']:+.3f} "
                   f"[{x['ci'][0]:+.3f}, {x['ci'][1]:+.3f}] ({verdict}); along its answers {gate_summary(g)} ({gate})")

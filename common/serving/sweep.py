@@ -1,18 +1,18 @@
 """05b (05b_serve_benchmark.py): the same prompts against a baseline and EAGLE-3 servers of one engine
-(common/benchmark/engines.py: SGLang or vLLM); tok/s, TTFT, tau, the agreement check's hook.
+(common/serving/engine.py: SGLang or vLLM); tok/s, TTFT, tau, the agreement check's hook.
 
-SGLang's side: requests in common/benchmark/sglang_stream.py; the server-wide tau
+SGLang's side: requests in common/serving/sglang.py; the server-wide tau
 (`avg_spec_accept_length`) is a ratio of lifetime counters, so two readings cannot be subtracted; each
 run is windowed instead: the counters are reset (POST /set_internal_state) right
 before it and read right after it. The reset does not clear the per-interval counters that SGLang
 folds into the lifetime ones every 40 decode iterations, so the number may include up to 39 decode
 iterations from before the run and miss up to 39 of its last ones; per-request tau is exact. vLLM's
-side (requests, counters): common/benchmark/vllm.py.
+side (requests, counters): common/serving/vllm.py.
 
 A server's counts are checked before they are believed: each answer's completion_tokens against the token
 ids that came back and against what its verify rounds can hold (answer_fault), the run's tau against the
 server's own (server_tau_fault). A run that fails is refused by name in one line (`refused`): its numbers
-are dropped, so no ratio, table, cost model or recommendation takes them (common/benchmark/deploy.py).
+are dropped, so no ratio, table, cost model or recommendation takes them (common/serving/deploy.py).
 
 What makes the comparison fair, the same for every server (the baseline included):
 - the same warm-up before any timed request: the preflight's short greedy requests and, with the agreement
@@ -21,7 +21,7 @@ What makes the comparison fair, the same for every server (the baseline included
   "prompt_split"), so no timed prompt reaches a server that has seen it before;
 - prefix caching off on every server (launched with the engine's flag; an attached one refused unless its
   info document says off), since the timed passes answer the same prompts again;
-- the same prompt-length buckets (--bench-context: common/benchmark/context.py), built once from held-out
+- the same prompt-length buckets (--bench-context: common/serving/context.py), built once from held-out
   rows never used for warm-up, and timed on every server at every temperature and concurrency: the grid;
 - timed passes at every temperature level (greedy, and each serving temperature of the preset, every request
   pinning every sampling parameter with a fixed seed: request_params), repeated --bench-repeats times: within
@@ -37,19 +37,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common.benchmark import deploy
-from common.benchmark.engines import ENGINE_LABELS, engine_from_args
 from common.benchmark.formatting import fmt
-from common.benchmark.context import SHORT, bucket_words, context_level, longest_bucket
-from common.benchmark.request_params import request_seed, timed_sampling
-from common.benchmark.sglang_stream import generate_stream
-from common.sglang.server import ADAPTIVE_STEPS, OURS, is_adaptive
+from common.draft import OURS
+from common.serving import deploy, process
+from common.serving.context import SHORT, bucket_words, context_level, longest_bucket
+from common.serving.registry import engine_class, engine_from_args
+from common.serving.request_params import request_seed, timed_sampling
+from common.serving.settings import ADAPTIVE_STEPS, is_adaptive
+from common.serving.sglang import adaptive_disabled_line, generate_stream
 from common.stage import StageError
 
 # How far a run's tau may lie above the server's own count over the same requests before the run's
 # counts are not believed. Honest servers stay far inside it: vLLM's counters also count drafts accepted
 # past the token budget, so its tau is never below ours; SGLang's window holds iterations from outside
-# the run (SERVER_TAU_NOTE), so it is compared only over runs many times longer than that slop.
+# the run (its server_tau_note), so it is compared only over runs many times longer than that slop.
 SERVER_TAU_TOLERANCE = 0.25
 # The numbers a refused run no longer has (None): everything derived from the counts not believed.
 BELIEVED = ("completion_tokens", "output_tokens_per_s", "per_request_tokens_per_s", "accept_length_mean",
@@ -259,31 +260,18 @@ def run_fault(run: dict | None, name: str, max_retried: int) -> str | None:
     return None
 
 
-SERVER_TAU_NOTE = {
-    "sglang": "server tau = `internal_states[0].avg_spec_accept_length` after POST /set_internal_state reset its "
-              "lifetime counters right before this run. The reset does not clear SGLang's per-interval counters, "
-              "which it folds into the lifetime ones every 40 decode iterations (--decode-log-interval): the "
-              "number may include up to 39 decode iterations from before the run and miss up to 39 of its "
-              "last ones (sglang 0.5.14 and 0.5.23 scheduler metrics). Per-request tau is exact. '-' = not "
-              "available. CUDA-graph mode as the server reports it (`cuda_graph_config.decode.backend`).",
-    "vllm": "server tau = 1 + accepted / drafts from vLLM's /metrics counters differenced around this run. "
-            "It differs from tau (pooled) in two ways that partly cancel: it leaves out each request's prefill "
-            "token, and it counts drafts accepted past the token budget or an end-of-turn, which the answer "
-            "cuts off. "
-            "Graph mode: `enforce_eager` as the server reports it.",
-}
-
 
 def write_report(out: Path, metrics: dict, reference: dict | None = None) -> None:
-    """report.md; its deploy section (common/benchmark/deploy.py) from metrics["deploy"], computed here
+    """report.md; its deploy section (common/serving/deploy.py) from metrics["deploy"], computed here
     when absent (`reference`: 05 reference metrics of the same draft, for the per-depth tau)."""
     engine = metrics.get("engine", "sglang")
+    label, tau_note = engine_class(engine).label, engine_class(engine).server_tau_note
     if "deploy" not in metrics:
         metrics["deploy"] = deploy.summary(metrics, reference)
     drafts = metrics.get("drafts") or {}
     shown = (f"drafts {', '.join(f'{n} `{p}`' for n, p in drafts.items())} (each at every setting, against the "
              "same baseline)" if len(drafts) > 1 else f"draft `{metrics['draft']}`")
-    lines = [f"# 05 server benchmark ({ENGINE_LABELS[engine]})", "",
+    lines = [f"# 05 server benchmark ({label})", "",
              f"Target `{metrics['target']}`, {shown}, {metrics['num_prompts']} timed prompts, "
              f"max {metrics['max_new_tokens']} new tokens, {sweep_words(metrics)} Preflight: "
              f"`{json.dumps(metrics.get('preflight', {}))}`."
@@ -298,11 +286,11 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
     if refused:
         lines += [f"* {r}" for r in refused] + [""]
     lines += ["tau = completion_tokens / verify rounds per request (the bonus token and the prefill token "
-              "included: SGLang's definition); " + SERVER_TAU_NOTE[engine] + " Launch commands: `commands.json`."]
+              "included: SGLang's definition); " + tau_note + " Launch commands: `commands.json`."]
     if metrics.get("agreement"):
         lines += ["", "## Agreement with replay", "",
                   "Each EAGLE-3 server answered the warm-up prompts one at a time; its per-round accepted counts "
-                  "are compared with replay of the same draft on the same tokens (common/benchmark/agreement.py). "
+                  "are compared with replay of the same draft on the same tokens (common/serving/agreement.py). "
                   "tau here = 1 + accepted / rounds (the engine's definition)."
                   + (" 04's draft only: the declared drafts are not replayed here." if len(drafts) > 1 else ""), "",
                   "| setting | prompts | rounds (engine / replay) | accepted per position (engine) | (replay) "
@@ -313,7 +301,7 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
                          f"{e['accepted_per_position']} | {r['accepted_per_position']} | {e['tau']:.4f} / "
                          f"{r['tau']:.4f} | {'yes' if a['exact'] else 'no'} |")
         lines += sampled_agreement_lines(metrics["agreement"])
-    lines += deploy.report_lines(metrics["deploy"], ENGINE_LABELS[engine])
+    lines += deploy.report_lines(metrics["deploy"], label)
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
@@ -426,7 +414,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     temperature levels, prompt buckets, passes and concurrency levels, all measured against the one baseline.
 
     `prompts` are timed (the short bucket), and so is each prompt-length bucket of `contexts` ({name:
-    (prompts, tags)}, common/benchmark/context.py), at every temperature and concurrency; `warm` (held-out
+    (prompts, tags)}, common/serving/context.py), at every temperature and concurrency; `warm` (held-out
     prompts never timed) warm every server up before its first timed request: the preflight's warm-up
     requests, and the agreement check's (`agreement(url, key, setting)`, 05's agreement check, vLLM; it judges
     04's draft, and the same requests go unjudged to every other server: mirror_agreement). Every EAGLE-3
@@ -441,8 +429,6 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     interleaved across temperatures and concurrency levels) and shut down before the next one (one model in
     memory at a time).
     """
-    from common.sglang import server as srv
-
     request_fn = request_fn or engine.request
     graphs = [{"on": True, "off": False}[m] for m in args.cuda_graph]
     settings = [engine.parse_setting(s) for s in args.spec_settings]
@@ -465,7 +451,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     if any(t > 0 for t in levels):  # a build that cannot verify sampled drafts times its defect, not the draft
         metrics["sampling_defect"] = engine.sampling_defect()
         if metrics["sampling_defect"]:
-            print(f"[05] {engine.label} cannot verify sampled drafts here: {metrics['sampling_defect']}. The sampled "
+            print(f"[05b] {engine.label} cannot verify sampled drafts here: {metrics['sampling_defect']}. The sampled "
                   "levels are timed, but nothing is recommended from them")
     collected: dict[tuple, list] = {}   # (run key, T, context, c) -> its passes, merged once the run is done
 
@@ -478,7 +464,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
         """The server's checks and its warm-up, the same requests on every server, before any timed pass."""
         entry = {"cuda_graph": graph, "setting": setting, "url": url,
                  "sampling_defaults": engine.sampling_defaults(url, log), "by_temperature": {}}
-        print(f"[05] {key}: the server's own sampling defaults {json.dumps(entry['sampling_defaults'])} (every request "
+        print(f"[05b] {key}: the server's own sampling defaults {json.dumps(entry['sampling_defaults'])} (every request "
               "05 sends sets temperature, top-p, top-k, min-p, repetition penalty and seed itself)")
         if setting is None:
             warm_up(url, warm_requests, WARMUP_TOKENS, args.request_timeout, request_fn)
@@ -507,7 +493,7 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
             refuse(s, f"{url}: {why}")
         collected.setdefault((key, t, ctx, str(c)), []).append(s)
         metrics["pass_order"].append({"run": key, "temperature": t, "context": ctx, "concurrency": c, "pass": r})
-        where = f"[05] {key} T={t}{'' if ctx == SHORT else f' context {ctx}'} c={c} pass {r + 1}/{repeats}"
+        where = f"[05b] {key} T={t}{'' if ctx == SHORT else f' context {ctx}'} c={c} pass {r + 1}/{repeats}"
         if "refused" in s:  # one line; the sweep goes on, and the report and deploy leave the run out
             print(f"{where}: REFUSED, its counts are not believed: {s['refused']}")
             return
@@ -540,21 +526,21 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
         metrics["commands"][key] = {"argv": cmd, "env": env} if env else cmd
         url = f"http://127.0.0.1:{port}"
         log = out / "server_logs" / (key.replace("/", "_") + ".log")
-        proc = srv.launch_server(cmd, log, env)
+        proc = process.launch_server(cmd, log, env)
         try:
-            srv.wait_ready(url, proc, args.server_timeout, log_path=log, info=False)
+            process.wait_ready(url, proc, args.server_timeout, log_path=log)
             reported_graph, reported, _ = check(url, setting is not None, draft)
             if reported_graph != graph:
                 raise StageError(f"{url} reports decode CUDA graphs {'on' if reported_graph else 'off'}, "
                                  f"but 05 launched it with them {'on' if graph else 'off'}; see {log}")
             if setting is not None and tuple(reported) != tuple(setting):
-                said = srv.adaptive_disabled_line(log)
+                said = adaptive_disabled_line(log)
                 raise StageError(f"{url} runs setting {setting_name(reported, graph)}, but 05 launched "
                                  f"{setting_name(setting, graph)}" + (f" (its log: {said})" if said else "")
                                  + f"; see {log}")
             sweep([prepare(url, key, graph, setting, log, draft)])
         finally:
-            srv.stop_server(proc)
+            process.stop_server(proc)
 
     attached = []  # every attached server is checked before any is warmed up or timed
     if args.baseline_url:
@@ -622,7 +608,7 @@ def context_buckets(args, pool: list[dict], n: int, target_dir: Path) -> dict[st
     """{bucket name: its timed prompt records} for every prompt-length bucket of --bench-context (the short
     bucket is 05's timed split itself), built from `pool` (held-out rows never used for warm-up) with the
     target's tokenizer and chat template (context.bucket_prompts), --bench-context-prompts each (default n)."""
-    from common.benchmark import context
+    from common.serving import context
 
     names = [b for b in context.parse_buckets(args.bench_context) if b != SHORT]
     if not names:
@@ -640,9 +626,9 @@ def server_main(args, out: Path, inputs, m02b: dict, target_dir: Path, foreign=(
     (common/benchmark/inputs.load_inputs), the rows are timed, the warm rows (held-out rows never timed)
     warm the servers up and feed the agreement check, and the --bench-context buckets are built from the
     pool (every held-out row but the warm-up ones). `foreign`: the declared drafts as
-    engines.check_servable returned them, served next to 04's; `reference`: 05's metrics of the same
+    registry.check_servable returned them, served next to 04's; `reference`: 05's metrics of the same
     draft (same_draft_reference), for the cost model's per-depth tau."""
-    from common.benchmark import context
+    from common.serving import context
     import shlex
 
     from common.io import write_json
@@ -661,7 +647,7 @@ def server_main(args, out: Path, inputs, m02b: dict, target_dir: Path, foreign=(
         if not engine.reports_per_round:
             raise StageError(f"--agreement-prompts needs per-round acceptance from the engine; {engine.label} "
                              "reports totals only (the smoke run compares its tau with the reference instead)")
-        from common.benchmark.agreement import AgreementCheck
+        from common.serving.agreement import AgreementCheck
         from common.benchmark.sampled import engine_sampling
         agreement = AgreementCheck(engine, target_dir, export_dir, m04, warm[:args.agreement_prompts],
                                    args.benchmark_max_new_tokens, args.request_timeout,

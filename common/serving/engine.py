@@ -1,0 +1,133 @@
+"""One interface over the serving engines 05b measures: SGLang (the GPU box) and vLLM (its CPU build
+serves the CPU worlds here). 05b's sweep (sweep.py) only talks to an `Engine`; each engine's module defines
+its subclass (sglang.SGLangEngine, vllm.VllmEngine) and registry.py names them for --engine.
+
+What differs between them, and where each answer comes from:
+                     SGLang (common/serving/sglang.py)          vLLM (common/serving/vllm.py)
+  launch             python -m sglang.launch_server ...         python -m vllm.entrypoints.openai.api_server
+  what it serves     GET /server_info                           GET /server_info?config_format=json (dev mode)
+  algorithm          speculative_algorithm == "EAGLE3"          speculative_config.method == "eagle3"
+  aux layers         draft config ids checked against 02b       the engine's own log line, = capture points
+  requests           POST /generate (input_ids)                 POST /v1/completions (prompt = ids)
+  per-request tau    meta_info.spec_verify_ct                   metrics.speculative_decoding (per round)
+  run-level tau      reset + windowed avg_spec_accept_length    /metrics counters, differenced
+  prefix caching     off: --disable-radix-cache                 off: --no-enable-prefix-caching
+  sampling defaults  sampling_defaults, preferred_sampling_params  generation_config (+ its log line)
+Every server 05b launches has prefix caching off, and an attached one must have it off too (its info document
+says): the sweep times repeated passes over the same prompts (common/serving/sweep.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.draft import OURS
+from common.serving.drafts import served_draft
+from common.serving.settings import parse_spec_setting
+
+
+@dataclass(frozen=True)
+class ServedDraft:
+    """A draft the sweep serves: 04's (`name` OURS) or a declared --draft NAME. `path`: the folder the
+    server loads; `points`: the capture points the engine must feed it."""
+    name: str
+    path: Path
+    points: tuple[int, ...] = ()
+
+    @property
+    def ours(self) -> bool:
+        return self.name == OURS
+
+
+class Engine:
+    """What 05's sweep needs from an engine. `setting` = (steps, topk, num_draft_tokens), or with a 4th
+    item "adaptive" for SGLang's --speculative-adaptive started from that chain. `draft` = one of
+    `drafts` (04's first); None = 04's."""
+    name: str
+    label: str
+    reports_per_round = False  # per-request, per-round acceptance (the agreement check needs it)
+    # decode iterations from outside a run that window_end's server tau may hold (and of the run's own
+    # that it may miss); 05 holds the run's counts against it only over runs many times longer
+    server_tau_slop = 0
+    server_tau_note = ""  # how report.md says where the server's own tau comes from, and what it may hold
+
+    @classmethod
+    def from_args(cls, args, export_dir: Path, m02b: dict, m04: dict, target_dir: Path, work_dir: Path,
+                  foreign: list[ServedDraft]) -> Engine:
+        """This engine as 05b's flags set it up (registry.engine_from_args): 04's SGLang export and the
+        manifests, the target, the work dir, and the declared drafts served next to 04's."""
+        raise NotImplementedError
+
+    @classmethod
+    def refuse_unservable(cls, where: str, draft, points: list[int], default: list[int]) -> None:
+        """One StageError (starting with `where`) when this engine would not serve the declared `draft`
+        (common/draft/imported.ImportedDraft) as checked: its layout, or other capture points than `points`
+        (`default`: the engines' points when a draft declares none). Called before anything launches."""
+
+    @staticmethod
+    def check_launch_line(argv: list[str]) -> None:
+        """ValueError unless `argv` (a speculative launch line as deploy.launch_line shows it) runs EAGLE-3:
+        the deploy section never recommends a line that would serve the draft at chance."""
+        raise NotImplementedError
+
+    def parse_setting(self, text: str) -> tuple:
+        return parse_spec_setting(text)
+
+    @property
+    def drafts(self) -> list[ServedDraft]:
+        """04's draft (what this engine loads of 04's exports), then the declared ones."""
+        return [ServedDraft(OURS, Path(self.draft_dir), tuple(self.m02b.get("capture_points", ()))),
+                *self.foreign]
+
+    def identify(self, reported: str | None, drafts: list[ServedDraft]) -> ServedDraft:
+        """Which of `drafts` a server that passed its check serves (by folder or content)."""
+        name = served_draft(reported, {d.name: d.path for d in drafts})
+        return next(d for d in drafts if d.name == name)
+
+    def command(self, port: int, graph: bool, setting, draft: ServedDraft | None = None) -> tuple[list[str], dict]:
+        raise NotImplementedError
+
+    def check_baseline(self, url: str) -> bool:
+        """Refuse a baseline that speculates or serves another target; returns its graph mode."""
+        raise NotImplementedError
+
+    def check_eagle3(self, url: str, drafts: list[ServedDraft] | None = None) -> tuple[bool, tuple, ServedDraft]:
+        """Refuse a speculative server that is not EAGLE-3 with one of `drafts` (default: all of them) and
+        our target; returns (graph mode, setting, the draft it serves)."""
+        raise NotImplementedError
+
+    def preflight(self, url: str, log: Path | None, warmup_fn, draft: ServedDraft | None = None) -> dict:
+        raise NotImplementedError
+
+    def request(self, url: str, ids: list[int], max_new_tokens: int, timeout: float,
+                sampling: dict | None = None) -> dict:
+        """One answer, greedy or sampled with sampling={temperature, top_p, seed}; every other sampling
+        parameter is set too (request_params.pinned)."""
+        raise NotImplementedError
+
+    def sampling_defaults(self, url: str, log: Path | None) -> dict:
+        """What the server fills in for a sampling parameter a request leaves out, where it says (05's
+        requests leave none out; reported so that a person sees what a client that does would get)."""
+        return {}
+
+    def fixes(self) -> list[str]:
+        """Changes 05 loads into the engine's servers (the report names them)."""
+        return []
+
+    def sampling_defect(self) -> str | None:
+        """Why this engine build cannot verify sampled drafts correctly (then its sampled tau says nothing
+        about the draft), None when it can or nothing is known against it."""
+        return None
+
+    def context_length(self) -> tuple[int, str]:
+        """(tokens of prompt + answer a launched server of this engine admits, where that number comes from),
+        for 05's refusal before launch (sweep.check_context_fits)."""
+        raise NotImplementedError
+
+    def window_start(self, url: str):
+        """Called right before a measured run; its result goes to window_end."""
+        return None
+
+    def window_end(self, url: str, start) -> dict:
+        """The server's own acceptance over the run: {"server_accept_length", ...}."""
+        return {"server_accept_length": None}

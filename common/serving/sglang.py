@@ -1,0 +1,511 @@
+"""SGLang for 05b: the launch command and its guarded flags, the info document and its checks, the
+preflight, one streamed request to /generate, and SGLangEngine (engine.Engine in SGLang's terms).
+
+The preflight exists because of one failure: a server started with `--speculative-algorithm EAGLE`
+(not EAGLE3) with an EAGLE-3 draft loads fine, skips aux capture, feeds the draft H-wide final states
+and accepts at chance (docs/design.md section 5). Nothing errors; only tau shows it. So before any benchmark
+or long job the server's own info document, the draft's files and the 02b/04 manifests must agree.
+
+Sources (sglang 0.5.14, https://github.com/sgl-project/sglang/tree/v0.5.14/python/sglang/srt): the info
+document is `{**dataclasses.asdict(server_args), **scheduler_info, "internal_states": [per DP rank
+scheduler.get_internal_state()], "version"}` (`entrypoints/http_server.py` GET /server_info; GET
+/get_server_info is its deprecated alias). `internal_states[i]["avg_spec_accept_length"]` is
+`spec_total_num_accept_tokens / spec_total_num_forward_ct` (`managers/scheduler.py`), lifetime
+counters that `metrics_reporter.py` folds in every `--decode-log-interval` (40) decode iterations and
+that only POST /set_internal_state resets. CUDA graphs: `cuda_graph_config.{decode,prefill}.backend`
+(`model_executor/cuda_graph_config.py`); `disable_cuda_graph` is a deprecated flag that servers started
+with the new `--cuda-graph-backend-decode disabled` still report as False. Flag names and aliases:
+`server_args.py` (`ServerArgs` fields with `-`, `Arg(aliases=...)`, parsed by argparse with abbreviations).
+
+Requests go to its native POST /generate with token ids (`input_ids`, `stream: true`) and
+every sampling parameter set (request_params.pinned; the seed as `sampling_seed`):
+the time to the first streamed chunk is the TTFT; the final chunk's `meta_info` carries
+`completion_tokens` and, on a speculative server, `spec_verify_ct` (verify rounds), so per-request
+tau = completion_tokens / spec_verify_ct (bonus token included; SGLang's definition, tokenizer_manager).
+spec_verify_ct counts verify rounds whatever the sampling: a sampled request's tau is read the same way.
+Chunks are SSE lines `data: {json}` ending with `data: [DONE]`; a failed request streams
+`data: {"error": {"message", ...}}` before `[DONE]` (sglang 0.5.14 srt/entrypoints/http_server.py).
+Each chunk's `output_ids` are the answer so far, or with --incremental-streaming-output only the chunk's
+new ones (tokenizer_manager `_handle_batch_output`).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import urllib.error
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.draft import OURS
+from common.serving.drafts import (check_acceptance, check_draft_files, draft_files, folder_fingerprint, not_one_of,
+                                   same_folder, served_draft)
+from common.serving.engine import Engine, ServedDraft
+from common.serving.http import http_json, parse_answer, sse_request
+from common.serving.request_params import pinned
+from common.serving.settings import ADAPTIVE, is_adaptive
+from common.stage import StageError
+
+INFO_PATHS = ("/server_info", "/get_server_info")  # newer name first; older releases only the second
+# launch_server options 05 refuses in --server-extra-args, by ServerArgs field, with every option
+# string sglang 0.5.14's parser accepts for it (server_args.py). Refused because they skip aux capture
+# or fix the algorithm (pp_size, enable_two_batch_overlap, speculative_algorithm), could set anything
+# (--config, a YAML of options), or are set by 05 itself and a later copy would silently win over what
+# 05 records (model, draft, setting, ports, TP, memory, CUDA-graph mode).
+GUARDED_OPTIONS = {
+    "--pp-size": "pp_size", "--pipeline-parallel-size": "pp_size",
+    "--enable-two-batch-overlap": "enable_two_batch_overlap",
+    "--speculative-algorithm": "speculative_algorithm",
+    "--config": "config",
+    "--model-path": "model_path", "--model": "model_path",
+    "--speculative-draft-model-path": "speculative_draft_model_path",
+    "--speculative-draft-model": "speculative_draft_model_path",
+    "--speculative-num-steps": "speculative_num_steps", "--speculative-eagle-topk": "speculative_eagle_topk",
+    "--speculative-num-draft-tokens": "speculative_num_draft_tokens",
+    "--tp-size": "tp_size", "--tensor-parallel-size": "tp_size", "--host": "host", "--port": "port",
+    "--mem-fraction-static": "mem_fraction_static",
+    "--disable-cuda-graph": "cuda_graph", "--cuda-graph-config": "cuda_graph",
+    "--cuda-graph-backend-decode": "cuda_graph", "--cuda-graph-backend-prefill": "cuda_graph",
+    "--disable-decode-cuda-graph": "cuda_graph", "--disable-prefill-cuda-graph": "cuda_graph",
+    "--enable-breakable-cuda-graph": "cuda_graph", "--disable-piecewise-cuda-graph": "cuda_graph",
+    "--enforce-piecewise-cuda-graph": "cuda_graph",
+    "--speculative-draft-model-quantization": "speculative_draft_model_quantization",
+    "--speculative-draft-attention-backend": "speculative_draft_attention_backend",
+    "--speculative-adaptive": "speculative_adaptive", "--speculative-adaptive-config": "speculative_adaptive",
+    "--disable-radix-cache": "disable_radix_cache",
+}
+# The options under which SGLang silently turns --speculative-adaptive off (adaptive_unsupported_reason),
+# refused with a `,adaptive` setting.
+ADAPTIVE_OFF_WITH = ("--enable-dp-attention", "--enable-multi-layer-eagle", "--enable-pdmux")
+
+
+# ---------------------------------------------------------------- command construction
+def guarded_option(token: str) -> str | None:
+    """The guarded ServerArgs field a launch_server argument sets, resolved the way argparse does.
+
+    `--name=value` is split at `=`; an exact option string wins; otherwise argparse (allow_abbrev, the
+    default) takes any unambiguous prefix (`--speculative-algo` = `--speculative-algorithm`) and stops
+    on an ambiguous one, so any prefix of a guarded option is refused too. No other sglang 0.5.14 option
+    string is a prefix of a guarded one, so nothing SGLang would read as another flag is caught.
+    """
+    if not token.startswith("--") or token == "--":
+        return None
+    name = token.split("=", 1)[0]
+    if name in GUARDED_OPTIONS:
+        return GUARDED_OPTIONS[name]
+    hits = sorted({field for option, field in GUARDED_OPTIONS.items() if option.startswith(name)})
+    return hits[0] if hits else None
+
+
+def check_extra_args(extra_args: list[str]) -> None:
+    """Refuse --server-extra-args that set a guarded launch_server option (GUARDED_OPTIONS)."""
+    for token in extra_args:
+        field = guarded_option(token)
+        if field is None:
+            continue
+        why = {"pp_size": "pipeline parallelism skips aux capture on non-last ranks",
+               "enable_two_batch_overlap": "two-batch overlap runs layers outside the capturing loop",
+               "speculative_algorithm": "the algorithm is fixed to EAGLE3 (EAGLE would skip aux capture)",
+               "config": "a config file could set any of the options 05 guards"}.get(
+            field, "05 sets it itself (use 05's own flag: --target-path, --spec-settings, --cuda-graph, "
+                   "--sglang-tp-size, --mem-fraction-static, --sglang-draft-attention-backend, "
+                   "--baseline-port/--eagle3-port; the draft's quantization follows the target's)")
+        raise StageError(f"--server-extra-args may not contain {token!r} (SGLang reads it as {field}): {why}")
+
+
+def target_quantization(target_dir: str | Path) -> str | None:
+    """The target checkpoint's quant_method (config.json, or its text_config as in Kimi-K2.5's
+    compressed-tensors INT4 checkpoint), None for an unquantized one."""
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    for part in (cfg, cfg.get("text_config") or {}):
+        quant = part.get("quantization_config")
+        if isinstance(quant, dict) and quant.get("quant_method"):
+            return str(quant["quant_method"])
+    return None
+
+
+# sglang 0.5.14 utils/hf_transformers/common.py: the keys get_context_length reads, first found wins
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                       "max_position_embeddings")
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value argparse keeps for `flag` in argv (`--flag V` or `--flag=V`; the last one wins), else None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def derived_context_length(target_dir: str | Path) -> int:
+    """The context length SGLang derives for a target without --context-length (sglang 0.5.14
+    `get_context_length` on the text config): the first of CONTEXT_LENGTH_KEYS, times the rope scaling factor
+    unless the scaling names original_max_position_embeddings or is llama3's; 2048 without any key."""
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    scaling = text.get("rope_scaling") or {}
+    factor = 1 if not scaling or "original_max_position_embeddings" in scaling or \
+        scaling.get("rope_type") == "llama3" else scaling.get("factor", 1)
+    value = next((text[k] for k in CONTEXT_LENGTH_KEYS if text.get(k) is not None), None)
+    return 2048 if value is None else int(factor * value)
+
+
+def server_command(target: str | Path, port: int, tp_size: int, mem_fraction: float,
+                   cuda_graph: bool, draft_dir: str | Path | None = None,
+                   setting: tuple[int, int, int] | None = None, python: str = sys.executable,
+                   extra_args: list[str] | None = None, draft_attention_backend: str | None = None,
+                   quantized_target: bool = False, prefix_cache: bool = True) -> list[str]:
+    """argv of `python -m sglang.launch_server` for a baseline (no draft) or an EAGLE3 server.
+
+    `prefix_cache` False = `--disable-radix-cache`: 05's sweep times repeated passes over the same prompts,
+    which a radix cache would serve from memory (common/serving/sweep.py); `--speculative-algorithm`
+    is always EAGLE3 here, never EAGLE. CUDA graphs off = both phases' backends `disabled` (the
+    non-deprecated form of `--disable-cuda-graph`). Next to a quantized target (`quantized_target`:
+target_quantization says) the draft is loaded
+    `--speculative-draft-model-quantization unquant`: SGLang gives the draft the target's `--quantization`
+    when that flag is typed (and an unquantized draft then fails to load: "Cannot find the config file"),
+    sglang 0.5.14 server_args.py `_handle_missing_default_values`. `draft_attention_backend`: the draft's
+    own backend (`--speculative-draft-attention-backend`); unset, an MHA draft inherits the target's, and
+    next to an MLA target (`trtllm_mla`, `flashmla`) it fails ("trtllm_mla backend can only be used
+    with MLA models", sgl-project/sglang issue 23490).
+    """
+    check_extra_args(list(extra_args or []))
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(target), "--trust-remote-code",
+           "--host", "127.0.0.1", "--port", str(int(port)), "--tp-size", str(int(tp_size)),
+           "--mem-fraction-static", str(mem_fraction)]
+    if not prefix_cache:
+        cmd.append("--disable-radix-cache")
+    if not cuda_graph:
+        cmd += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    if draft_dir is not None:
+        steps, topk, ndt = setting[:3]
+        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
+                "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
+                "--speculative-num-draft-tokens", str(ndt)]
+        if is_adaptive(setting):
+            off = [a for a in extra_args or [] if a.split("=", 1)[0] in ADAPTIVE_OFF_WITH]
+            if off:
+                raise StageError(f"--server-extra-args {off[0]!r} turns --speculative-adaptive off (SGLang only "
+                                 "warns): drop it or the ',adaptive' setting")
+            cmd += ["--speculative-adaptive"]
+        if quantized_target:
+            cmd += ["--speculative-draft-model-quantization", "unquant"]
+        if draft_attention_backend:
+            cmd += ["--speculative-draft-attention-backend", draft_attention_backend]
+    return cmd + list(extra_args or [])
+
+
+# ---------------------------------------------------------------- what the server says
+def get_server_info(base_url: str, timeout: float = 30.0) -> dict:
+    """The server's info document (GET /server_info, else the older /get_server_info)."""
+    last = None
+    for path in INFO_PATHS:
+        try:
+            return http_json(base_url.rstrip("/") + path, timeout=timeout)
+        except urllib.error.HTTPError as e:  # 404: this release has the other name
+            last = e
+    raise StageError(f"{base_url} answers neither {' nor '.join(INFO_PATHS)} ({last}): is it SGLang?")
+
+
+def reset_accept_counters(base_url: str) -> bool:
+    """Zero the lifetime counters behind avg_spec_accept_length (POST /set_internal_state with no
+    changes: scheduler.set_internal_state resets both). False when the server refuses (an admin API
+    key, or a release without the endpoint): its average then cannot be windowed to one run."""
+    try:
+        http_json(base_url.rstrip("/") + "/set_internal_state", {"server_args": {}}, obj=False)  # a list per rank
+    except urllib.error.HTTPError:
+        return False
+    return True
+
+
+def spec_settings_of(info: dict, where: str = "the server's info document") -> tuple:
+    """The setting a server runs, as parse_spec_setting writes it (`speculative_adaptive` as SGLang
+    resolved it: False when it turned the flag off)."""
+    fields = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+    parse_answer(info, where, counts=fields)
+    chain = tuple(int(info[f]) for f in fields)
+    return (*chain, ADAPTIVE) if info.get("speculative_adaptive") else chain
+
+
+def adaptive_disabled_line(log: Path | None) -> str | None:
+    """SGLang's warning when it turned --speculative-adaptive off at start-up (speculative_hook.py
+    `_maybe_disable_adaptive`), from the server's log; None when the log has none."""
+    if log is None or not Path(log).is_file():
+        return None
+    lines = [ln.strip() for ln in Path(log).read_text(errors="replace").splitlines()
+             if "speculative_adaptive disabled" in ln]
+    return lines[-1] if lines else None
+
+
+def cuda_graph_on(info: dict) -> bool:
+    """Whether the server decodes with CUDA graphs: `cuda_graph_config.decode.backend` != disabled.
+
+    Servers started with `--cuda-graph-backend-decode disabled` still report the deprecated
+    `disable_cuda_graph` False; it is read only from releases without cuda_graph_config.
+    """
+    config = info.get("cuda_graph_config")
+    if isinstance(config, dict) and isinstance(config.get("decode"), dict):
+        return config["decode"].get("backend") != "disabled"
+    return not info.get("disable_cuda_graph", False)
+
+
+def server_accept_length(info: dict) -> float | None:
+    """Server-wide tau: internal_states[0].avg_spec_accept_length (absent before any verify, and until
+    the first --decode-log-interval decode iterations after a counter reset)."""
+    states = info.get("internal_states") or [{}]
+    value = states[0].get("avg_spec_accept_length")
+    return None if value is None else float(value)
+
+
+# ---------------------------------------------------------------- preflight
+def check_server_info(info: dict, drafts, target_dir: Path | None = None, url: str = "") -> None:
+    """Refuse unless the server runs EAGLE3 with exactly one of `drafts` (04's export folder alone, or
+    {name: folder}: 04's and the declared --draft ones) as its draft, and our target.
+
+    A draft counts as one of them when its folder is that one or a byte-identical copy (config.json and
+    its weights); the target when its folder is ours or has our config.json.
+    """
+    where = f"the EAGLE3 server {url}".rstrip() if url else "the server"
+    algo = info.get("speculative_algorithm")
+    if algo != "EAGLE3":
+        raise StageError(
+            f"{where} reports speculative_algorithm={algo!r}, not 'EAGLE3'. With an EAGLE-3 draft, "
+            "EAGLE skips aux hidden-state capture and acceptance falls to chance while nothing errors. "
+            "Restart it with --speculative-algorithm EAGLE3 (see docs/sglang.md).")
+    draft = info.get("speculative_draft_model_path")
+    if served_draft(draft, drafts) is None:
+        raise StageError(f"{where}'s draft is {draft!r}, {not_one_of(drafts)}: restart it with "
+                         "--speculative-draft-model-path pointing at that folder")
+    quant = info.get("speculative_draft_model_quantization")
+    if quant not in (None, "unquant"):
+        raise StageError(f"{where} loads the draft quantized ({quant!r}: the target's --quantization, which "
+                         "SGLang hands to the draft unless told otherwise), but 04 exported it unquantized. "
+                         "Restart it with --speculative-draft-model-quantization unquant")
+    check_model_path(info, target_dir, where)
+
+
+def check_model_path(info: dict, target_dir: Path | None, where: str = "the server") -> None:
+    if target_dir is not None and not same_folder(info.get("model_path"), target_dir, ("config.json",)):
+        raise StageError(f"{where} serves {info.get('model_path')!r}, but the draft was trained for "
+                         f"{Path(target_dir).resolve()} (another folder whose config.json differs)")
+
+
+def check_baseline_info(info: dict, target_dir: Path | None, url: str = "") -> None:
+    """A baseline runs no speculative algorithm and serves our target."""
+    where = f"the baseline server {url}".rstrip()
+    algo = info.get("speculative_algorithm")
+    if algo:
+        raise StageError(f"{where} runs speculative_algorithm={algo!r} (draft "
+                         f"{info.get('speculative_draft_model_path')!r}): a baseline must run without "
+                         "speculative decoding, or the speed ratio compares two speculative servers")
+    check_model_path(info, target_dir, where)
+
+
+def check_radix_cache_off(info: dict, url: str) -> None:
+    """05 times every server with prefix caching off (sweep.py): refuse one whose radix cache is on."""
+    if info.get("disable_radix_cache") is not True:
+        raise StageError(f"the SGLang server {url} reports disable_radix_cache {info.get('disable_radix_cache')!r}: "
+                         "05 times every server with prefix caching off, so that repeated passes over the same "
+                         "prompts are fresh prefills on every server alike; start it with --disable-radix-cache")
+
+
+def preflight(base_url: str, export_dir: Path, m02b: dict, m04: dict, warmup_fn, min_accept_length: float,
+              target_dir: Path | None = None, draft: tuple[str, Path] | None = None) -> dict:
+    """Run every check against a live server; returns a record for metrics.json.
+
+    warmup_fn(base_url) -> per-request tau over a few short requests (common/serving/sweep.warmup).
+    `draft`: (name, folder) of a declared --draft the server must serve instead of 04's export; its files
+    were checked against the target before launch (common/draft/imported.py), the manifests describe 04's.
+    """
+    name, folder = draft or (OURS, Path(export_dir))
+    info = get_server_info(base_url)
+    check_server_info(info, {name: folder}, target_dir, base_url)
+    if name == OURS:
+        check_draft_files(export_dir, m02b, m04)
+    reset_accept_counters(base_url)  # so the server's average below is the warm-up's alone
+    tau_requests = warmup_fn(base_url)
+    check_acceptance(tau_requests, min_accept_length, f"{base_url} warm-up (per-request)")
+    tau_server = server_accept_length(get_server_info(base_url))
+    if tau_server is not None:
+        check_acceptance(tau_server, min_accept_length, f"{base_url} avg_spec_accept_length")
+    backends = {"target": info.get("attention_backend"), "draft": info.get("speculative_draft_attention_backend")}
+    print(f"[05b] preflight ok: EAGLE3, draft {name + ' ' if draft else ''}{folder}, warm-up tau {tau_requests:.2f} "
+          f"(server {tau_server}); attention backends: target {backends['target']}, draft "
+          f"{backends['draft'] or 'inherited from the target'}; draft quantization "
+          f"{info.get('speculative_draft_model_quantization')}")
+    return {"speculative_algorithm": info["speculative_algorithm"], "draft": str(folder),
+            **({"draft_name": name} if draft else {}),
+            "draft_sha256": folder_fingerprint(folder, draft_files(folder)),
+            "server_draft_path": info.get("speculative_draft_model_path"),
+            "warmup_tau": tau_requests, "server_avg_spec_accept_length": tau_server,
+            "attention_backends": backends,
+            "draft_quantization": info.get("speculative_draft_model_quantization"),
+            "version": info.get("version")}
+
+
+# ---------------------------------------------------------------- requests: POST /generate
+def sglang_sampling(sampling: dict | None, max_new_tokens: int) -> dict:
+    """SGLang's `sampling_params` of one request: every parameter pinned (request_params), the seed under
+    its SGLang name."""
+    p = pinned(sampling)
+    return {"max_new_tokens": int(max_new_tokens), **{k: v for k, v in p.items() if k != "seed"},
+            "sampling_seed": p["seed"]}
+
+
+def generate_stream(base_url: str, input_ids: list[int], max_new_tokens: int, timeout: float,
+                    role: str = "SGLang", sampling: dict | None = None) -> dict:
+    """One request to SGLang's /generate, greedy or sampled with `sampling` = {temperature, top_p, seed}
+    (request_params.pinned fills in the rest); returns {ttft_s, latency_s, completion_tokens,
+    spec_verify_ct, accept_length, output_ids, retries} (output_ids None when no chunk carried any).
+
+    The whole request is retried on connection refused/reset, a cut stream and transient 5xx
+    (http.sse_request), and timed on its successful attempt alone; an error chunk or an aborted
+    request stops with the server's own message, and a final chunk without its counts with one line
+    naming the field (http.parse_answer).
+    """
+    url = base_url.rstrip("/") + "/generate"
+    what = f"{role} server {base_url}: POST /generate"
+    payload = {"input_ids": input_ids, "stream": True, "sampling_params": sglang_sampling(sampling, max_new_tokens)}
+    got = sse_request(url, payload, timeout, what)
+    last = got["chunks"][-1] if got["chunks"] else None
+    if last is not None and "error" in last:
+        err = last["error"]
+        message = err.get("message", err) if isinstance(err, dict) else err
+        raise StageError(f"{url} answered a {len(input_ids)}-token prompt with an error: {message}")
+    if last is None:
+        raise StageError(f"{url} streamed no chunk for a {len(input_ids)}-token prompt")
+    finish = (last.get("meta_info") or {}).get("finish_reason") or {}
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        raise StageError(f"{url} aborted a {len(input_ids)}-token prompt: {finish.get('message', finish)}")
+    parse_answer(last, what, counts=("meta_info.completion_tokens",), optional=("meta_info.spec_verify_ct",))
+    return {"ttft_s": got["ttft_s"], "latency_s": got["latency_s"], **parse_meta(last["meta_info"]),
+            "output_ids": answer_ids(got["chunks"]), "retries": got["retries"]}
+
+
+def answer_ids(chunks: list[dict]) -> list[int] | None:
+    """The answer's token ids as streamed: the last chunk's when each chunk's ids extend the previous
+    chunk's (SGLang's default), else all chunks' joined (--incremental-streaming-output); None when no
+    chunk carried any. 05 checks completion_tokens against them (sweep.answer_fault)."""
+    seen = [c["output_ids"] for c in chunks if isinstance(c.get("output_ids"), list)]
+    if not seen:
+        return None
+    cumulative = all(b[:len(a)] == a for a, b in zip(seen, seen[1:]))
+    return list(seen[-1]) if cumulative else [t for ids in seen for t in ids]
+
+
+def parse_meta(meta: dict) -> dict:
+    """completion_tokens, spec_verify_ct (None on a non-speculative server) and per-request tau."""
+    n = int(meta["completion_tokens"])
+    ct = meta.get("spec_verify_ct")
+    ct = None if ct is None else int(ct)
+    return {"completion_tokens": n, "spec_verify_ct": ct,
+            "accept_length": (n / ct) if ct else None}
+
+
+# ---------------------------------------------------------------- the engine
+@dataclass
+class SGLangEngine(Engine):
+    """engine.Engine over SGLang servers, built from this module's functions (a method named like one of them
+    calls it); registry.ENGINES names it "sglang"."""
+    target_dir: Path
+    export_dir: Path
+    m02b: dict
+    m04: dict
+    tp_size: int = 1
+    mem_fraction: float = 0.85
+    python: str = "python"
+    extra_args: list[str] = field(default_factory=list)
+    min_accept_length: float = 1.3
+    draft_attention_backend: str | None = None
+    foreign: list[ServedDraft] = field(default_factory=list)  # the declared --draft ones
+    name = "sglang"
+    label = "SGLang"
+    server_tau_slop = 39  # its counters are folded in every 40 decode iterations (server_tau_note)
+    server_tau_note = ("server tau = `internal_states[0].avg_spec_accept_length` after POST /set_internal_state reset "
+                       "its lifetime counters right before this run. The reset does not clear SGLang's per-interval "
+                       "counters, which it folds into the lifetime ones every 40 decode iterations "
+                       "(--decode-log-interval): the number may include up to 39 decode iterations from before the run "
+                       "and miss up to 39 of its last ones (sglang 0.5.14 and 0.5.23 scheduler metrics). Per-request tau "
+                       "is exact. '-' = not available. CUDA-graph mode as the server reports it "
+                       "(`cuda_graph_config.decode.backend`).")
+
+    @classmethod
+    def from_args(cls, args, export_dir, m02b, m04, target_dir, work_dir, foreign):
+        return cls(target_dir, export_dir, m02b, m04, tp_size=args.sglang_tp_size,
+                   mem_fraction=args.mem_fraction_static, python=args.sglang_python,
+                   extra_args=list(args.server_extra_args), min_accept_length=args.min_accept_length,
+                   draft_attention_backend=args.sglang_draft_attention_backend, foreign=list(foreign))
+
+    @classmethod
+    def refuse_unservable(cls, where, draft, points, default):
+        """SGLang loads its own layout only (`LlamaForCausalLMEagle3`) and reads the capture points from
+        `eagle_config.eagle_aux_hidden_state_layer_ids` (`default` without them)."""
+        if draft.layout != "sglang":
+            raise StageError(f"{where} loads EAGLE-3 drafts in its own layout (LlamaForCausalLMEagle3) only, this "
+                             f"one is in the {draft.layout} layout: give the draft's SGLang-layout folder")
+        if draft.sglang_ids is None and list(points) != default:
+            raise StageError(f"{where} would feed it h{default} (no eagle_config.eagle_aux_hidden_state_layer_ids: "
+                             f"its default), but it reads h{list(points)}: add eagle_config's ids to its config.json")
+
+    @staticmethod
+    def check_launch_line(argv):
+        at = [j for j, a in enumerate(argv) if a == "--speculative-algorithm"]
+        if len(at) != 1 or argv[at[0] + 1:at[0] + 2] != ["EAGLE3"]:
+            raise ValueError(f"not an EAGLE3 launch line: {shlex.join(argv)}")
+
+    def command(self, port, graph, setting, draft=None):
+        folder = (draft or self.drafts[0]).path if setting else None
+        cmd = server_command(self.target_dir, port, self.tp_size, self.mem_fraction, graph,
+                             folder, setting, self.python, self.extra_args,
+                             self.draft_attention_backend, target_quantization(self.target_dir) is not None,
+                             prefix_cache=False)
+        return cmd, {}
+
+    def context_length(self):
+        # --context-length may come in --server-extra-args; without it SGLang derives it from the target's config
+        given = flag_value(list(self.extra_args), "--context-length")
+        if given is not None:
+            return int(given), "--context-length in --server-extra-args"
+        return (derived_context_length(self.target_dir),
+                f"SGLang's default, derived from {Path(self.target_dir) / 'config.json'}; --server-extra-args "
+                "'--context-length N' sets it")
+
+    def check_baseline(self, url):
+        info = get_server_info(url)
+        check_baseline_info(info, self.target_dir, url)
+        check_radix_cache_off(info, url)
+        return cuda_graph_on(info)
+
+    def check_eagle3(self, url, drafts=None):
+        drafts = drafts or self.drafts
+        info = get_server_info(url)
+        check_server_info(info, {d.name: d.path for d in drafts}, self.target_dir, url)
+        check_radix_cache_off(info, url)
+        return (cuda_graph_on(info), spec_settings_of(info, f"the EAGLE3 server {url}'s info document"),
+                self.identify(info.get("speculative_draft_model_path"), drafts))
+
+    def preflight(self, url, log, warmup_fn, draft=None):
+        other = None if draft is None or draft.ours else (draft.name, draft.path)
+        return preflight(url, self.export_dir, self.m02b, self.m04, min_accept_length=self.min_accept_length,
+                             target_dir=self.target_dir, warmup_fn=warmup_fn, draft=other)
+
+    @property
+    def draft_dir(self) -> Path:  # SGLang always loads 04's SGLang export
+        return self.export_dir
+
+    def request(self, url, ids, max_new_tokens, timeout, sampling=None):
+        return generate_stream(url, ids, max_new_tokens, timeout, sampling=sampling)
+
+    def sampling_defaults(self, url, log):
+        # ServerArgs fields of newer releases (`--sampling-defaults`, `--preferred-sampling-params`), when present
+        info = get_server_info(url)
+        return {k: info[k] for k in ("sampling_defaults", "preferred_sampling_params") if k in info}
+
+    def window_start(self, url):
+        return reset_accept_counters(url)
+
+    def window_end(self, url, start):
+        return {"server_accept_length": server_accept_length(get_server_info(url)) if start else None}

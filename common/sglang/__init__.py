@@ -1,3 +1,0 @@
-"""SGLang and SpecForge: 02b's capture backend, SGLang server launch and preflight (05's sweep over any
-engine lives in common/benchmark/). Imports the stage contract, common.text, common.target and
-common.draft."""
