@@ -33,8 +33,8 @@ from common.config import base_parser, parse_args
 from common.generation.hf_backend import hf_generator
 from common.generation.response_cache import cache_identity, write_response_cache
 from common.io import atomic_path, write_jsonl
-from common.stage import (REPO_ROOT, StageError, stage_dir, start_stage, target_identity, tokenizer_identity,
-                          torch_threads, write_manifest)
+from common.stage import (GENERATE, REPO_ROOT, SMOLLM2_WORLD, StageError, stage_dir, start_stage, target_identity,
+                          tokenizer_identity, torch_threads, write_manifest)
 from common.text.chat_format import render_prompt
 from common.text.target_format import load_target_format
 from common.text.tokenizer import load_tokenizer
@@ -42,7 +42,7 @@ from common.worlds import smollm2 as sm
 from common.worlds.smollm2_general_prompts import make_prompts as make_general_prompts
 from common.worlds.smollm2_prompts import FUNCTION_FAMILIES, make_prompts
 
-STAGE = "00_build_smollm2_world"
+STAGE = SMOLLM2_WORLD
 PROMPTS_ASSET = REPO_ROOT / "assets" / "smollm2" / "prompts.jsonl.gz"
 RESPONSES_ASSET = REPO_ROOT / "assets" / "smollm2" / "responses.jsonl.gz"
 GENERAL_RESPONSES_ASSET = REPO_ROOT / "assets" / "smollm2" / "general_responses.jsonl.gz"
@@ -165,7 +165,7 @@ def build(args, out: Path) -> None:
 
 def pack_responses(work_dirs: list[Path], target_dir: Path, asset: Path, generator: str) -> None:
     """Rewrite a response-cache asset from finished 01b outputs, for the generator that made them."""
-    paths = [p for w in work_dirs for p in sorted(stage_dir(w, "01b_generate_synthetic").glob("*/generated.jsonl"))]
+    paths = [p for w in work_dirs for p in sorted(stage_dir(w, GENERATE).glob("*/generated.jsonl"))]
     if not paths:
         raise StageError(f"no 01b output under {', '.join(map(str, work_dirs))}: run 01/01b first")
     tok = load_tokenizer(target_dir)

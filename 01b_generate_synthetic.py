@@ -41,12 +41,12 @@ from common.generation.run_state import (RunLog, check_unlocked, dataset_lock, d
 from common.generation.server_checks import health_gate
 from common.generation.server_pool import ServerPool
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
-from common.stage import (StageError, input_manifests, is_complete, read_manifest, require_complete, resolve_target,
-                          stage_dir, start_stage, write_manifest)
+from common.stage import (GENERATE, PREPARE, StageError, input_manifests, is_complete, read_manifest, require_complete,
+                          resolve_target, stage_dir, start_stage, write_manifest)
 from common.text.target_format import load_target_format
 from common.text.tokenizer import load_tokenizer
 
-STAGE, UPSTREAM = "01b_generate_synthetic", "01_prepare_datasets"
+STAGE, UPSTREAM = GENERATE, PREPARE
 # Failures that a re-run would repeat identically (kept unless --retry-failed); others are retried.
 PERMANENT_FAILURES = {"context_overflow"}
 

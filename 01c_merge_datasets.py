@@ -29,12 +29,12 @@ from tqdm import tqdm
 
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl, write_json, write_jsonl
-from common.stage import (StageError, check_same_tokenizer, input_manifests, require_complete, resolve_target,
-                          stage_dir, start_stage, tokenizer_identity, write_manifest)
+from common.stage import (GENERATE, MERGE, PREPARE, StageError, check_same_tokenizer, input_manifests, require_complete,
+                          resolve_target, stage_dir, start_stage, tokenizer_identity, write_manifest)
 from common.text.repetition import loop_period
 from common.text.tokenizer import load_tokenizer
 
-STAGE, UPSTREAM = "01c_merge_datasets", "01b_generate_synthetic"
+STAGE, UPSTREAM = MERGE, GENERATE
 # The order of tokenized_data.jsonl, recorded in the manifest (see the sort in main).
 SAMPLE_ORDER = "seq_len, id"
 TARGET_ORIGINS = ("target", "cache")  # 01b rows the target wrote (others: "dataset" answers, "prompt" only)
@@ -152,7 +152,7 @@ def benchmark_rows(bench: list[dict], work_dir: Path, tok, batch_size: int) -> l
     records = {}
     for source in sorted({r["source"] for r in bench}):
         wanted = {r["id"] for r in bench if r["source"] == source}
-        path = stage_dir(work_dir, "01_prepare_datasets", source) / "records.jsonl"
+        path = stage_dir(work_dir, PREPARE, source) / "records.jsonl"
         records.update({r["id"]: r for r in iter_jsonl(path) if r["id"] in wanted})
     out = []
     for i in range(0, len(bench), batch_size):

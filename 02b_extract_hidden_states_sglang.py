@@ -30,15 +30,15 @@ from transformers import AutoModelForCausalLM
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl
 from common.sglang import capture as cs
-from common.stage import (StageError, input_manifests, is_complete, require_complete, resolve_target, stage_dir,
-                          start_stage, write_manifest)
+from common.stage import (EXTRACT, MERGE, StageError, input_manifests, is_complete, require_complete, resolve_target,
+                          stage_dir, start_stage, write_manifest)
 from common.target.capture import (capture_hf, default_capture_points, load_target_config, sglang_layer_ids,
                                    target_architecture, target_dims, validate_capture_points)
 from common.target.head import load_target_head
 from common.target.shards import FeatureFormat, ShardReader, list_shards, shard_name, write_shard
 
-STAGE = "02b_extract_hidden_states_sglang"
-UPSTREAM = "01c_merge_datasets"
+STAGE = EXTRACT
+UPSTREAM = MERGE
 STORAGE_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
