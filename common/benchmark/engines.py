@@ -24,7 +24,7 @@ from common.benchmark import vllm
 from common.benchmark.sglang_stream import generate_stream
 from common.sglang import server as srv
 from common.sglang.server import OURS
-from common.stage import StageError, stage_dir
+from common.stage import StageError, TRAIN, stage_dir
 from common.target.head import read_target_text_config
 
 ENGINES = ("sglang", "vllm")
@@ -300,7 +300,7 @@ def engine_from_args(args, export_dir: Path, m02b: dict, m04: dict, target_dir: 
                                     draft_attention_backend=args.sglang_draft_attention_backend,
                                     foreign=list(foreign))
     draft_dir = (export_dir if args.draft_format == "sglang"
-                 else stage_dir(work_dir, "04_train") / "export_speculators")
+                 else stage_dir(work_dir, TRAIN) / "export_speculators")
     if not (draft_dir / "config.json").is_file():
         raise StageError(f"{draft_dir} has no config.json: re-run `python 04_train.py --overwrite`")
     settings = vllm.VllmSettings(python=args.vllm_python, dtype=args.vllm_dtype,
