@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.stage import SMOLLM2_WORLD
+
 REPO = Path(__file__).resolve().parent.parent
 WORLD = REPO / "build" / "smollm2"
 needs_world = pytest.mark.skipif(not (WORLD / "manifest.json").is_file(),
                                  reason="build/smollm2 not built: run `make test` (it builds it) or 00_build_smollm2_world.py")
-builder = importlib.import_module("00_build_smollm2_world")
+builder = importlib.import_module(SMOLLM2_WORLD)
 
 
 def test_prompt_asset_is_what_the_generator_makes():
