@@ -30,7 +30,7 @@ from tqdm import tqdm
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl, write_json, write_jsonl
 from common.stage import (GENERATE, MERGE, PREPARE, StageError, check_same_tokenizer, input_manifests, require_complete,
-                          resolve_target, stage_dir, start_stage, tokenizer_identity, write_manifest)
+                          resolve_target, stage_dir, stage_script, start_stage, tokenizer_identity, write_manifest)
 from common.text.repetition import loop_period
 from common.text.tokenizer import load_tokenizer
 
@@ -324,7 +324,7 @@ def main(argv=None):
         rows += sorted(read_generated(stage_dir(args.work_dir, UPSTREAM, name) / "generated.jsonl", ids_at),
                        key=lambda r: r["id"])
     if not rows:
-        raise StageError(f"{up_dir} holds no generated samples: re-run `python {UPSTREAM}.py --overwrite`")
+        raise StageError(f"{up_dir} holds no generated samples: re-run `python {stage_script(UPSTREAM)} --overwrite`")
 
     dropped = defaultdict(Counter)
     bench_ids, bench = hold_out(rows, args)

@@ -31,7 +31,7 @@ from common.config import base_parser, parse_args
 from common.io import iter_jsonl
 from common.sglang import capture as cs
 from common.stage import (EXTRACT, MERGE, StageError, input_manifests, is_complete, require_complete, resolve_target,
-                          stage_dir, start_stage, write_manifest)
+                          stage_dir, stage_script, start_stage, write_manifest)
 from common.target.capture import (capture_hf, default_capture_points, load_target_config, sglang_layer_ids,
                                    target_architecture, target_dims, validate_capture_points)
 from common.target.head import load_target_head
@@ -118,7 +118,7 @@ def scan_samples(path: Path, vocab_size: int) -> list[dict]:
         if n == 0 or n != row["seq_len"] or len(row["loss_mask"]) != n:
             raise StageError(f"{path} row {k} ({row.get('id')}): input_ids {n}, loss_mask "
                              f"{len(row['loss_mask'])}, seq_len {row['seq_len']} must agree and be > 0; "
-                             f"re-run `python {UPSTREAM}.py --overwrite`")
+                             f"re-run `python {stage_script(UPSTREAM)} --overwrite`")
         if max(row["input_ids"]) >= vocab_size or min(row["input_ids"]) < 0:
             raise StageError(f"{path} row {k} ({row['id']}): token id outside the target vocab "
                              f"[0, {vocab_size}); was it tokenized for another target?")
@@ -126,7 +126,7 @@ def scan_samples(path: Path, vocab_size: int) -> list[dict]:
         meta.append({"id": row["id"], "seq_len": n, "num_supervised": int(sum(row["loss_mask"])),
                      "first_supervised": first})
     if not meta:
-        raise StageError(f"{path} holds no samples: re-run `python {UPSTREAM}.py`")
+        raise StageError(f"{path} holds no samples: re-run `python {stage_script(UPSTREAM)}`")
     return meta
 
 

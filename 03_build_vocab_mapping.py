@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from common.config import base_parser, parse_args
 from common.io import atomic_path
 from common.stage import (EXTRACT, StageError, VOCAB, input_manifests, require_complete, resolve_target, stage_dir,
-                          stage_folder, start_stage, write_manifest)
+                          stage_folder, stage_script, start_stage, write_manifest)
 from common.target.shards import ShardReader, list_shards
 from common.text.target_format import load_target_format
 from common.text.tokenizer import load_tokenizer
@@ -94,7 +94,7 @@ def main(argv=None):
     missing = sorted(set(upstream["shards"]) - {p.name for p in shards})
     if missing:
         raise StageError(f"{src} lacks shards its manifest lists ({', '.join(missing[:3])}): "
-                         f"re-run `python {UPSTREAM}.py`")
+                         f"re-run `python {stage_script(UPSTREAM)}`")
     shards = [p for p in shards if p.name in upstream["shards"]]
     print(f"[03] counting supervised tokens of {len(shards)} shards in {src} (vocab {vocab_size}, "
           f"draft vocab {dv})")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from common.stage import REPO_ROOT, STAGE_SCRIPTS, StageError
+from common.stage import REPO_ROOT, STAGE_SCRIPTS, StageError, stage_script
 
 
 def base_parser(doc: str | None, work_dir: bool = True) -> argparse.ArgumentParser:
@@ -67,7 +67,7 @@ def all_stage_flags() -> frozenset[str]:
     """Every flag name of every stage script (STAGE_SCRIPTS), plus the shared ones of base_parser."""
     names = set(_flag_names(base_parser(None)))
     for name in STAGE_SCRIPTS:
-        names |= declared_flags(REPO_ROOT / f"{name}.py")
+        names |= declared_flags(REPO_ROOT / stage_script(name))
     return frozenset(names)
 
 

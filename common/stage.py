@@ -129,7 +129,7 @@ def require_complete(path: str | Path, producer: str) -> dict:
     path = Path(path)
     if not is_complete(path):
         what = "is missing" if not path.exists() else "is incomplete (no manifest.json)"
-        raise StageError(f"{path} {what}: run `python {producer}.py` for this --work-dir first")
+        raise StageError(f"{path} {what}: run `python {stage_script(producer)}` for this --work-dir first")
     return read_manifest(path)
 
 
@@ -206,7 +206,7 @@ def check_same_tokenizer(upstream: dict, current: dict, upstream_dir: str | Path
         raise StageError(
             f"{upstream_dir} was made with tokenizer {upstream.get('path')} "
             f"(sha256 {str(upstream.get('sha256'))[:12]}), but this run uses {current['path']} "
-            f"(sha256 {current['sha256'][:12]}). Re-run `python {producer}.py --overwrite` "
+            f"(sha256 {current['sha256'][:12]}). Re-run `python {stage_script(producer)} --overwrite` "
             "with the same target, or point --target-path at the model it was made with.")
 
 
@@ -278,6 +278,6 @@ def resolve_target(target_path: str | Path | None, upstream: dict, upstream_dir:
     check_same_tokenizer(upstream["tokenizer"], tokenizer_identity(target), upstream_dir, producer)
     if target_identity(target)["config_sha256"] != upstream["target"].get("config_sha256"):
         raise StageError(f"{upstream_dir} was made for target {upstream['target'].get('path')}, whose "
-                         f"config.json differs from {target}'s. Re-run `python {producer}.py --overwrite` "
+                         f"config.json differs from {target}'s. Re-run `python {stage_script(producer)} --overwrite` "
                          "with this target, or point --target-path at the one it was made for.")
     return target
