@@ -15,7 +15,7 @@ Prompts: assets/smollm2/prompts.jsonl.gz (common/worlds/smollm2_prompts.py: 1,60
 prompts, 120 held-out prompts of four families never trained on), their greedy answers shipped in
 assets/smollm2/responses.jsonl.gz (01b --response-cache; --pack-responses rewrites it). The stand-in for
 a public draft trains on general chat (common/worlds/smollm2_general_prompts.py, 3,080 + 120 held out):
-answers in general_responses.jsonl.gz (01b's openai backend on a local vLLM server, served from that
+answers in general_responses.jsonl.gz (01b's openai engine on a local vLLM server, served from that
 cache without a server) and general_heldout_responses.jsonl.gz (hf, batch 1; 05 --response-cache);
 --pack-general* rewrite them. Cached: a folder with manifest.json is reused unless --overwrite.
 """
@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 from common.config import base_parser, parse_args
-from common.generation.hf_backend import hf_generator
+from common.generation.hf_engine import hf_generator
 from common.generation.response_cache import cache_identity, write_response_cache
 from common.io import atomic_path, write_jsonl
 from common.stage import (GENERATE, REPO_ROOT, SMOLLM2_WORLD, StageError, stage_dir, start_stage, target_identity,
@@ -65,14 +65,14 @@ def build_parser():
                    help="maintainers: rewrite assets/smollm2/prompts.jsonl.gz from the local standard library")
     g.add_argument("--pack-responses", type=Path, nargs="+", default=None, metavar="WORK_DIR",
                    help="maintainers: rewrite assets/smollm2/responses.jsonl.gz from the 01b outputs of these "
-                        "work dirs (hf backend on CPU, one prompt at a time, with the held-out dataset generated "
+                        "work dirs (hf engine on CPU, one prompt at a time, with the held-out dataset generated "
                         "too, i.e. not benchmark-only), then exit")
     g.add_argument("--pack-general", type=Path, default=None, metavar="WORK_DIR",
                    help="maintainers: rewrite assets/smollm2/general_responses.jsonl.gz from the 01b output of this "
-                        "work dir (general_train.jsonl answered through the openai backend), then exit")
+                        "work dir (general_train.jsonl answered through the openai engine), then exit")
     g.add_argument("--pack-general-heldout", type=Path, default=None, metavar="WORK_DIR",
                    help="maintainers: rewrite assets/smollm2/general_heldout_responses.jsonl.gz from the 01b output "
-                        "of this work dir (general_heldout.jsonl answered by the hf backend, batch 1), then exit")
+                        "of this work dir (general_heldout.jsonl answered by the hf engine, batch 1), then exit")
     return p
 
 

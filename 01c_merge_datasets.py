@@ -265,7 +265,7 @@ def apply_mix(per_source: dict, names: list[str], args, dropped) -> list[tuple]:
         raise StageError(f"no sample survived the filters ({ {k: dict(v) for k, v in dropped.items()} }); "
                          "raise --max-seq-len or --max-new-tokens, or pass --no-drop-length-finished or "
                          "--keep-retokenize-mismatch")
-    # 02b cuts the file into shards of consecutive samples, and its SGLang backend captures only rows of
+    # 02b cuts the file into shards of consecutive samples, and its SGLang engine captures only rows of
     # one length in one call (no padding), so equal lengths must sit together; 04 shuffles shards and
     # samples within a shard, so a batch drawn from one length-homogeneous shard pads little. Only the
     # lengths of pass 1 are needed: ids stay on disk and are read back by offset, in this order.

@@ -37,7 +37,7 @@ from common.benchmark.spec_decode import LosslessError
 from common.config import base_parser, parse_args
 from common.draft.export_sglang import load_sglang_export
 from common.draft.model import Eagle3DraftModel
-from common.generation.hf_backend import hf_generator
+from common.generation.hf_engine import hf_generator
 from common.generation.response_cache import ResponseCache, cache_identity
 from common.io import read_json, write_json
 from common.stage import BENCH, MERGE, StageError, TRAIN, input_manifests, stage_dir, start_stage, write_manifest
@@ -154,7 +154,7 @@ def known_answers(args, target_dir: Path, tok, text_format):
     """row -> the target's greedy answer ids from --response-cache, or None (a miss); None without one."""
     if args.response_cache is None:
         return None
-    # 05 decodes in float32 like 01b's hf backend on CPU: the same greedy answers.
+    # 05 decodes in float32 like 01b's hf engine on CPU: the same greedy answers.
     identity = cache_identity(target_dir, text_format, hf_generator("cpu"))
     cache = ResponseCache.load(args.response_cache, identity, tok)
     if cache.mismatch:

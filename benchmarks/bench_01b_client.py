@@ -75,7 +75,7 @@ def main(argv=None):
             except OSError:
                 time.sleep(0.1)
         cpu, wall = time.process_time(), time.time()
-        gen.main(["--work-dir", str(work / "w"), "--generation-backend", "openai", "--server-url",
+        gen.main(["--work-dir", str(work / "w"), "--generation-engine", "openai", "--server-url",
                   f"http://127.0.0.1:{port}/v1", "--concurrency", str(args.concurrency), "--max-new-tokens", "64",
                   "--summary-interval", "5"])
         cpu, wall = time.process_time() - cpu, time.time() - wall

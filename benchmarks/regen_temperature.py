@@ -4,7 +4,7 @@ greedy and by sampled tau? And how many answers loop?
 SmolLM2-135M stands in for Kimi-K2.5. The base work dir (`make bench-real`'s runs/smollm2) holds the
 target's greedy answers (01b at T 0, the shipped response cache). This script regenerates the same 01
 prompts at --temperature / --top-p (default Kimi-K2.5's serving setting, T 1.0 / top-p 0.95) with 01b's
-in-process backend, runs 01c -> 02b -> 03 -> 04 on them, and trains the greedy row on the base's own
+in-process engine, runs 01c -> 02b -> 03 -> 04 on them, and trains the greedy row on the base's own
 01c/02b/03 (with --sources, both rows on a subset of the base's datasets, each through 01 -> 04) with the
 same 04 flags (the preset's recipe, --share of the training samples, a candidate per
 epoch). 05 (the reference benchmark) then measures both drafts side by side on the base's held-out prompts, greedy
@@ -60,10 +60,10 @@ def build_data(work: Path, base: Path, preset: Path, args, sample: bool) -> None
     else:
         dr.link(base, work, (PREPARE,))
     sampling = ["--temperature", str(args.temperature), "--top-p", str(args.top_p), "--generation-seed", str(args.seed)]
-    dr.stage(GENERATE).main([*common, "--generation-backend", "hf", "--device", "cpu",
+    dr.stage(GENERATE).main([*common, "--generation-engine", "hf", "--device", "cpu",
                              "--hf-batch-size", str(args.hf_batch_size), *(sampling if sample else [])])
     dr.stage(MERGE).main(common)
-    dr.stage(EXTRACT).main([*common, "--capture-backend", "hf", "--device", "cpu"])
+    dr.stage(EXTRACT).main([*common, "--capture-engine", "hf", "--device", "cpu"])
     dr.stage(VOCAB).main(common)
 
 

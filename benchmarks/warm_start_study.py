@@ -62,7 +62,7 @@ UPSTREAM = (MERGE, EXTRACT, VOCAB)
 
 
 def build_standin_base(work: Path, config: Path) -> None:
-    """01 -> 03 on the general set: its answers come from the shipped cache (01b's openai backend is never
+    """01 -> 03 on the general set: its answers come from the shipped cache (01b's openai engine is never
     asked: every prompt is a cache hit), its held-out prompts are benchmark-only."""
     for name in ("general_train.jsonl", "general_heldout.jsonl"):
         if not (WORLD_DATA / name).is_file():
@@ -75,10 +75,10 @@ def build_standin_base(work: Path, config: Path) -> None:
     common = ["--config", str(config), "--work-dir", str(work)]
     dr.stage(PREPARE).main([*common, "--datasets", datasets, "--max-new-tokens", "160"])
     dr.stage(GENERATE).main([*common, "--max-new-tokens", "160",
-                             "--generation-backend", "openai", "--response-cache", str(GENERAL_RESPONSES),
+                             "--generation-engine", "openai", "--response-cache", str(GENERAL_RESPONSES),
                              "--server-url", "http://127.0.0.1:9/v1", "--served-model-name", "smollm2"])
     dr.stage(MERGE).main(common)
-    dr.stage(EXTRACT).main([*common, "--capture-backend", "hf", "--device", "cpu"])
+    dr.stage(EXTRACT).main([*common, "--capture-engine", "hf", "--device", "cpu"])
     dr.stage(VOCAB).main(common)
 
 

@@ -6,10 +6,10 @@ files) and imports nothing else of `common`. Then:
                  target    capture convention, target head, feature shards          (02b, 03, 04, 05)
                  draft     the draft model, its TTT attention, its exports          (04, 05)
   owned by one   datasets  01's dataset adapters and the v4 mix
-  stage          generation 01b's jobs, loops, run state, server pool, HF backend
+  stage          generation 01b's jobs, loops, run state, server pool, HF engine
                  training  04's teachers, loss, batches, DDP, checkpoints
                  benchmark 05: reference loop, replay, server sweep, engines, agreement
-  engine / world sglang    SGLang launch, preflight and 02b's capture backend      (02b, 05)
+  engine / world sglang    SGLang launch, preflight and 02b's capture engine      (02b, 05)
                  worlds    the embedded CPU worlds (tiny Kimi-shaped target, SmolLM2)  (00)
 Imports go downward only and never in a loop; nothing imports a stage script. tests/test_layout.py
 enforces both.

@@ -2,7 +2,7 @@
 
 --engine sglang (the default; the first thing to run on a GPU box): on SmolLM2-135M-Instruct
 (00_build_smollm2_world.py; a Llama target) and a few dozen prompts it runs: 01 -> an SGLang server for
-the target -> 01b (openai backend) against it -> 01c -> 02b through SGLang (torchrun, SpecForge's
+the target -> 01b (openai engine) against it -> 01c -> 02b through SGLang (torchrun, SpecForge's
 runner) AND through transformers on the same samples, shard against shard -> 03 -> a short 04 -> 05
 (the reference: transformers speculative decoding, k = 3) and 05b (serving: SGLang, EAGLE3 3,1,4,
 launched by 05b with its preflight) -> SGLang's accept length against the reference tau. Not yet run on
@@ -143,7 +143,7 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
                                         "--datasets", data_specs(s), "--max-new-tokens", str(s.max_new_tokens),
                                         "--max-context", "4096"], "data preparation (01)")],
         "generate": [Step(f"01b generate through {label}", [
-            py, stage_script(GENERATE), "--work-dir", w, "--target-path", t, "--generation-backend",
+            py, stage_script(GENERATE), "--work-dir", w, "--target-path", t, "--generation-engine",
             "openai", "--server-url", f"http://127.0.0.1:{s.port}/v1", "--served-model-name", SERVED_NAME,
             "--max-new-tokens", str(s.max_new_tokens), "--max-context", "4096", "--concurrency", "16"],
             f"{label} serving the target through its OpenAI API (01b against its server)")],
@@ -154,8 +154,8 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
                  "draft vocabulary (03)")
     if s.engine == "vllm":  # all on this machine's CPU, float32 where numbers are compared
         steps["capture"] = [merge, Step("02b capture through transformers", [
-            py, stage_script(EXTRACT), "--work-dir", w, "--capture-backend", "hf", "--device", "cpu"],
-            "transformers capture (02b --capture-backend hf)")]
+            py, stage_script(EXTRACT), "--work-dir", w, "--capture-engine", "hf", "--device", "cpu"],
+            "transformers capture (02b --capture-engine hf)")]
         steps["train"] = [vocab, Step("04 short training", [
             py, stage_script(TRAIN), "--work-dir", w, "--max-steps", str(s.cpu_train_steps), "--learning-rate", "1e-3",
             "--max-samples-per-batch", "1", "--batch-tokens", "4096", "--precision", "fp32", "--device", "cpu"],
@@ -178,13 +178,13 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
         merge,
         Step("02b capture through SGLang", [
             py, "-m", "torch.distributed.run", "--nproc_per_node", "1", stage_script(EXTRACT),
-            "--work-dir", w, "--capture-backend", "sglang", "--sglang-tp-size", "1",
+            "--work-dir", w, "--capture-engine", "sglang", "--sglang-tp-size", "1",
             "--mem-fraction-static", str(s.mem_fraction), "--hidden-states-dtype", "bfloat16"],
-            "SGLang capture (02b --capture-backend sglang: SpecForge's runner, set_eagle3_layers_to_capture)"),
+            "SGLang capture (02b --capture-engine sglang: SpecForge's runner, set_eagle3_layers_to_capture)"),
         Step("02b capture through transformers", [
-            py, stage_script(EXTRACT), "--work-dir", str(s.work_hf), "--capture-backend", "hf",
+            py, stage_script(EXTRACT), "--work-dir", str(s.work_hf), "--capture-engine", "hf",
             "--device", "cuda", "--hidden-states-dtype", "bfloat16"],
-            "transformers capture (02b --capture-backend hf)")]
+            "transformers capture (02b --capture-engine hf)")]
     steps["train"] = [vocab, Step("04 short training", [
         py, stage_script(TRAIN), "--work-dir", w, "--max-steps", str(s.train_steps), "--learning-rate", "1e-3",
         "--batch-tokens", "4096", "--device", "cuda"], "draft training (04)")]

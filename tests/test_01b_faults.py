@@ -28,7 +28,7 @@ gen = importlib.import_module(GENERATE)
 REPO = Path(__file__).resolve().parent.parent
 NUM_ROWS = 60
 # Short timeouts and backoffs: every fault costs milliseconds here.
-FAST = ["--generation-backend", "openai", "--max-new-tokens", "40", "--request-timeout", "1", "--stall-timeout", "1",
+FAST = ["--generation-engine", "openai", "--max-new-tokens", "40", "--request-timeout", "1", "--stall-timeout", "1",
         "--retry-base-delay", "0.01", "--retry-max-delay", "0.05", "--health-interval", "0.05",
         "--health-timeout", "1", "--summary-interval", "0.5", "--concurrency", "8", "--long-concurrency", "2"]
 

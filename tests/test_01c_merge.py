@@ -24,7 +24,7 @@ def generated(micro_target, tmp_path_factory):
     """01 + 01b (hf, 8 new tokens) on the micro target: 9 generated (all cut by the cap) + 6 passed through."""
     work = tmp_path_factory.mktemp("gen") / "work"
     prep.main(["--work-dir", str(work), "--target-path", str(micro_target), "--datasets", json.dumps(DATASETS)])
-    gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "8", "--device", "cpu"])
+    gen.main(["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", "8", "--device", "cpu"])
     return work
 
 
@@ -137,7 +137,7 @@ def test_text_only_answers_that_retokenize_differently_are_dropped(generated, tm
     work = fresh(generated, tmp_path)
     path = stage_dir(work, GENERATE, "msg") / "generated.jsonl"
     rows = list(iter_jsonl(path))
-    path.write_text("".join(json.dumps({**r, "completion_ids": None, "backend": "openai"}) + "\n" for r in rows))
+    path.write_text("".join(json.dumps({**r, "completion_ids": None, "engine": "openai"}) + "\n" for r in rows))
     differ = {r["id"] for r in rows
               if len(tok(r["completion"], add_special_tokens=False)["input_ids"]) != r["num_completion_tokens"]}
     assert differ and len(differ) < len(rows)  # the micro target's answers give both cases
@@ -163,7 +163,7 @@ def test_benchmark_only_dataset_is_held_out_whole(micro_target, tmp_path):
     work = tmp_path / "work"
     datasets = DATASETS + [{"name": "bench", "adapter": "messages", "path": str(bench_rows), "benchmark-only": True}]
     prep.main(["--work-dir", str(work), "--target-path", str(micro_target), "--datasets", json.dumps(datasets)])
-    gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "8", "--device", "cpu"])
+    gen.main(["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", "8", "--device", "cpu"])
     passed = list(iter_jsonl(stage_dir(work, GENERATE, "bench") / "generated.jsonl"))
     assert [r["origin"] for r in passed] == ["prompt"] * 3 and all(r["completion"] is None for r in passed)
     assert read_json(stage_dir(work, GENERATE, "bench") / "manifest.json")["counts"]["generated"] == 0

@@ -84,7 +84,7 @@ def test_01_on_chatml_drops_or_keeps_unrendered_tools(micro_chatml_target, tmp_p
     assert counts["comp"]["skipped"] == {"reasoning_not_rendered": 1, "tool_calls_not_rendered": 1}
     assert read_json(stage_dir(work, PREPARE) / "manifest.json")["target_format"]["renders_tools"] is False
 
-    gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "4", "--device", "cpu"])
+    gen.main(["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", "4", "--device", "cpu"])
     comp = read(work, GENERATE, "comp", "generated.jsonl")
     assert [(r["completion"], r["origin"]) for r in comp] == [("hi there<|im_end|>", "dataset")]
     assert "<think>" not in comp[0]["prompt"] and comp[0]["prompt"].endswith("<|im_start|>assistant\n")
@@ -110,7 +110,7 @@ def test_servers_stop_on_the_targets_end_of_turn_and_return_ids(micro_llama3_tar
     datasets = json.dumps([{"name": "chat", "adapter": "messages", "path": str(chat_prompts_file)}])
     hf = tmp_path / "hf"
     prep.main(["--work-dir", str(hf), "--target-path", str(micro_llama3_target), "--datasets", datasets])
-    gen.main(["--work-dir", str(hf), "--generation-backend", "hf", "--max-new-tokens", "12", "--device", "cpu",
+    gen.main(["--work-dir", str(hf), "--generation-engine", "hf", "--max-new-tokens", "12", "--device", "cpu",
               "--hf-batch-size", "1"])
     ref = {r["id"]: r for r in read(hf, GENERATE, "chat", "generated.jsonl")}
     assert {r["finish_reason"] for r in ref.values()} == {"stop", "length"}
@@ -120,7 +120,7 @@ def test_servers_stop_on_the_targets_end_of_turn_and_return_ids(micro_llama3_tar
         prep.main(["--work-dir", str(work), "--target-path", str(micro_llama3_target), "--datasets", datasets])
         with OpenAICompletionsServer(micro_llama3_target, honor_keep_stop=False) as server:
             server.vllm_token_ids = vllm
-            gen.main(["--work-dir", str(work), "--generation-backend", "openai", "--server-url", server.base_url,
+            gen.main(["--work-dir", str(work), "--generation-engine", "openai", "--server-url", server.base_url,
                       "--max-new-tokens", "12", "--concurrency", "2"])
             body = server.requests[-1]
         assert body["stop"] == ["<|eot_id|>", "<|end_of_text|>"] and body["return_token_ids"] is True

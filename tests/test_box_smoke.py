@@ -61,8 +61,8 @@ def test_dry_run_commands_parse_with_each_stage(tmp_path):
     work, work_hf = str(tmp_path / "smoke"), str(tmp_path / "smoke_hf")
     sg, hf = by_script[stage_script(EXTRACT)]
     assert sg[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "1"]
-    assert sg[sg.index("--capture-backend") + 1] == "sglang" and sg[sg.index("--work-dir") + 1] == work
-    assert hf[hf.index("--capture-backend") + 1] == "hf" and hf[hf.index("--work-dir") + 1] == work_hf
+    assert sg[sg.index("--capture-engine") + 1] == "sglang" and sg[sg.index("--work-dir") + 1] == work
+    assert hf[hf.index("--capture-engine") + 1] == "hf" and hf[hf.index("--work-dir") + 1] == work_hf
     (ref,), (server,) = by_script[stage_script(BENCH)], by_script[stage_script(SERVE_BENCH)]
     assert ref[ref.index("--num-draft-tokens") + 1] == "3"
     assert server[server.index("--spec-settings") + 1] == "3,1,4"
@@ -89,7 +89,7 @@ def test_dry_run_with_vllm_runs_on_the_cpu(tmp_path):
     the agreement check; the stage commands parse with each stage's own parser."""
     cmds = dry_run(tmp_path, "--engine", "vllm")
     joined = [" ".join(c) for c in cmds]
-    assert not any("sglang.launch_server" in j or "--capture-backend sglang" in j or "--sglang-" in j for j in joined)
+    assert not any("sglang.launch_server" in j or "--capture-engine sglang" in j or "--sglang-" in j for j in joined)
     stages = [c for c in cmds if any(a.endswith(".py") and a[:2].isdigit() for a in c)]
     assert len(stages) == 9  # 00 01 01b 01c 02b-hf 03 04 05 05b
     for cmd in stages:

@@ -36,6 +36,9 @@ def test_config_defaults_cli_wins_unknown_key_fails(tmp_path):
     cfg.write_text("work-dir: /tmp/w\nno-such-flag-anywhere: 1\n")
     with pytest.raises(stage.StageError, match="no-such-flag-anywhere"):
         config.parse_args(parser, ["--config", str(cfg)])
+    cfg.write_text("generation-backend: hf\n")  # a renamed flag: the error names its new name
+    with pytest.raises(stage.StageError, match="generation-backend is now generation-engine"):
+        config.parse_args(parser, ["--config", str(cfg)])
 
 
 def test_an_abbreviated_flag_is_refused(capsys):

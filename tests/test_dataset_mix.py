@@ -243,7 +243,7 @@ TOUCAN_U0_TEXT = (
 @pytest.fixture(scope="module")
 def kimi_chain(tmp_path_factory):
     """The bundled K2.5 tokenizer folder plus a random 2-layer DeepseekV3 over its 163,840 ids (so the
-    hf backend can write completions), then 01 -> 01b -> 01c on every mix fixture."""
+    hf engine can write completions), then 01 -> 01b -> 01c on every mix fixture."""
     import torch  # noqa: F401  (the model below)
 
     from common.text.kimi_tokenizer import write_kimi_k25_model_dir
@@ -265,7 +265,7 @@ def kimi_chain(tmp_path_factory):
         ["--work-dir", str(work), "--target-path", str(target), "--datasets", json.dumps(specs), *CHAIN_LENGTHS])
     # 01b gets the long limit so that it writes the long partition too (it knows no partitions yet).
     importlib.import_module(GENERATE).main(
-        ["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "3", "--max-context", "330",
+        ["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", "3", "--max-context", "330",
          "--hf-batch-size", "8", "--device", "cpu"])
     importlib.import_module(MERGE).main(
         ["--work-dir", str(work), "--benchmark-size", "0", "--no-drop-length-finished", "--max-seq-len", "10240"])

@@ -1,4 +1,4 @@
-"""01b on a non-Kimi (ChatML, tied-embedding Llama) target: the hf backend keeps the ids it emitted, and
+"""01b on a non-Kimi (ChatML, tied-embedding Llama) target: the hf engine keeps the ids it emitted, and
 `--response-cache` serves known greedy answers: a cached run equals a generated one byte for byte, a
 changed setting misses."""
 import gzip
@@ -29,7 +29,7 @@ def prepared(micro_chatml_stopping_target, chat_prompts_file, tmp_path_factory):
 
 
 def run_01b(work, *extra):
-    gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", NEW, "--device", "cpu",
+    gen.main(["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", NEW, "--device", "cpu",
               "--hf-batch-size", "1", *extra])
 
 
@@ -57,7 +57,7 @@ def identity(target):
     return cache_identity(target, describe_target(tok, target), "hf-float32"), tok
 
 
-def test_hf_backend_keeps_the_emitted_ids(generated, micro_chatml_stopping_target):
+def test_hf_engine_keeps_the_emitted_ids(generated, micro_chatml_stopping_target):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -101,8 +101,8 @@ def test_cached_run_equals_generated_run(generated, prepared, micro_chatml_stopp
     cached, ref = rows(work), {r["id"]: r for r in rows(generated)}
     assert len(cached) == len(ref)
     for r in cached:
-        assert r["origin"] == "cache" and r["backend"] is None
-        assert {**r, "origin": "target", "backend": "hf"} == ref[r["id"]]
+        assert r["origin"] == "cache" and r["engine"] is None
+        assert {**r, "origin": "target", "engine": "hf"} == ref[r["id"]]
     counts = read_json(stage_dir(work, GENERATE, "chat") / "manifest.json")["counts"]
     assert counts["from_cache"] == NUM_PROMPTS and counts["generated"] == 0
     assert counts["this_run"]["response_cache"] == {"hits": NUM_PROMPTS, "misses": 0}
@@ -129,7 +129,7 @@ def test_changed_settings_miss(generated, prepared, micro_chatml_stopping_target
         "hits": len(half), "misses": NUM_PROMPTS - len(half)}
 
     work = copy(prepared, tmp_path, "other_cap")  # another max-new-tokens: another request, a miss
-    gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "11", "--device", "cpu",
+    gen.main(["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", "11", "--device", "cpu",
               "--response-cache", str(cache_path)])
     assert {r["origin"] for r in rows(work)} == {"target"}
 

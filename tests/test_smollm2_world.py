@@ -73,9 +73,9 @@ def test_world_conversion_was_checked_and_files_are_split():
 
 @needs_world
 def test_shipped_answers_regenerate_identically():
-    """Three shipped greedy answers (the shortest, to stay fast), generated again by 01b's hf backend."""
+    """Three shipped greedy answers (the shortest, to stay fast), generated again by 01b's hf engine."""
     from common.text.chat_format import render_prompt
-    from common.generation.hf_backend import HFBackend, hf_generator
+    from common.generation.hf_engine import HFEngine, hf_generator
     from common.generation.response_cache import ResponseCache, cache_identity, prompt_sha256
     from common.text.target_format import load_target_format
     from common.text.tokenizer import load_tokenizer
@@ -93,9 +93,9 @@ def test_shipped_answers_regenerate_identically():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        backend = HFBackend(target, tok, fmt.stop_ids)
+        engine = HFEngine(target, tok, fmt.stop_ids)
         for e in sample:
-            got = backend.generate_batch([texts[e["prompt_sha256"]]], [e["max_new_tokens"]])[0]
+            got = engine.generate_batch([texts[e["prompt_sha256"]]], [e["max_new_tokens"]])[0]
             assert got["completion_ids"] == e["completion_ids"] and got["finish_reason"] == e["finish_reason"]
     finally:
         torch.set_num_threads(before)

@@ -1,6 +1,6 @@
 """A real serving engine in the loop: vLLM's CPU build (build/vllm-venv, `make engine`) serves SmolLM2-135M
 with drafts this pipeline trained. Nothing here is a stub:
-- 01b's openai backend against a real vLLM server: start-up checks (model listing, tokenizer agreement,
+- 01b's openai engine against a real vLLM server: start-up checks (model listing, tokenizer agreement,
   health gate), the engine's own token ids, and its answers against the shipped greedy answers;
 - 05b --engine vllm launching a baseline and EAGLE-3 servers at k = 3, 5, 7: every round
   of vLLM's acceptance equals replay's on the same prompts (float32: exactly), greedy and, with the CPU
@@ -66,11 +66,11 @@ def build_chain(work: Path) -> None:
     w, t = ["--work-dir", str(work)], ["--target-path", str(TARGET)]
     stage[PREPARE].main([*w, *t, "--datasets", datasets(40, 6), "--max-new-tokens", "256",
                          "--max-context", "2048"])
-    stage[GENERATE].main([*w, *t, "--generation-backend", "hf", "--hf-batch-size", "1",
+    stage[GENERATE].main([*w, *t, "--generation-engine", "hf", "--hf-batch-size", "1",
                           "--response-cache", str(SHIPPED), "--max-new-tokens", "256",
                           "--max-context", "2048"])
     stage[MERGE].main([*w, "--benchmark-size", "0", "--max-seq-len", "2048"])
-    stage[EXTRACT].main([*w, "--capture-backend", "hf", "--device", "cpu"])
+    stage[EXTRACT].main([*w, "--capture-engine", "hf", "--device", "cpu"])
     stage[VOCAB].main([*w, "--draft-vocab-size", "2048"])
     stage[TRAIN].main([*w, "--max-steps", "100", "--learning-rate", "1e-3", "--max-samples-per-batch", "1",
                        "--batch-tokens", "2048", "--precision", "fp32", "--device", "cpu",
@@ -134,12 +134,12 @@ def test_01b_against_a_real_vllm_server(world):
     w, t = ["--work-dir", str(work)], ["--target-path", str(TARGET)]
     stage[PREPARE].main([*w, *t, "--datasets", datasets(6, 0), "--max-new-tokens", "256",
                          "--max-context", "2048"])
-    stage[GENERATE].main([*w, *t, "--generation-backend", "openai", "--server-url",
+    stage[GENERATE].main([*w, *t, "--generation-engine", "openai", "--server-url",
                           world["baseline"].url + "/v1", "--served-model-name", SERVED,
                           "--max-new-tokens", "256", "--max-context", "2048", "--concurrency", "6",
                           "--health-probes", "2", "--health-max-new-tokens", "64"])
     rows = list(iter_jsonl(stage_dir(work, GENERATE, "code") / "generated.jsonl"))
-    assert len(rows) == 6 and all(r["origin"] == "target" and r["backend"] == "openai" for r in rows)
+    assert len(rows) == 6 and all(r["origin"] == "target" and r["engine"] == "openai" for r in rows)
     assert all(r["completion_ids"] for r in rows)  # vLLM's emitted ids, not a re-tokenization
     cmp = compare_with_cache(rows, SHIPPED)
     print(f"01b on vLLM vs the shipped transformers answers: {cmp['num_exact']}/{cmp['num_compared']} exact; "
