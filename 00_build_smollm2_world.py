@@ -15,7 +15,7 @@ Prompts: assets/smollm2/prompts.jsonl.gz (common/worlds/smollm2_prompts.py: 1,60
 prompts, 120 held-out prompts of four families never trained on), their greedy answers shipped in
 assets/smollm2/responses.jsonl.gz (01b --response-cache; --pack-responses rewrites it). The stand-in for
 a public draft trains on general chat (common/worlds/smollm2_general_prompts.py, 3,080 + 120 held out):
-answers in general_responses.jsonl.gz (01b's openai backend on a local vLLM server, served from that
+answers in general_responses.jsonl.gz (01b's openai engine on a local vLLM server, served from that
 cache without a server) and general_heldout_responses.jsonl.gz (hf, batch 1; 05 --response-cache);
 --pack-general* rewrite them. Cached: a folder with manifest.json is reused unless --overwrite.
 """
@@ -30,11 +30,11 @@ from collections import Counter
 from pathlib import Path
 
 from common.config import base_parser, parse_args
-from common.generation.hf_backend import hf_generator
+from common.generation.hf_engine import hf_generator
 from common.generation.response_cache import cache_identity, write_response_cache
 from common.io import atomic_path, write_jsonl
-from common.stage import (REPO_ROOT, StageError, stage_dir, start_stage, target_identity, tokenizer_identity,
-                          torch_threads, write_manifest)
+from common.stage import (GENERATE, REPO_ROOT, SMOLLM2_WORLD, StageError, stage_dir, start_stage, target_identity,
+                          tokenizer_identity, torch_threads, write_manifest)
 from common.text.chat_format import render_prompt
 from common.text.target_format import load_target_format
 from common.text.tokenizer import load_tokenizer
@@ -42,7 +42,7 @@ from common.worlds import smollm2 as sm
 from common.worlds.smollm2_general_prompts import make_prompts as make_general_prompts
 from common.worlds.smollm2_prompts import FUNCTION_FAMILIES, make_prompts
 
-STAGE = "00_build_smollm2_world"
+STAGE = SMOLLM2_WORLD
 PROMPTS_ASSET = REPO_ROOT / "assets" / "smollm2" / "prompts.jsonl.gz"
 RESPONSES_ASSET = REPO_ROOT / "assets" / "smollm2" / "responses.jsonl.gz"
 GENERAL_RESPONSES_ASSET = REPO_ROOT / "assets" / "smollm2" / "general_responses.jsonl.gz"
@@ -65,14 +65,14 @@ def build_parser():
                    help="maintainers: rewrite assets/smollm2/prompts.jsonl.gz from the local standard library")
     g.add_argument("--pack-responses", type=Path, nargs="+", default=None, metavar="WORK_DIR",
                    help="maintainers: rewrite assets/smollm2/responses.jsonl.gz from the 01b outputs of these "
-                        "work dirs (hf backend on CPU, one prompt at a time, with the held-out dataset generated "
+                        "work dirs (hf engine on CPU, one prompt at a time, with the held-out dataset generated "
                         "too, i.e. not benchmark-only), then exit")
     g.add_argument("--pack-general", type=Path, default=None, metavar="WORK_DIR",
                    help="maintainers: rewrite assets/smollm2/general_responses.jsonl.gz from the 01b output of this "
-                        "work dir (general_train.jsonl answered through the openai backend), then exit")
+                        "work dir (general_train.jsonl answered through the openai engine), then exit")
     g.add_argument("--pack-general-heldout", type=Path, default=None, metavar="WORK_DIR",
                    help="maintainers: rewrite assets/smollm2/general_heldout_responses.jsonl.gz from the 01b output "
-                        "of this work dir (general_heldout.jsonl answered by the hf backend, batch 1), then exit")
+                        "of this work dir (general_heldout.jsonl answered by the hf engine, batch 1), then exit")
     return p
 
 
@@ -165,7 +165,7 @@ def build(args, out: Path) -> None:
 
 def pack_responses(work_dirs: list[Path], target_dir: Path, asset: Path, generator: str) -> None:
     """Rewrite a response-cache asset from finished 01b outputs, for the generator that made them."""
-    paths = [p for w in work_dirs for p in sorted(stage_dir(w, "01b_generate_synthetic").glob("*/generated.jsonl"))]
+    paths = [p for w in work_dirs for p in sorted(stage_dir(w, GENERATE).glob("*/generated.jsonl"))]
     if not paths:
         raise StageError(f"no 01b output under {', '.join(map(str, work_dirs))}: run 01/01b first")
     tok = load_tokenizer(target_dir)

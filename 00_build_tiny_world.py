@@ -34,7 +34,7 @@ from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
 from common.config import base_parser, parse_args
 from common.io import write_jsonl
-from common.stage import (StageError, host_info, package_versions, read_manifest, sha256_file, start_stage,
+from common.stage import (StageError, TINY_WORLD, host_info, package_versions, read_manifest, sha256_file, start_stage,
                           target_identity, tokenizer_identity, torch_threads, write_manifest)
 from common.text.chat_format import render_prompt
 from common.worlds import tiny_tasks as tw
@@ -42,7 +42,7 @@ from common.worlds import tiny_train as tt
 from common.worlds.tiny_target import deepseek_v3_config
 from common.worlds.tiny_tokenizer import build_tokenizer
 
-STAGE = "00_build_tiny_world"
+STAGE = TINY_WORLD
 ASSET = Path("assets/tiny_kimi")
 # The files of a tiny world, relative to --tiny-dir (manifest.json is written by whoever builds or unpacks).
 WORLD_FILES = ("target/config.json", "target/generation_config.json", "target/model.safetensors",

@@ -31,13 +31,13 @@ from jinja2 import TemplateError
 from common.config import base_parser, parse_args
 from common.datasets.mix import ADAPTERS, MIX_SPEC_KEYS, BadRow, FilteredRow, check_mix_spec, expand_row, length_partition
 from common.io import write_jsonl
-from common.stage import (StageError, is_complete, read_manifest, stage_dir, start_stage, target_identity,
+from common.stage import (PREPARE, StageError, is_complete, read_manifest, stage_dir, start_stage, target_identity,
                           tokenizer_identity, write_manifest)
 from common.text.chat_format import render_prompt, special_token_pattern
 from common.text.target_format import FormatError, load_target_format, render_final_turn
 from common.text.tokenizer import load_tokenizer
 
-STAGE = "01_prepare_datasets"
+STAGE = PREPARE
 SPEC_KEYS = {"name", "adapter", "path", "hf-id", "hf-config", "split", "max-rows", "complete",
              "max-records", "benchmark-only"} | MIX_SPEC_KEYS
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")

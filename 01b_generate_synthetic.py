@@ -9,7 +9,7 @@ Tiny:   python 01b_generate_synthetic.py --config configs/tiny.yaml --work-dir r
 
 EAGLE-3 learns the target's own next-token distribution, so the target itself answers every prompt:
 rendered with its chat template, completed through `openai` (SGLang/vLLM servers,
-common/generation/server_pool.py) or `hf` (in-process, common/generation/hf_backend.py) until its own
+common/generation/server_pool.py) or `hf` (in-process, common/generation/hf_engine.py) until its own
 end of turn (common/text/target_format.py). The answer is kept as raw text, special tokens included, and
 as the ids the target emitted (`completion_ids`; SGLang's /v1/completions returns text only). Complete
 records pass through (origin "dataset"), benchmark-only ones unanswered (origin "prompt");
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from common.config import base_parser, parse_args
 from common.generation.capacity import InFlightLimit
-from common.generation.hf_backend import HFBackend, hf_generator
+from common.generation.hf_engine import HFEngine, hf_generator
 from common.generation.jobs import PARTITIONS, dataset_counts, make_jobs, this_run_counts
 from common.generation.loops import run_hf, run_openai
 from common.generation.progress import Progress, log
@@ -41,12 +41,12 @@ from common.generation.run_state import (RunLog, check_unlocked, dataset_lock, d
 from common.generation.server_checks import health_gate
 from common.generation.server_pool import ServerPool
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
-from common.stage import (StageError, input_manifests, is_complete, read_manifest, require_complete, resolve_target,
-                          stage_dir, start_stage, write_manifest)
+from common.stage import (GENERATE, PREPARE, StageError, input_manifests, is_complete, read_manifest, require_complete,
+                          resolve_target, stage_dir, start_stage, write_manifest)
 from common.text.target_format import load_target_format
 from common.text.tokenizer import load_tokenizer
 
-STAGE, UPSTREAM = "01b_generate_synthetic", "01_prepare_datasets"
+STAGE, UPSTREAM = GENERATE, PREPARE
 # Failures that a re-run would repeat identically (kept unless --retry-failed); others are retried.
 PERMANENT_FAILURES = {"context_overflow"}
 
@@ -66,7 +66,7 @@ def build_parser():
     g = p.add_argument_group("generate")
     g.add_argument("--target-path", type=Path, default=None,
                    help="target model folder; default: the one 01 used (refused if its tokenizer differs)")
-    g.add_argument("--generation-backend", choices=("hf", "openai"), default="openai",
+    g.add_argument("--generation-engine", choices=("hf", "openai"), default="openai",
                    help="openai: SGLang/vLLM server(s); hf: in-process transformers (tiny world)")
     g.add_argument("--max-new-tokens", type=int, default=4096, help="generation cap per response (tokens)")
     g.add_argument("--max-context", type=int, default=10240,
@@ -89,7 +89,7 @@ def build_parser():
     g.add_argument("--allow-mixed-settings", action="store_true",
                    help="resume a dataset whose records were made with another model, --max-new-tokens, "
                         "--temperature, --top-p, --generation-seed or tokenizer/template (refused by default)")
-    g = p.add_argument_group("generate: openai backend")
+    g = p.add_argument_group("generate: openai engine")
     g.add_argument("--server-url", action=ServerUrls, default="http://127.0.0.1:30000/v1",
                    help="OpenAI-compatible base URL ending in /v1; repeat for several servers (requests go to "
                         "the healthy one with the fewest in flight); a YAML list in --config")
@@ -139,11 +139,11 @@ def build_parser():
     g.add_argument("--max-transient-failures", type=int, default=0,
                    help="requests that may fail for good (after retries) with the dataset still counted "
                         "complete; above it the dataset stays incomplete and a re-run retries them (count)")
-    g = p.add_argument_group("generate: hf backend")
+    g = p.add_argument_group("generate: hf engine")
     g.add_argument("--hf-batch-size", type=int, default=32,
                    help="prompts per generate() call (count; 32 doubles CPU throughput over 8)")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="device of the hf backend (default: cuda if available)")
+                   help="device of the hf engine (default: cuda if available)")
     return p
 
 
@@ -162,7 +162,7 @@ def open_response_cache(args, target: Path, tok, text_format):
         return None
     if args.temperature != 0:
         raise StageError(f"--response-cache holds greedy answers; --temperature is {args.temperature}, not 0")
-    generator = hf_generator(hf_device(args)) if args.generation_backend == "hf" else "openai"
+    generator = hf_generator(hf_device(args)) if args.generation_engine == "hf" else "openai"
     cache = ResponseCache.load(args.response_cache, cache_identity(target, text_format, generator), tok)
     if cache.mismatch:
         log(f"[01b] WARNING --response-cache {args.response_cache} was made for another target or generator "
@@ -211,38 +211,38 @@ def resume_state(name: str, records: list[dict], gen_path: Path, fail_path: Path
     return state
 
 
-def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, text_format, backends: dict,
+def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, text_format, shared: dict,
                           on_ready) -> tuple[str | None, dict]:
     """Run the jobs against the OpenAI-compatible servers (common/generation/loops.run_openai), behind the
     health gate (one for all datasets: each server is probed once) and one in-flight limit (it keeps
     what it learned from dataset to dataset). `on_ready(model)` gets the model name the servers report.
     Returns (what stopped the run or None, the manifest's server-side counts of this run)."""
     specials = {i: t.content for i, t in tok.added_tokens_decoder.items() if t.special}
-    limit = backends.setdefault("in_flight", InFlightLimit(args.concurrency + args.long_concurrency))
+    limit = shared.setdefault("in_flight", InFlightLimit(args.concurrency + args.long_concurrency))
     pool = ServerPool(args.server_url, args.served_model_name, args.api_key, args.temperature,
                       args.generation_seed if args.temperature > 0 else None, specials, args.request_timeout,
                       args.request_retries, args.retry_base_delay, args.retry_max_delay,
                       args.health_interval, args.health_timeout, args.server_down_timeout,
                       stop=list(text_format.stop_strings), top_p=args.top_p, stall_timeout=args.stall_timeout,
                       queue_timeout=args.queue_timeout, limit=limit)
-    if "health_gate" not in backends:
-        backends["health_gate"] = health_gate(tok, args.health_probes, args.health_max_new_tokens,
+    if "health_gate" not in shared:
+        shared["health_gate"] = health_gate(tok, args.health_probes, args.health_max_new_tokens,
                                               args.health_max_repeat_share)
     stopped_by = asyncio.run(run_openai(
         pool, tok, jobs, write, fail, bars, concurrency=args.concurrency,
         long_concurrency=args.long_concurrency, long_after_normal=args.long_after_normal,
         shutdown_grace=args.shutdown_grace, summary_interval=args.summary_interval,
-        gate=backends["health_gate"], on_ready=lambda found: on_ready(pool.model)))
-    backends.setdefault("lost", Counter()).update(pool.lost)
+        gate=shared["health_gate"], on_ready=lambda found: on_ready(pool.model)))
+    shared.setdefault("lost", Counter()).update(pool.lost)
     if pool.capacity:
-        backends["capacity"] = pool.capacity
+        shared["capacity"] = pool.capacity
     return stopped_by, {"requests_per_server": {s.url: s.num_requests for s in pool.servers},
                         "lost_work": dict(pool.lost), "server_capacity": pool.capacity or None,
                         "in_flight_limit": limit.summary()}
 
 
 def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir: Path, ids: dict,
-                     backends: dict, text_format=None, cache=None) -> dict | None:
+                     shared: dict, text_format=None, cache=None) -> dict | None:
     """Generate what is missing of one dataset; its counts when complete, None when not yet.
 
     `text_format`: the target's TargetFormat (common/text/target_format.py); `cache`: a ResponseCache whose hits
@@ -252,7 +252,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
     gen_path, fail_path = out / "generated.jsonl", out / "failures.jsonl"
     # What decides the text (the server's model name is known after its start-up checks), checked
     # against the records already written; duplicate ids (an unlocked older 01b) are repaired.
-    settings = generation_settings(args.generation_backend, str(target) if args.generation_backend == "hf" else None,
+    settings = generation_settings(args.generation_engine, str(target) if args.generation_engine == "hf" else None,
                                    args.max_new_tokens, args.temperature, args.generation_seed, ids["tokenizer"]["sha256"],
                                    text_format.stop_strings if text_format is not None else (), args.max_context, args.long_context,
                                    args.top_p)
@@ -277,7 +277,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
             # max_new_tokens: this request's effective cap (the response cache's key).
             gen_out.write({"id": job["id"], "source": job["source"], "prompt": job["prompt"], "completion_ids": None,
                            **result, "max_new_tokens": job["max_new"], "origin": origin,
-                           "backend": args.generation_backend if origin == "target" else None,
+                           "engine": args.generation_engine if origin == "target" else None,
                            # a cached answer is the one these settings give (the cache's identity matched)
                            "settings": settings if origin in ("target", "cache") else prompt_settings})
 
@@ -293,25 +293,25 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
         for row in overflow:
             fail_out.write(row)
         jobs = {part: [j for j in todo if j["partition"] == part] for part in PARTITIONS}
-        if args.generation_backend == "hf":  # one in-process model: the partitions run as one
+        if args.generation_engine == "hf":  # one in-process model: the partitions run as one
             bars = {"normal": Progress(len(todo), name)}
         else:
             bars = {part: Progress(len(jobs[part]), f"{name}/{part}", i) for i, part in enumerate(PARTITIONS)
                     if jobs[part] or part == "normal"}
         cpu0, stopped_by = time.process_time(), None
         try:
-            if todo and args.generation_backend == "openai":
+            if todo and args.generation_engine == "openai":
                 def on_ready(model: str) -> None:
                     settings["model"] = model  # as the server reported it
                     refuse_mixed_settings(gen_path, earlier, settings, args.allow_mixed_settings, keys=("model",))
 
                 stopped_by, server_side = generate_with_servers(
-                    jobs, write, fail, bars, args, tok, text_format, backends, on_ready)
+                    jobs, write, fail, bars, args, tok, text_format, shared, on_ready)
             elif todo:
-                if "hf" not in backends:  # one model load for all datasets of this run
-                    backends["hf"] = HFBackend(target, tok, text_format.stop_ids, hf_device(args), args.temperature,
+                if "hf" not in shared:  # one model load for all datasets of this run
+                    shared["hf"] = HFEngine(target, tok, text_format.stop_ids, hf_device(args), args.temperature,
                                                args.generation_seed, args.top_p)
-                run_hf(backends["hf"], todo, write, args.hf_batch_size, bars["normal"])
+                run_hf(shared["hf"], todo, write, args.hf_batch_size, bars["normal"])
         finally:
             cpu = time.process_time() - cpu0
             seconds = max(bar.close() for bar in bars.values())
@@ -346,7 +346,7 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
         # Only a failure of this process itself gets here (every job ends in write() or fail()).
         raise StageError(f"{out}: {len(records) - len(rows) - len(failures)} records neither generated nor "
                          "failed; re-run to resume")
-    write_manifest(out, STAGE, redacted(args), dataset=name, backend=args.generation_backend,
+    write_manifest(out, STAGE, redacted(args), dataset=name, engine=args.generation_engine,
                    inputs=input_manifests(args.work_dir, upstream_dir), **ids, settings=distinct_settings(rows),
                    counts=result)
     print(f"[01b] {name}: {result['generated']} generated, {result['passed_through']} passed through, "
@@ -367,7 +367,7 @@ def main(argv=None):
     unknown = sorted(set(args.datasets_only or []) - set(names))
     if unknown:
         raise StageError(f"--datasets-only {unknown}: not prepared by 01 (it has {names})")
-    if args.generation_backend == "openai" and not urls:
+    if args.generation_engine == "openai" and not urls:
         raise StageError("--server-url: give at least one server")
     out = stage_dir(args.work_dir, STAGE)
     if args.overwrite:  # never delete a dataset folder another 01b is writing
@@ -383,12 +383,12 @@ def main(argv=None):
         return
     tok = load_tokenizer(target)
     text_format = load_target_format(target, tok)
-    print(f"[01b] target {target} | backend {args.generation_backend} | datasets {names}"
-          + (f" | servers {urls}" if args.generation_backend == "openai" else "")
+    print(f"[01b] target {target} | engine {args.generation_engine} | datasets {names}"
+          + (f" | servers {urls}" if args.generation_engine == "openai" else "")
           + f" | stops on {list(text_format.stop_strings)}")
     cache = open_response_cache(args, target, tok, text_format)
     ids = {"tokenizer": upstream["tokenizer"], "target": upstream["target"]}
-    summary, backends = {}, {}
+    summary, shared = {}, {}
     for name in names:
         sub = stage_dir(args.work_dir, STAGE, name)
         if is_complete(sub):
@@ -399,7 +399,7 @@ def main(argv=None):
         sub.mkdir(parents=True, exist_ok=True)
         with dataset_lock(sub):  # one 01b per dataset: a second is refused, naming the holder
             result = generate_dataset(name, args, tok, target, sub, stage_dir(args.work_dir, UPSTREAM, name),
-                                      ids, backends, text_format, cache)
+                                      ids, shared, text_format, cache)
         if result is not None:
             summary[name] = result
     missing = [n for n in names if n not in summary]
@@ -408,8 +408,8 @@ def main(argv=None):
     else:
         write_manifest(out, STAGE, redacted(args), datasets=names, inputs=input_manifests(args.work_dir, up_dir),
                        **ids, target_format=text_format.as_dict(), counts=summary,
-                       server_capacity=backends.get("capacity"))
-    refuse_lost_work(backends.get("lost"), args.max_timeouts)
+                       server_capacity=shared.get("capacity"))
+    refuse_lost_work(shared.get("lost"), args.max_timeouts)
 
 
 def refuse_lost_work(lost: Counter | None, max_timeouts: int) -> None:

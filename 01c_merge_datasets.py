@@ -29,12 +29,12 @@ from tqdm import tqdm
 
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl, write_json, write_jsonl
-from common.stage import (StageError, check_same_tokenizer, input_manifests, require_complete, resolve_target,
-                          stage_dir, start_stage, tokenizer_identity, write_manifest)
+from common.stage import (GENERATE, MERGE, PREPARE, StageError, check_same_tokenizer, input_manifests, require_complete,
+                          resolve_target, stage_dir, stage_script, start_stage, tokenizer_identity, write_manifest)
 from common.text.repetition import loop_period
 from common.text.tokenizer import load_tokenizer
 
-STAGE, UPSTREAM = "01c_merge_datasets", "01b_generate_synthetic"
+STAGE, UPSTREAM = MERGE, GENERATE
 # The order of tokenized_data.jsonl, recorded in the manifest (see the sort in main).
 SAMPLE_ORDER = "seq_len, id"
 TARGET_ORIGINS = ("target", "cache")  # 01b rows the target wrote (others: "dataset" answers, "prompt" only)
@@ -152,7 +152,7 @@ def benchmark_rows(bench: list[dict], work_dir: Path, tok, batch_size: int) -> l
     records = {}
     for source in sorted({r["source"] for r in bench}):
         wanted = {r["id"] for r in bench if r["source"] == source}
-        path = stage_dir(work_dir, "01_prepare_datasets", source) / "records.jsonl"
+        path = stage_dir(work_dir, PREPARE, source) / "records.jsonl"
         records.update({r["id"]: r for r in iter_jsonl(path) if r["id"] in wanted})
     out = []
     for i in range(0, len(bench), batch_size):
@@ -265,7 +265,7 @@ def apply_mix(per_source: dict, names: list[str], args, dropped) -> list[tuple]:
         raise StageError(f"no sample survived the filters ({ {k: dict(v) for k, v in dropped.items()} }); "
                          "raise --max-seq-len or --max-new-tokens, or pass --no-drop-length-finished or "
                          "--keep-retokenize-mismatch")
-    # 02b cuts the file into shards of consecutive samples, and its SGLang backend captures only rows of
+    # 02b cuts the file into shards of consecutive samples, and its SGLang engine captures only rows of
     # one length in one call (no padding), so equal lengths must sit together; 04 shuffles shards and
     # samples within a shard, so a batch drawn from one length-homogeneous shard pads little. Only the
     # lengths of pass 1 are needed: ids stay on disk and are read back by offset, in this order.
@@ -324,7 +324,7 @@ def main(argv=None):
         rows += sorted(read_generated(stage_dir(args.work_dir, UPSTREAM, name) / "generated.jsonl", ids_at),
                        key=lambda r: r["id"])
     if not rows:
-        raise StageError(f"{up_dir} holds no generated samples: re-run `python {UPSTREAM}.py --overwrite`")
+        raise StageError(f"{up_dir} holds no generated samples: re-run `python {stage_script(UPSTREAM)} --overwrite`")
 
     dropped = defaultdict(Counter)
     bench_ids, bench = hold_out(rows, args)

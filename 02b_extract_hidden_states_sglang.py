@@ -11,7 +11,7 @@ the teacher (the final post-norm state [T, H], or with --teacher-format topk the
 and input_ids/loss_mask, in the feature format of common/target/shards.py (fp8 aux states, top-k teacher,
 prompt-tail window; recorded in the manifest, read by 03/04 without flags). Shard k holds samples
 [k*S, (k+1)*S) of tokenized_data.jsonl, so a re-run keeps every finished shard and redoes the rest; the
-disk the remaining shards need is checked before the model loads. Backends: `hf` (common/target/capture.py)
+disk the remaining shards need is checked before the model loads. Engines: `hf` (common/target/capture.py)
 and `sglang` (common/target/sglang_capture.py: SGLang's model runner, tensor parallel under torchrun, rank 0
 writes; docs/sglang.md). Capture points SGLang would not serve as the draft's are refused
 (common/target/capture.sglang_layer_ids).
@@ -29,16 +29,16 @@ from transformers import AutoModelForCausalLM
 
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl
-from common.stage import (StageError, input_manifests, is_complete, require_complete, resolve_target, stage_dir,
-                          start_stage, write_manifest)
+from common.stage import (EXTRACT, MERGE, StageError, input_manifests, is_complete, require_complete, resolve_target,
+                          stage_dir, stage_script, start_stage, write_manifest)
 from common.target import sglang_capture as cs
 from common.target.capture import (capture_hf, default_capture_points, load_target_config, sglang_layer_ids,
                                    target_architecture, target_dims, validate_capture_points)
 from common.target.head import load_target_head
 from common.target.shards import FeatureFormat, ShardReader, list_shards, shard_name, write_shard
 
-STAGE = "02b_extract_hidden_states_sglang"
-UPSTREAM = "01c_merge_datasets"
+STAGE = EXTRACT
+UPSTREAM = MERGE
 STORAGE_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -48,7 +48,7 @@ def build_parser():
     g = p.add_argument_group("extract")
     g.add_argument("--target-path", type=Path, default=None,
                    help="target model folder; read from the 01c manifest, and when given it must match")
-    g.add_argument("--capture-backend", choices=("hf", "sglang"), default="hf",
+    g.add_argument("--capture-engine", choices=("hf", "sglang"), default="hf",
                    help="how the target runs: hf = transformers forward with output_hidden_states; "
                         "sglang = SGLang model runner (GPU; run under torchrun --nproc_per_node TP)")
     g.add_argument("--sglang-tp-size", type=int, default=1,
@@ -56,7 +56,7 @@ def build_parser():
     g.add_argument("--mem-fraction-static", type=float, default=0.85,
                    help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
     g.add_argument("--capture-engine-args", default=None,
-                   help="JSON object of extra SGLang ServerArgs fields for the sglang backend, e.g. "
+                   help="JSON object of extra SGLang ServerArgs fields for the sglang engine, e.g. "
                         "'{\"attention_backend\": \"flashinfer\"}'; keys SpecForge sets itself (pp_size, "
                         "tp_size, dtype, ...) and two-batch overlap are refused")
     g.add_argument("--capture-points", type=int, nargs="+", default=None,
@@ -118,7 +118,7 @@ def scan_samples(path: Path, vocab_size: int) -> list[dict]:
         if n == 0 or n != row["seq_len"] or len(row["loss_mask"]) != n:
             raise StageError(f"{path} row {k} ({row.get('id')}): input_ids {n}, loss_mask "
                              f"{len(row['loss_mask'])}, seq_len {row['seq_len']} must agree and be > 0; "
-                             f"re-run `python {UPSTREAM}.py --overwrite`")
+                             f"re-run `python {stage_script(UPSTREAM)} --overwrite`")
         if max(row["input_ids"]) >= vocab_size or min(row["input_ids"]) < 0:
             raise StageError(f"{path} row {k} ({row['id']}): token id outside the target vocab "
                              f"[0, {vocab_size}); was it tokenized for another target?")
@@ -126,7 +126,7 @@ def scan_samples(path: Path, vocab_size: int) -> list[dict]:
         meta.append({"id": row["id"], "seq_len": n, "num_supervised": int(sum(row["loss_mask"])),
                      "first_supervised": first})
     if not meta:
-        raise StageError(f"{path} holds no samples: re-run `python {UPSTREAM}.py`")
+        raise StageError(f"{path} holds no samples: re-run `python {stage_script(UPSTREAM)}`")
     return meta
 
 
@@ -269,12 +269,12 @@ def main(argv=None):
     dims = target_dims(target_cfg)
     n_layers, hidden, vocab = dims["num_hidden_layers"], dims["hidden_size"], dims["vocab_size"]
     points = validate_capture_points(args.capture_points or default_capture_points(n_layers), n_layers)
-    # The draft is served by SGLang whichever backend captures: refuse points it would not capture.
+    # The draft is served by SGLang whichever engine captures: refuse points it would not capture.
     architecture = target_architecture(target_cfg)
     layer_ids = sglang_layer_ids(points, architecture, args.allow_unknown_architecture)
 
     rank, barrier = 0, (lambda: None)
-    if args.capture_backend == "sglang":  # checked on every rank before any process group or model
+    if args.capture_engine == "sglang":  # checked on every rank before any process group or model
         engine_args = cs.engine_kwargs(args.sglang_tp_size, args.mem_fraction_static, args.capture_engine_args)
         rank = cs.check_world(args.sglang_tp_size)
         cs.init_process_group(args.sglang_tp_size)
@@ -304,7 +304,7 @@ def main(argv=None):
           f"of {S}; {len(done)} already complete, {len(todo)} to capture")
     check_disk(out, sum(m["num_rows"] for k in todo for m in plan[k]), bytes_per_token, args.disk_margin)
 
-    device = "cuda" if args.capture_backend == "sglang" else (
+    device = "cuda" if args.capture_engine == "sglang" else (
         args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # fp32 on CPU (tests compare against fp32 references); bf16 on CUDA (the checkpoint's dtype).
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -318,7 +318,7 @@ def main(argv=None):
     written = dict(done)
     calls = {"num_forward_calls": 0, "num_tokens": 0, "seconds": 0.0}  # this run's shards: calls, tokens, time
     if todo:
-        if args.capture_backend == "sglang":  # GPU box: SGLang runner on every rank, rank 0 writes
+        if args.capture_engine == "sglang":  # GPU box: SGLang runner on every rank, rank 0 writes
             model = cs.build_backend(target_dir, layer_ids, engine_args)
             capture = lambda m, rows, cb: cs.capture_samples_sglang(  # noqa: E731
                 m, rows, cs.capture_rows, args.capture_batch_tokens, hidden, keep_dtype, on_batch=cb)
@@ -348,7 +348,7 @@ def main(argv=None):
     num_bytes = sum((out / name).stat().st_size for name in shards)  # on disk, headers included
     write_manifest(
         out, STAGE, args,
-        capture_backend=args.capture_backend, device=device,
+        capture_engine=args.capture_engine, device=device,
         compute_dtype=str(compute_dtype).removeprefix("torch."), capture_points=points,
         target_architecture=architecture, sglang_layer_ids=layer_ids,
         hidden_size=hidden, num_hidden_layers=n_layers, vocab_size=vocab, dtype=args.hidden_states_dtype,

@@ -22,14 +22,14 @@ from safetensors.torch import save_file
 
 from common.config import base_parser, parse_args
 from common.io import atomic_path
-from common.stage import (StageError, input_manifests, require_complete, resolve_target, stage_dir, start_stage,
-                          write_manifest)
+from common.stage import (EXTRACT, StageError, VOCAB, input_manifests, require_complete, resolve_target, stage_dir,
+                          stage_folder, stage_script, start_stage, write_manifest)
 from common.target.shards import ShardReader, list_shards
 from common.text.target_format import load_target_format
 from common.text.tokenizer import load_tokenizer
 
-STAGE = "03_build_vocab_mapping"
-UPSTREAM = "02b_extract_hidden_states_sglang"
+STAGE = VOCAB
+UPSTREAM = EXTRACT
 
 
 def build_parser():
@@ -81,7 +81,7 @@ def main(argv=None):
     args = parse_args(build_parser(), argv)
     src = stage_dir(args.work_dir, UPSTREAM)
     upstream = require_complete(src, UPSTREAM)
-    resolve_target(args.target_path, upstream, src, "02b_extract_hidden_states_sglang")
+    resolve_target(args.target_path, upstream, src, EXTRACT)
     out = stage_dir(args.work_dir, STAGE)
     vocab_size, dv = upstream["vocab_size"], args.draft_vocab_size
     if not 1 <= dv <= vocab_size:
@@ -94,7 +94,7 @@ def main(argv=None):
     missing = sorted(set(upstream["shards"]) - {p.name for p in shards})
     if missing:
         raise StageError(f"{src} lacks shards its manifest lists ({', '.join(missing[:3])}): "
-                         f"re-run `python {UPSTREAM}.py`")
+                         f"re-run `python {stage_script(UPSTREAM)}`")
     shards = [p for p in shards if p.name in upstream["shards"]]
     print(f"[03] counting supervised tokens of {len(shards)} shards in {src} (vocab {vocab_size}, "
           f"draft vocab {dv})")
@@ -122,7 +122,7 @@ def main(argv=None):
         num_supervised_tokens=total, num_covered_tokens=covered, num_distinct_supervised=distinct,
         num_padding_ids=max(0, dv - distinct), end_of_turn=text_format.end_of_turn, end_of_turn_id=end_id,
         end_of_turn_in_draft_vocab=end_in,
-        counted_from="02b_hidden_states (input_ids, loss_mask)",
+        counted_from=f"{stage_folder(UPSTREAM)} (input_ids, loss_mask)",
         capture_points=upstream["capture_points"], hidden_size=upstream["hidden_size"],
         num_hidden_layers=upstream["num_hidden_layers"],
         tokenizer=upstream["tokenizer"], target=upstream["target"],

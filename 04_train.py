@@ -38,8 +38,8 @@ from common.draft.export_speculators import export_speculators
 from common.draft.imported import ImportedDraft, check_draft, read_draft
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
-from common.stage import (StageError, check_same_tokenizer, input_manifests, require_complete, resolve_target,
-                          stage_dir, start_stage, write_manifest)
+from common.stage import (EXTRACT, MERGE, StageError, TRAIN, VOCAB, check_same_tokenizer, input_manifests,
+                          require_complete, resolve_target, stage_dir, start_stage, write_manifest)
 from common.target.capture import sglang_points_reader, target_architecture
 from common.target.head import load_target_head, read_target_text_config
 from common.target.shards import FeatureFormat, list_shards
@@ -56,7 +56,7 @@ from common.training.selection import (candidate_steps, choose_candidate, drop_c
 from common.training.teacher import step_counts, teacher_from_topk, teacher_targets
 from common.training.warm_start import VOCAB_MODES, WarmStart, anchors, init_from, l2sp_penalty
 
-STAGE = "04_train"
+STAGE = TRAIN
 PLAN = "(resume refuses a change)"   # in a group's title: its flags are the plan a checkpoint was made with
 
 
@@ -229,13 +229,13 @@ class Inputs:
 
 
 def load_inputs(args) -> Inputs:
-    hs_dir = stage_dir(args.work_dir, "02b_extract_hidden_states_sglang")
-    vocab_dir = stage_dir(args.work_dir, "03_build_vocab_mapping")
-    m02b = require_complete(hs_dir, "02b_extract_hidden_states_sglang")
-    m03 = require_complete(vocab_dir, "03_build_vocab_mapping")
-    check_same_tokenizer(m02b["tokenizer"], m03["tokenizer"], vocab_dir, "03_build_vocab_mapping")
-    target_path = resolve_target(args.target_path, m02b, hs_dir, "02b_extract_hidden_states_sglang")
-    bench = stage_dir(args.work_dir, "01c_merge_datasets") / "benchmark_prompts.jsonl"
+    hs_dir = stage_dir(args.work_dir, EXTRACT)
+    vocab_dir = stage_dir(args.work_dir, VOCAB)
+    m02b = require_complete(hs_dir, EXTRACT)
+    m03 = require_complete(vocab_dir, VOCAB)
+    check_same_tokenizer(m02b["tokenizer"], m03["tokenizer"], vocab_dir, VOCAB)
+    target_path = resolve_target(args.target_path, m02b, hs_dir, EXTRACT)
+    bench = stage_dir(args.work_dir, MERGE) / "benchmark_prompts.jsonl"
     reported = {r["id"] for r in iter_jsonl(bench)} if bench.is_file() else set()
     return Inputs(hs_dir, vocab_dir, m02b, m03, target_path, reported)
 

@@ -37,16 +37,16 @@ from common.benchmark.spec_decode import LosslessError
 from common.config import base_parser, parse_args
 from common.draft.export_sglang import load_sglang_export
 from common.draft.model import Eagle3DraftModel
-from common.generation.hf_backend import hf_generator
+from common.generation.hf_engine import hf_generator
 from common.generation.response_cache import ResponseCache, cache_identity
 from common.io import read_json, write_json
-from common.stage import StageError, input_manifests, stage_dir, start_stage, write_manifest
+from common.stage import BENCH, MERGE, StageError, TRAIN, input_manifests, stage_dir, start_stage, write_manifest
 from common.target import head as target_head
 from common.target.capture import load_target_config, target_dims, validate_capture_points
 from common.text.target_format import load_target_format
 from common.text.tokenizer import load_tokenizer
 
-STAGE = "05_benchmark"
+STAGE = BENCH
 
 
 def build_parser():
@@ -154,7 +154,7 @@ def known_answers(args, target_dir: Path, tok, text_format):
     """row -> the target's greedy answer ids from --response-cache, or None (a miss); None without one."""
     if args.response_cache is None:
         return None
-    # 05 decodes in float32 like 01b's hf backend on CPU: the same greedy answers.
+    # 05 decodes in float32 like 01b's hf engine on CPU: the same greedy answers.
     identity = cache_identity(target_dir, text_format, hf_generator("cpu"))
     cache = ResponseCache.load(args.response_cache, identity, tok)
     if cache.mismatch:
@@ -245,8 +245,8 @@ def main(argv=None):
         raise LosslessError(f"{len(mismatches)} speculative outputs differ from target-only greedy "
                             f"decoding; details in {out / 'mismatches.json'} (no manifest written)")
     write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
-                   inputs=input_manifests(args.work_dir, stage_dir(args.work_dir, "04_train"),
-                                          stage_dir(args.work_dir, "01c_merge_datasets")),
+                   inputs=input_manifests(args.work_dir, stage_dir(args.work_dir, TRAIN),
+                                          stage_dir(args.work_dir, MERGE)),
                    capture_points=points, draft_vocab_size=export_cfg["draft_vocab_size"],
                    counts={"num_prompts": len(rows),
                            "target_only_tokens": metrics["target_only"]["num_generated_tokens"]},

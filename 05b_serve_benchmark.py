@@ -32,10 +32,10 @@ from common.serving import deploy
 from common.serving.context import parse_buckets
 from common.serving.registry import ENGINES, check_servable
 from common.serving.sweep import same_draft_reference, server_main, warm_count
-from common.stage import (StageError, input_manifests, require_complete, stage_dir, start_stage,
-                          write_manifest)
+from common.stage import (EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, input_manifests, require_complete, stage_dir,
+                          start_stage, write_manifest)
 
-STAGE = "05b_serve_benchmark"
+STAGE = SERVE_BENCH
 
 
 def build_parser():
@@ -164,8 +164,8 @@ def main(argv=None):
     check_flags(args)
     out = stage_dir(args.work_dir, STAGE)
     inputs = load_inputs(args.work_dir, args.num_prompts, warm_count(args))
-    hidden = stage_dir(args.work_dir, "02b_extract_hidden_states_sglang")
-    m02b = require_complete(hidden, "02b_extract_hidden_states_sglang")
+    hidden = stage_dir(args.work_dir, EXTRACT)
+    m02b = require_complete(hidden, EXTRACT)
     target_dir, checked = target_and_drafts(args, inputs.m04)
     # a draft the engine cannot serve as checked stops 05b before any server launches
     served = check_servable(args.engine, checked, target_dir)
@@ -177,7 +177,7 @@ def main(argv=None):
     if deploy.nothing_measured(metrics["deploy"]):
         raise StageError(f"every timed run was refused, so nothing valid was measured (why: {out / 'report.md'}); "
                          "no manifest written: fix the server and run 05b again")
-    upstream = [stage_dir(args.work_dir, "04_train"), stage_dir(args.work_dir, "01c_merge_datasets"), hidden]
+    upstream = [stage_dir(args.work_dir, TRAIN), stage_dir(args.work_dir, MERGE), hidden]
     write_manifest(out, STAGE, args, tokenizer=inputs.m04["tokenizer"], target=inputs.m04["target"],
                    inputs=input_manifests(args.work_dir, *upstream, *([reference] if reference else [])),
                    counts={"num_prompts": len(inputs.rows), "num_warmup_prompts": len(inputs.warm),

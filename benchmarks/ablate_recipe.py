@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import draft_rows as dr  # noqa: E402
 
+from common.stage import EXTRACT, MERGE, VOCAB  # noqa: E402
+
 ESTABLISHED = {"max-samples-per-batch": 1, "learning-rate": "1e-4", "adam-betas": ["0.9", "0.999"],
                "init": "normal", "init-std": "0.02", "loss-normalization": "batch"}
 ROWS = {
@@ -61,7 +63,7 @@ def main(argv=None):
             continue
         held = held or dr.HeldOut(args.base, args.config, args.threads)
         work = args.out / "rows" / name.replace(" ", "_").replace("/", "_").replace(",", "")
-        dr.link(args.base, work, ("01c_merged", "02b_hidden_states", "03_vocab"))
+        dr.link(args.base, work, (MERGE, EXTRACT, VOCAB))
         run = dr.train(work, args.config, {**common, **flags})
         results = dr.save_result(out_json, name, {"flags": flags, **run,
                                                   "replay": held.evaluate(run["export"], args.num_draft_tokens)})

@@ -27,6 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from common.stage import GENERATE, PREPARE  # noqa: E402
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -55,8 +57,8 @@ def main(argv=None):
         for i in range(args.num_requests):
             f.write(json.dumps({"id": f"b{i}", "messages": [
                 {"role": "user", "content": f"Request {i}: write a function that adds {i} and {i + 1}."}]}) + "\n")
-    prep = importlib.import_module("01_prepare_datasets")
-    gen = importlib.import_module("01b_generate_synthetic")
+    prep = importlib.import_module(PREPARE)
+    gen = importlib.import_module(GENERATE)
     t = time.time()
     prep.main(["--work-dir", str(work / "w"), "--target-path", str(target), "--max-new-tokens", "64",
                "--datasets", json.dumps([{"name": "bench", "adapter": "messages", "path": str(rows)}])])
@@ -73,7 +75,7 @@ def main(argv=None):
             except OSError:
                 time.sleep(0.1)
         cpu, wall = time.process_time(), time.time()
-        gen.main(["--work-dir", str(work / "w"), "--generation-backend", "openai", "--server-url",
+        gen.main(["--work-dir", str(work / "w"), "--generation-engine", "openai", "--server-url",
                   f"http://127.0.0.1:{port}/v1", "--concurrency", str(args.concurrency), "--max-new-tokens", "64",
                   "--summary-interval", "5"])
         cpu, wall = time.process_time() - cpu, time.time() - wall

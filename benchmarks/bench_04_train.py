@@ -34,6 +34,9 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from common.stage import EXTRACT, TRAIN, VOCAB, stage_dir, stage_script  # noqa: E402
+
 VARIANTS = ("today", "attention", "fp32", "bf16", "topk")
 
 
@@ -125,7 +128,7 @@ def make_step(args, seq_len: int, variant: str):
 
     from common.training.distributed import Ranks
     from common.draft.model import Eagle3DraftModel
-    train = importlib.import_module("04_train")
+    train = importlib.import_module(TRAIN)
     device = torch.device(args.device)
     torch.manual_seed(0)
     cfg = {"hidden_size": args.hidden, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
@@ -288,7 +291,7 @@ def synthetic_upstream(work: Path, target: Path, seq_len: int, num_samples: int,
     features = features or FeatureFormat()
     lm_head = (load_target_head(target, torch.bfloat16, device)[1] if features.teacher == "topk" else None)
     ident = {"tokenizer": tokenizer_identity(target), "target": target_identity(target)}
-    hs, g = work / "02b_hidden_states", torch.Generator(device).manual_seed(1)
+    hs, g = stage_dir(work, EXTRACT), torch.Generator(device).manual_seed(1)
     per_shard = 4
     for s in range(0, num_samples, per_shard):
         samples = [{"id": f"bench/{i}", "input_ids": torch.randint(0, v, (seq_len,), generator=g, device=device).cpu(),
@@ -297,14 +300,14 @@ def synthetic_upstream(work: Path, target: Path, seq_len: int, num_samples: int,
                     "final": torch.randn(seq_len, h, generator=g, device=device).cpu()}
                    for i in range(s, min(s + per_shard, num_samples))]
         write_shard(hs / shard_name(s // per_shard), samples, features=features, lm_head=lm_head)
-    write_manifest(hs, "02b_extract_hidden_states_sglang", argparse.Namespace(),
+    write_manifest(hs, EXTRACT, argparse.Namespace(),
                    capture_points=default_capture_points(layers), hidden_size=h, num_hidden_layers=layers,
                    vocab_size=v, feature_format=features.as_dict(), **ident)
     d2t, t2d = random_vocab_mapping(v, draft_vocab, torch.Generator().manual_seed(2))
-    vocab_dir = work / "03_vocab"
+    vocab_dir = stage_dir(work, VOCAB)
     vocab_dir.mkdir()
     save_file({"d2t": d2t, "t2d": t2d}, str(vocab_dir / "vocab_mapping.safetensors"))
-    write_manifest(vocab_dir, "03_build_vocab_mapping", argparse.Namespace(), draft_vocab_size=draft_vocab,
+    write_manifest(vocab_dir, VOCAB, argparse.Namespace(), draft_vocab_size=draft_vocab,
                    vocab_size=v, **ident)
     return work
 
@@ -313,7 +316,7 @@ def run_stage(args, work: Path, seq_len: int, samples_per_step: int, prefetch: i
               threads: int) -> dict:
     """04 on `work` for --stage-steps steps; (median ms/step after the first, tokens/s, peak RSS)."""
     import shutil
-    shutil.rmtree(work / "04_draft", ignore_errors=True)
+    shutil.rmtree(stage_dir(work, TRAIN), ignore_errors=True)
     flags = ["--work-dir", str(work), "--device", "cpu", "--precision", "bf16", "--ttt-steps", str(args.ttt_steps),
              "--batch-tokens", str(samples_per_step * seq_len), "--max-seq-len", str(seq_len),
              "--eval-fraction", "0", "--num-epochs", "1", "--max-steps", str(args.stage_steps + 1), "--log-every", "1",
@@ -322,17 +325,17 @@ def run_stage(args, work: Path, seq_len: int, samples_per_step: int, prefetch: i
              "--stop-at-step", str(args.stage_steps)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if nproc == 1:
-        cmd = [sys.executable, str(REPO / "04_train.py"), *flags]
+        cmd = [sys.executable, str(REPO / stage_script(TRAIN)), *flags]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "04_train.py"), *flags]
+               str(REPO / stage_script(TRAIN)), *flags]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
         print(output[-4000:], file=sys.stderr)
         raise SystemExit(f"04 failed: {' '.join(cmd)}")
-    rows = [json.loads(line) for line in (work / "04_draft" / "train_log.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (stage_dir(work, TRAIN) / "train_log.jsonl").read_text().splitlines()]
     ms = statistics.median(r["ms_per_step"] for r in rows if r["split"] == "train" and r["step"] > 1)
     return {"ms_per_step": ms, "tokens_per_s": samples_per_step * seq_len / ms * 1000,
             "peak_gb": usage.ru_maxrss * 1024 / 2 ** 30}
@@ -343,7 +346,7 @@ def load_ms(work: Path, seq_len: int) -> float:
     takes off the training loop (here from the page cache; from a disk it is larger)."""
     from common.target.shards import list_shards
     from common.training.data import ShardData, load_batch
-    data = ShardData(list_shards(work / "02b_hidden_states"))
+    data = ShardData(list_shards(stage_dir(work, EXTRACT)))
     lengths = [e[2] for e in data.entries]
     times = []
     for i in range(len(lengths)):

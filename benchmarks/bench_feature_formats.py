@@ -23,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import draft_rows as dr  # noqa: E402
 
+from common.stage import EXTRACT, MERGE, VOCAB, stage_dir  # noqa: E402
+
 ROWS = {  # name -> FeatureFormat fields
     "bf16": {},
     "fp8": {"aux": "fp8"},
@@ -42,19 +44,19 @@ def reencode(base: Path, rows: dict, out: Path) -> dict:
     from common.target.head import load_target_head
     from common.io import read_json, write_json
 
-    m02 = read_json(base / "02b_hidden_states" / "manifest.json")
+    m02 = read_json(stage_dir(base, EXTRACT) / "manifest.json")
     if m02.get("feature_format", {}) not in ({}, FeatureFormat().as_dict()):
         raise SystemExit(f"the base's 02b must be bf16 + final without a window, not {m02['feature_format']}")
     fmts = {name: FeatureFormat(**f) for name, f in rows.items()}
-    todo = {n: f for n, f in fmts.items() if not (out / n / "02b_hidden_states" / "manifest.json").is_file()}
+    todo = {n: f for n, f in fmts.items() if not (stage_dir(out / n, EXTRACT) / "manifest.json").is_file()}
     if not todo:
         return {}
     k_max = max([f.topk for f in todo.values() if f.topk] or [0])
     lm_head = load_target_head(m02["target"]["path"], dtype=torch.float32, with_head=True)[1] if k_max else None
     seconds = {n: 0.0 for n in todo}
-    shards = list_shards(base / "02b_hidden_states")
+    shards = list_shards(stage_dir(base, EXTRACT))
     for path in shards:
-        if all((out / n / "02b_hidden_states" / path.name).is_file() for n in todo):
+        if all((stage_dir(out / n, EXTRACT) / path.name).is_file() for n in todo):
             continue   # written by an earlier, interrupted run (shards are written atomically)
         r = ShardReader(path)
         samples = []
@@ -66,16 +68,16 @@ def reencode(base: Path, rows: dict, out: Path) -> dict:
             samples.append(s)
         for name, features in todo.items():
             t0 = time.time()
-            write_shard(out / name / "02b_hidden_states" / path.name, samples, torch.bfloat16, features)
+            write_shard(stage_dir(out / name, EXTRACT) / path.name, samples, torch.bfloat16, features)
             seconds[name] += time.time() - t0
     for name, features in todo.items():
-        d = out / name / "02b_hidden_states"
+        d = stage_dir(out / name, EXTRACT)
         rows_stored = sum(ShardReader(p).num_tokens for p in list_shards(d))
         num_bytes = sum(p.stat().st_size for p in list_shards(d))
         write_json(d / "manifest.json", {**m02, "feature_format": features.as_dict(), "num_tokens": rows_stored,
                                          "num_bytes": num_bytes, "bytes_per_token": features.bytes_per_token(m02["hidden_size"]),
                                          "bytes_per_sample_token": round(num_bytes / m02["num_tokens"], 1),
-                                         "reencoded_from": str(base / "02b_hidden_states")})
+                                         "reencoded_from": str(stage_dir(base, EXTRACT))})
     return seconds
 
 
@@ -103,9 +105,9 @@ def main(argv=None):
             continue
         held = held or dr.HeldOut(args.base, args.config, args.threads)
         work = args.out / "formats" / name
-        dr.link(args.base, work, ("01c_merged", "03_vocab"))
+        dr.link(args.base, work, (MERGE, VOCAB))
         run = dr.train(work, args.config, flags)
-        m02 = read_json(work / "02b_hidden_states" / "manifest.json")
+        m02 = read_json(stage_dir(work, EXTRACT) / "manifest.json")
         results = dr.save_result(out_json, name, {"flags": flags, "format": m02["feature_format"], **run,
                                                   "bytes_per_sample_token": m02["bytes_per_sample_token"],
                                                   "replay": held.evaluate(run["export"], args.num_draft_tokens)})

@@ -16,6 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import draft_rows as dr  # noqa: E402
 
+from common.stage import EXTRACT, MERGE, TRAIN, VOCAB, stage_dir  # noqa: E402
+
 
 def plot(results: dict, ks: list[int], path: Path, title: str) -> None:
     import matplotlib
@@ -51,7 +53,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     from common.io import read_json
 
-    m02 = read_json(args.base / "02b_hidden_states" / "manifest.json")
+    m02 = read_json(stage_dir(args.base, EXTRACT) / "manifest.json")
     held = None   # built on the first point that needs it: a table of finished points needs no target
     out_json = args.out / "results.json"
     results = dr.load_results(out_json)
@@ -62,12 +64,12 @@ def main(argv=None):
     for share in sorted(args.shares):
         name = f"{share:g}"
         work = args.out / "rows" / name
-        dr.link(args.base, work, ("01c_merged", "02b_hidden_states", "03_vocab"))
+        dr.link(args.base, work, (MERGE, EXTRACT, VOCAB))
         if total is None:  # training samples available: all samples minus 04's eval split (by id hash)
             from argparse import Namespace
-            stage = __import__("importlib").import_module("04_train")
+            stage = __import__("importlib").import_module(TRAIN)
             defaults = vars(stage.parse_args(stage.build_parser(), ["--config", str(args.config), "--work-dir", str(work)]))
-            total = stage.plan_data(Namespace(**{**defaults, "max_train_samples": None}), work / "02b_hidden_states",
+            total = stage.plan_data(Namespace(**{**defaults, "max_train_samples": None}), stage_dir(work, EXTRACT),
                                     False).num_train
         row_flags = {**flags, "max-train-samples": max(1, round(share * total))}
         if name in results and results[name]["flags"] == row_flags:

@@ -18,7 +18,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from common.benchmark.formatting import fmt, fmt_ci as ci  # noqa: E402
-from common.stage import CPU_FEATURES  # noqa: E402
+from common.stage import BENCH, CPU_FEATURES, stage_dir  # noqa: E402
 
 
 def source_line(ref: Path, manifest: dict) -> str:
@@ -68,7 +68,7 @@ def sampled_loop_line(m: dict) -> str | None:
 
 
 def block(work: Path) -> str:
-    ref = work / "05_benchmark" / "reference"
+    ref = stage_dir(work, BENCH)
     m = json.loads((ref / "metrics.json").read_text())
     manifest = json.loads((ref / "manifest.json").read_text())
     lines = [f"From {source_line(ref, manifest)}:", "", *table(m), ""]

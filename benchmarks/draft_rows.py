@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from common.stage import BENCH, EXTRACT, MERGE, TRAIN, stage_dir  # noqa: E402
+
 
 def parser(doc: str, base_help: str) -> argparse.ArgumentParser:
     """The flags every comparison benchmark takes (base work dir, output, preset, seed, k values,
@@ -43,22 +45,23 @@ def argv_of(flags: dict) -> list[str]:
 
 
 def stage(name: str):
-    """A numbered stage's module (e.g. "04_train"), to call its main() in this process."""
+    """A numbered stage's module (e.g. TRAIN), to call its main() in this process."""
     return importlib.import_module(name)
 
 
-def link(base: Path, work: Path, names: tuple[str, ...]) -> None:
+def link(base: Path, work: Path, stages: tuple[str, ...]) -> None:
+    """Symlink the folders of `stages` (e.g. MERGE) of the base work dir into `work`."""
     work.mkdir(parents=True, exist_ok=True)
-    for d in names:
-        if not (work / d).exists():
-            os.symlink((base / d).resolve(), work / d)
+    for s in stages:
+        if not stage_dir(work, s).exists():
+            os.symlink(stage_dir(base, s).resolve(), stage_dir(work, s))
 
 
 def train(work: Path, config: Path, flags: dict) -> dict:
     """04 in `work` with the preset and `flags` (resumes if killed); returns a summary of the run."""
     t0 = time.time()
-    stage("04_train").main(["--config", str(config), "--work-dir", str(work), *argv_of(flags)])
-    d = work / "04_draft"
+    stage(TRAIN).main(["--config", str(config), "--work-dir", str(work), *argv_of(flags)])
+    d = stage_dir(work, TRAIN)
     m04 = json.loads((d / "manifest.json").read_text())
     log = [json.loads(x) for x in (d / "train_log.jsonl").read_text().splitlines()]
     train_rows = [r for r in log if r["split"] == "train"]
@@ -71,9 +74,9 @@ def train(work: Path, config: Path, flags: dict) -> dict:
 
 def num_train(work: Path, config: Path) -> int:
     """Training samples of a work dir: all 02b samples but 04's held-out split (by id hash)."""
-    m = stage("04_train")
+    m = stage(TRAIN)
     args = m.parse_args(m.build_parser(), ["--config", str(config), "--work-dir", str(work)])
-    return m.plan_data(args, work / "02b_hidden_states", False).num_train
+    return m.plan_data(args, stage_dir(work, EXTRACT), False).num_train
 
 
 class HeldOut:
@@ -91,17 +94,17 @@ class HeldOut:
 
         torch.set_num_threads(threads)
         cfg = yaml.safe_load(config.read_text())
-        m02 = read_json(base / "02b_hidden_states" / "manifest.json")
+        m02 = read_json(stage_dir(base, EXTRACT) / "manifest.json")
         self.target_dir = Path(m02["target"]["path"])
         self.target = AutoModelForCausalLM.from_pretrained(str(self.target_dir), dtype=torch.float32).eval()
         tok = load_tokenizer(self.target_dir)
         fmt = load_target_format(self.target_dir, tok)
         eos = set(fmt.stop_ids)
         max_new = int(cfg["benchmark-max-new-tokens"])
-        self.prompts = list(iter_jsonl(base / "01c_merged" / "benchmark_prompts.jsonl"))
+        self.prompts = list(iter_jsonl(stage_dir(base, MERGE) / "benchmark_prompts.jsonl"))
         known = None
         if cfg.get("response-cache"):
-            stage05 = stage("05_benchmark")
+            stage05 = stage(BENCH)
             known = stage05.known_answers(argparse.Namespace(response_cache=REPO / cfg["response-cache"],
                                                              benchmark_max_new_tokens=max_new),
                                           self.target_dir, tok, fmt)
@@ -129,18 +132,18 @@ def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], ar
     drafts is read back, so a script can evaluate in parts (one process per part) and tabulate later."""
     from common.stage import is_complete
 
-    ref = eval_dir / "05_benchmark" / "reference"   # where 05 reference writes its metrics and manifest
+    ref = stage_dir(eval_dir, BENCH)   # where 05 reference writes its metrics and manifest
     if is_complete(ref):
         metrics = json.loads((ref / "metrics.json").read_text())
         if set(metrics["drafts"]) == {"04", *drafts}:
             print(f"[rows] {eval_dir.name}: read back (same drafts)")
             return metrics
     eval_dir.mkdir(parents=True, exist_ok=True)
-    link(base, eval_dir, ("01c_merged",))
-    if not (eval_dir / "04_draft").exists():
-        os.symlink(ours.resolve(), eval_dir / "04_draft")
+    link(base, eval_dir, (MERGE,))
+    if not stage_dir(eval_dir, TRAIN).exists():
+        os.symlink(ours.resolve(), stage_dir(eval_dir, TRAIN))
     specs = [f"{n}={p}" for n, p in drafts.items()]
-    stage("05_benchmark").main([
+    stage(BENCH).main([
         "--config", str(args.config), "--work-dir", str(eval_dir), "--overwrite", "--loop-prompts", "0",
         "--acceptance-loop-prompts", "0", "--num-draft-tokens", *map(str, args.num_draft_tokens),
         "--response-cache", str(response_cache), "--cpu-threads", str(args.threads), "--draft", *specs,
@@ -150,7 +153,7 @@ def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], ar
 
 def target_name(base: Path) -> str:
     """The target of a base work dir: its model folder, from the 02b manifest (e.g. smollm2/target)."""
-    path = Path(json.loads((base / "02b_hidden_states" / "manifest.json").read_text())["target"]["path"])
+    path = Path(json.loads((stage_dir(base, EXTRACT) / "manifest.json").read_text())["target"]["path"])
     return f"{path.parent.name}/{path.name}"
 
 

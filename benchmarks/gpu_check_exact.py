@@ -18,6 +18,7 @@ import torch
 from bench_04_train import random_vocab_mapping
 
 from common.io import read_json
+from common.stage import EXTRACT, TRAIN
 
 # The CPU test's TTT attention tolerances (tests/test_eagle3.py test_ttt_attention_kernel_level_fp32_and_bf16):
 # outputs within atol, gradients within 4 x atol.
@@ -85,7 +86,7 @@ def step_04(result: dict, device: str, cfg: dict, seq_len: int, ttt_steps: int) 
     against the CPU in fp32, for the final-state and the top-k teacher."""
     from common.draft.model import Eagle3DraftModel
     from common.training.distributed import Ranks
-    train = importlib.import_module("04_train")
+    train = importlib.import_module(TRAIN)
     torch.backends.cuda.matmul.allow_tf32 = False    # fp32 means fp32 (the default; said explicitly)
     t, b, h, v, dv = seq_len, 2, cfg["hidden_size"], cfg["vocab_size"], cfg["draft_vocab_size"]
     g = torch.Generator().manual_seed(0)
@@ -197,7 +198,7 @@ def capture_02b(result: dict, device: str, llama: dict, num_prompts: int, scratc
     against the CPU's fp32 capture: ||a - b|| / ||b|| per sample, worst over samples, of each capture point
     and of the final state."""
     from common.target.capture import capture_hf, default_capture_points
-    stage = importlib.import_module("02b_extract_hidden_states_sglang")
+    stage = importlib.import_module(EXTRACT)
     target_dir = save_llama(scratch / "llama_capture", {**llama, "initializer_range": 0.02})
     cfg = read_json(target_dir / "config.json")
     points, hidden = default_capture_points(cfg["num_hidden_layers"]), cfg["hidden_size"]

@@ -32,6 +32,7 @@ from gpu_check_exact import check, error_of, free, sync  # noqa: E402
 from common.config import declared_flags, load_config  # noqa: E402
 from common.draft.model import draft_config  # noqa: E402
 from common.io import read_json, write_json  # noqa: E402
+from common.stage import EXTRACT, TRAIN, VOCAB, stage_dir, stage_script  # noqa: E402
 from common.target.shards import FeatureFormat  # noqa: E402
 
 PRESET = REPO / "configs" / "kimi-k2.5.yaml"
@@ -73,7 +74,7 @@ def train_04(result: dict, device: str, ts: TrainShape, scratch: Path) -> None:
         name = f"{fmt}_T{seq_len}" + ("_warm_start" if warm else "")
         run = {"name": name, "format": FORMATS[fmt].as_dict(), "teacher": FORMATS[fmt].teacher, "seq_len": seq_len}
         result["runs"].append(run)
-        if warm and "init-from" not in declared_flags(REPO / "04_train.py"):
+        if warm and "init-from" not in declared_flags(REPO / stage_script(TRAIN)):
             run["status"] = "skipped: 04 has no --init-from"
             checks[name] = check(True, status=run["status"])
             continue
@@ -103,8 +104,8 @@ def warm_export(work: Path, cfg: dict, device: str, scratch: Path) -> Path:
 
     from common.draft.export_sglang import export_sglang
     from common.draft.model import Eagle3DraftModel
-    mapping = load_file(str(work / "03_vocab" / "vocab_mapping.safetensors"))
-    points = read_json(work / "02b_hidden_states" / "manifest.json")["capture_points"]
+    mapping = load_file(str(stage_dir(work, VOCAB) / "vocab_mapping.safetensors"))
+    points = read_json(stage_dir(work, EXTRACT) / "manifest.json")["capture_points"]
     with torch.device(device):   # Kimi's draft: 2 B parameters with the embedding, built in seconds on a GPU
         model = Eagle3DraftModel(cfg)
     model.set_vocab_mapping(mapping["d2t"], mapping["t2d"])
@@ -116,7 +117,7 @@ def warm_export(work: Path, cfg: dict, device: str, scratch: Path) -> Path:
 
 def run_04(work: Path, target: Path, seq_len: int, ts: TrainShape, device: str, scratch: Path,
            init_from: Path | None) -> dict:
-    """04_train.py with the preset under torchrun (world 1) through this file's --run-04 worker; one
+    """Run 04 (TRAIN) with the preset under torchrun (world 1) through this file's --run-04 worker; one
     sample of seq_len tokens per step; stops with a checkpoint (never exports: no matplotlib needed)."""
     steps = ts.warmup_steps + ts.measured_steps
     argv = ["--config", str(PRESET), "--work-dir", str(work), "--target-path", str(target), "--device", device,
@@ -124,7 +125,7 @@ def run_04(work: Path, target: Path, seq_len: int, ts: TrainShape, device: str, 
             "--max-samples-per-batch", "1", "--eval-fraction", "0", "--num-epochs", str(steps),
             "--max-steps", str(steps + 1), "--stop-at-step", str(steps), "--log-every", "1",
             "--eval-every", "1000000", "--save-every", "1000000", "--overwrite"]
-    if "candidates-per-epoch" in declared_flags(REPO / "04_train.py"):
+    if "candidates-per-epoch" in declared_flags(REPO / stage_script(TRAIN)):
         argv += ["--candidates-per-epoch", "0"]   # the preset's checkpoint selection needs an eval split
     if ts.draft_heads:
         argv += ["--draft-num-attention-heads", str(ts.draft_heads[0]),
@@ -140,7 +141,7 @@ def run_04(work: Path, target: Path, seq_len: int, ts: TrainShape, device: str, 
     wall = time.time() - t0
     if rc != 0:   # 04's own output, without torchrun's report of the failure
         raise RuntimeError(f"04 exited {rc}: {log.read_text().split('torch.distributed.elastic')[0][-2500:]}")
-    out = work / "04_draft"
+    out = stage_dir(work, TRAIN)
     rows = [r for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if r["split"] == "train"]
     ms = statistics.median(r["ms_per_step"] for r in rows if r["step"] > ts.warmup_steps)
     shutil.rmtree(out)   # its checkpoint: 11.5 GB at Kimi's shape
@@ -163,7 +164,7 @@ def run_child(cmd: list[str], log: Path) -> int:
 
 def run_04_child(stats: Path, argv: list[str]) -> None:
     """The torchrun worker: 04's main, then this process's peak memory (GPU allocator, or CPU RSS)."""
-    train = importlib.import_module("04_train")
+    train = importlib.import_module(TRAIN)
     try:
         train.main(argv)
     finally:

@@ -4,7 +4,7 @@ greedy and by sampled tau? And how many answers loop?
 SmolLM2-135M stands in for Kimi-K2.5. The base work dir (`make bench-real`'s runs/smollm2) holds the
 target's greedy answers (01b at T 0, the shipped response cache). This script regenerates the same 01
 prompts at --temperature / --top-p (default Kimi-K2.5's serving setting, T 1.0 / top-p 0.95) with 01b's
-in-process backend, runs 01c -> 02b -> 03 -> 04 on them, and trains the greedy row on the base's own
+in-process engine, runs 01c -> 02b -> 03 -> 04 on them, and trains the greedy row on the base's own
 01c/02b/03 (with --sources, both rows on a subset of the base's datasets, each through 01 -> 04) with the
 same 04 flags (the preset's recipe, --share of the training samples, a candidate per
 epoch). 05 (the reference benchmark) then measures both drafts side by side on the base's held-out prompts, greedy
@@ -31,8 +31,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import draft_rows as dr  # noqa: E402
+from common.stage import EXTRACT, GENERATE, MERGE, PREPARE, TRAIN, VOCAB, stage_dir  # noqa: E402
 
-UPSTREAM = ("01c_merged", "02b_hidden_states", "03_vocab")
+UPSTREAM = (MERGE, EXTRACT, VOCAB)
 RESPONSES = REPO / "assets" / "smollm2" / "responses.jsonl.gz"   # the base's greedy answers (05's too)
 
 
@@ -51,19 +52,19 @@ def build_data(work: Path, base: Path, preset: Path, args, sample: bool) -> None
     01b greedy or at the serving temperature, then 01c, 02b and 03."""
     common = ["--config", str(preset), "--work-dir", str(work)]
     if args.sources:
-        datasets = json.loads((base / "01_prepared" / "manifest.json").read_text())["config"]["datasets"]
+        datasets = json.loads((stage_dir(base, PREPARE) / "manifest.json").read_text())["config"]["datasets"]
         keep = [d for d in datasets if d["name"] in args.sources or d.get("benchmark-only")]
         if {d["name"] for d in keep} < set(args.sources):
             raise SystemExit(f"--sources: the base's 01 has {[d['name'] for d in datasets]}")
-        dr.stage("01_prepare_datasets").main([*common, "--datasets", json.dumps(keep)])
+        dr.stage(PREPARE).main([*common, "--datasets", json.dumps(keep)])
     else:
-        dr.link(base, work, ("01_prepared",))
+        dr.link(base, work, (PREPARE,))
     sampling = ["--temperature", str(args.temperature), "--top-p", str(args.top_p), "--generation-seed", str(args.seed)]
-    dr.stage("01b_generate_synthetic").main([*common, "--generation-backend", "hf", "--device", "cpu",
-                                          "--hf-batch-size", str(args.hf_batch_size), *(sampling if sample else [])])
-    dr.stage("01c_merge_datasets").main(common)
-    dr.stage("02b_extract_hidden_states_sglang").main([*common, "--capture-backend", "hf", "--device", "cpu"])
-    dr.stage("03_build_vocab_mapping").main(common)
+    dr.stage(GENERATE).main([*common, "--generation-engine", "hf", "--device", "cpu",
+                             "--hf-batch-size", str(args.hf_batch_size), *(sampling if sample else [])])
+    dr.stage(MERGE).main(common)
+    dr.stage(EXTRACT).main([*common, "--capture-engine", "hf", "--device", "cpu"])
+    dr.stage(VOCAB).main(common)
 
 
 def row_flags(num_samples: int, args) -> dict:
@@ -76,11 +77,11 @@ def check_row(work: Path, base: Path, flags: dict) -> None:
     """Refuse a --greedy-row that is unfinished, trained on other data or with other 04 flags."""
     from common.stage import input_manifests, is_complete
 
-    d = work / "04_draft"
+    d = stage_dir(work, TRAIN)
     if not is_complete(d):
         raise SystemExit(f"--greedy-row {work}: its 04 is not complete")
     m = json.loads((d / "manifest.json").read_text())
-    upstream = input_manifests(base, *(base / u for u in UPSTREAM[1:]))   # 02b and 03, as 04 records them
+    upstream = input_manifests(base, *(stage_dir(base, u) for u in UPSTREAM[1:]))   # 02b and 03, as 04 records them
     if any(m["inputs"].get(k) != v for k, v in upstream.items()):
         raise SystemExit(f"--greedy-row {work}: trained on other 02b/03 outputs than {base}'s")
     differ = {k: (m["config"].get(k.replace("-", "_")), v) for k, v in flags.items()
@@ -91,8 +92,8 @@ def check_row(work: Path, base: Path, flags: dict) -> None:
 
 def data_summary(work: Path) -> dict:
     """Answer tokens, repetition loops (01c) and the share of answers cut at the token cap (01b) of a work dir."""
-    totals = json.loads((work / "01c_merged" / "stats.json").read_text())["totals"]
-    m01b = json.loads((work / "01b_generated" / "manifest.json").read_text())["counts"]
+    totals = json.loads((stage_dir(work, MERGE) / "stats.json").read_text())["totals"]
+    m01b = json.loads((stage_dir(work, GENERATE) / "manifest.json").read_text())["counts"]
     reasons: dict[str, int] = {}
     for c in m01b.values():
         if not c.get("benchmark_only"):
@@ -173,8 +174,8 @@ def main(argv=None):
         dr.train(sampled, preset, row_flags(num, args))
     if args.only == "rows":
         return
-    ev = dr.evaluate(args.out / "eval", args.base, greedy / "04_draft",
-                     {"sampled_data": sampled / "04_draft" / "export_sglang"}, args, RESPONSES)
+    ev = dr.evaluate(args.out / "eval", args.base, stage_dir(greedy, TRAIN),
+                     {"sampled_data": stage_dir(sampled, TRAIN) / "export_sglang"}, args, RESPONSES)
     results = {"data": {"greedy": data_summary(greedy_data), "sampled": data_summary(sampled)},
                "sources": args.sources,
                "rows": {"04": row_flags(num, args), "sampled_data": row_flags(num, args)},

@@ -43,6 +43,7 @@ from common.io import read_json  # noqa: E402
 from common.serving import process, vllm  # noqa: E402
 from common.serving.agreement import check_answers  # noqa: E402
 from common.serving.vllm import VllmEngine  # noqa: E402
+from common.stage import EXTRACT, MERGE, TRAIN, stage_dir  # noqa: E402
 
 
 def pearson(a: list[float], b: list[float]) -> float:
@@ -61,8 +62,8 @@ def drafts_wanted(args) -> list[tuple[str, str, Path | None]]:
             raise SystemExit(f"{c} is not a complete 04 checkpoint (no COMPLETE marker)")
         out.append((f"{c.parents[2].name}@{int(c.name.split('_')[1])}", "checkpoint", c))
     for w in args.work_dirs:
-        m04 = read_json(Path(w) / "04_draft" / "manifest.json")
-        out.append((f"{Path(w).name}@{m04['num_steps']} (final)", "export", Path(w) / "04_draft" / "export_sglang"))
+        m04 = read_json(stage_dir(w, TRAIN) / "manifest.json")
+        out.append((f"{Path(w).name}@{m04['num_steps']} (final)", "export", stage_dir(w, TRAIN) / "export_sglang"))
     return out
 
 
@@ -85,7 +86,7 @@ def same_eval_split(kind: str, source: Path | None, base: Path) -> bool:
     if kind == "untrained":
         return False
     work = source.parents[2] if kind == "checkpoint" else source.parents[1]
-    return (work / "02b_hidden_states").resolve() == (base / "02b_hidden_states").resolve()
+    return stage_dir(work, EXTRACT).resolve() == stage_dir(base, EXTRACT).resolve()
 
 
 class Stage04Eval:
@@ -98,7 +99,7 @@ class Stage04Eval:
 
         from common.training.precision import choose_bf16
 
-        self.m = importlib.import_module("04_train")
+        self.m = importlib.import_module(TRAIN)
         self.args = parse_args(self.m.build_parser(), ["--config", str(config), "--work-dir", str(base)])
         self.inputs = self.m.load_inputs(self.args)
         self.device = torch.device("cpu")
@@ -243,7 +244,7 @@ def main(argv=None):
     if todo:
         s04 = Stage04Eval(args.base, args.config)
         held = dr.HeldOut(args.base, args.config, args.threads)
-    m02b = read_json(args.base / "02b_hidden_states" / "manifest.json")
+    m02b = read_json(stage_dir(args.base, EXTRACT) / "manifest.json")
     for name, kind, source in todo:
         t0 = time.time()
         export = write_export(name, kind, source, s04, args.out)
@@ -270,7 +271,7 @@ def main(argv=None):
         results = dr.save_result(out_json, name, row)
         print(f"[tau3] {name}: vLLM tau {engine['tau']:.3f} on {engine['num_rounds']} rounds "
               f"(every round = replay: {engine['every_round_equal']}) | {row['seconds'] / 60:.1f} min", flush=True)
-    num_held = sum(1 for line in (args.base / "01c_merged" / "benchmark_prompts.jsonl").open() if line.strip())
+    num_held = sum(1 for line in (stage_dir(args.base, MERGE) / "benchmark_prompts.jsonl").open() if line.strip())
     print(write_table(args.out, dr.load_results(out_json), args, num_held))
 
 

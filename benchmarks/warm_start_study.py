@@ -38,6 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import draft_rows as dr  # noqa: E402
+from common.stage import EXTRACT, GENERATE, MERGE, PREPARE, TRAIN, VOCAB, stage_dir  # noqa: E402
 
 WORLD_DATA = REPO / "build" / "smollm2" / "data"
 GENERAL_RESPONSES = REPO / "assets" / "smollm2" / "general_responses.jsonl.gz"
@@ -57,11 +58,11 @@ def recipe(text: str) -> str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: the value is not a number") from None
     return text
-UPSTREAM = ("01c_merged", "02b_hidden_states", "03_vocab")
+UPSTREAM = (MERGE, EXTRACT, VOCAB)
 
 
 def build_standin_base(work: Path, config: Path) -> None:
-    """01 -> 03 on the general set: its answers come from the shipped cache (01b's openai backend is never
+    """01 -> 03 on the general set: its answers come from the shipped cache (01b's openai engine is never
     asked: every prompt is a cache hit), its held-out prompts are benchmark-only."""
     for name in ("general_train.jsonl", "general_heldout.jsonl"):
         if not (WORLD_DATA / name).is_file():
@@ -72,13 +73,13 @@ def build_standin_base(work: Path, config: Path) -> None:
         {"name": "general_heldout", "adapter": "messages", "path": str(WORLD_DATA / "general_heldout.jsonl"),
          "benchmark-only": True}])
     common = ["--config", str(config), "--work-dir", str(work)]
-    dr.stage("01_prepare_datasets").main([*common, "--datasets", datasets, "--max-new-tokens", "160"])
-    dr.stage("01b_generate_synthetic").main([*common, "--max-new-tokens", "160",
-                                          "--generation-backend", "openai", "--response-cache", str(GENERAL_RESPONSES),
-                                          "--server-url", "http://127.0.0.1:9/v1", "--served-model-name", "smollm2"])
-    dr.stage("01c_merge_datasets").main(common)
-    dr.stage("02b_extract_hidden_states_sglang").main([*common, "--capture-backend", "hf", "--device", "cpu"])
-    dr.stage("03_build_vocab_mapping").main(common)
+    dr.stage(PREPARE).main([*common, "--datasets", datasets, "--max-new-tokens", "160"])
+    dr.stage(GENERATE).main([*common, "--max-new-tokens", "160",
+                             "--generation-engine", "openai", "--response-cache", str(GENERAL_RESPONSES),
+                             "--server-url", "http://127.0.0.1:9/v1", "--served-model-name", "smollm2"])
+    dr.stage(MERGE).main(common)
+    dr.stage(EXTRACT).main([*common, "--capture-engine", "hf", "--device", "cpu"])
+    dr.stage(VOCAB).main(common)
 
 
 def row_flags(variant: str, share_samples: int | None, standin: Path, args) -> dict:
@@ -139,7 +140,7 @@ def main(argv=None):
         build_standin_base(standin_work, args.config)
         size = {"max-train-samples": args.standin_samples} if args.standin_samples else {}
         dr.train(standin_work, args.config, {"train-seed": args.seed, **size, **dict(f.split("=", 1) for f in args.train_flags)})
-    standin = standin_work / "04_draft" / "export_sglang"
+    standin = stage_dir(standin_work, TRAIN) / "export_sglang"
     todo = rows(args, standin)
     if args.only in (None, "rows"):
         unknown = set(args.rows or ()) - set(todo)
@@ -154,7 +155,7 @@ def main(argv=None):
             dr.train(work, args.config, flags)
     if args.only == "standin" or args.only == "rows":
         return
-    exports = {n: args.out / "rows" / n / "04_draft" / "export_sglang" for n in todo}
+    exports = {n: stage_dir(args.out / "rows" / n, TRAIN) / "export_sglang" for n in todo}
     not_run = sorted(n for n, p in exports.items() if not (p / "config.json").is_file())
     if not_run:  # a grid spread over sessions: evaluate what is trained, say what is not
         print(f"[study] not trained yet, left out of this evaluation: {', '.join(not_run)}")
@@ -163,7 +164,7 @@ def main(argv=None):
     for n in todo:   # the curve rows' candidates, each measured on the reported prompts too
         if "epochs" in n:
             drafts.update(export_candidates(args.out / "rows" / n))
-    ours = args.out / "rows" / f"scratch_{max(args.shares):g}" / "04_draft"
+    ours = stage_dir(args.out / "rows" / f"scratch_{max(args.shares):g}", TRAIN)
     in_domain = general = None
     if args.only in (None, "eval", "eval_in_domain"):
         in_domain = dr.evaluate(args.out / f"eval_in_domain{args.tag}", args.base, ours, drafts, args,
@@ -190,7 +191,7 @@ def export_candidates(row: Path) -> dict[str, Path]:
     from common.target.head import load_target_head
     from common.training.selection import load_candidate
 
-    d = row / "04_draft"
+    d = stage_dir(row, TRAIN)
     m = json.loads((d / "manifest.json").read_text())
     dtype = json.loads((d / "export_sglang" / "config.json").read_text())["torch_dtype"]
     embed = None
@@ -216,7 +217,7 @@ def pick(metrics: dict) -> dict:
 
 def selection(work: Path) -> dict:
     """The selection record of a row's 04 manifest (candidates with replay tau, the chosen step)."""
-    return json.loads((work / "04_draft" / "manifest.json").read_text()).get("selection") or {}
+    return json.loads((stage_dir(work, TRAIN) / "manifest.json").read_text()).get("selection") or {}
 
 
 def cell(drafts: dict, name: str, t: str, k: str) -> str:

@@ -6,7 +6,7 @@ files) and imports nothing else of `common`. Then:
                  target    capture (HF, SGLang), target head, feature shards        (02b, 03, 04, 05)
                  draft     the draft model, its TTT attention, its exports          (04, 05)
   owned by one   datasets  01's dataset adapters and the v4 mix
-  stage          generation 01b's jobs, loops, run state, server pool, HF backend
+  stage          generation 01b's jobs, loops, run state, server pool, HF engine
                  training  04's teachers, loss, batches, DDP, checkpoints
                  benchmark 05: reference loop, replay, sampled acceptance, draft comparison
                  serving   05b: engines (SGLang, vLLM) behind one interface, their launch and preflight,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from common.stage import REPO_ROOT, STAGE_SCRIPTS, StageError
+from common.stage import REPO_ROOT, STAGE_SCRIPTS, StageError, stage_script
 
 
 def base_parser(doc: str | None, work_dir: bool = True) -> argparse.ArgumentParser:
@@ -67,8 +67,12 @@ def all_stage_flags() -> frozenset[str]:
     """Every flag name of every stage script (STAGE_SCRIPTS), plus the shared ones of base_parser."""
     names = set(_flag_names(base_parser(None)))
     for name in STAGE_SCRIPTS:
-        names |= declared_flags(REPO_ROOT / f"{name}.py")
+        names |= declared_flags(REPO_ROOT / stage_script(name))
     return frozenset(names)
+
+
+# Flags that were renamed, for a one-line hint when an old config still says them.
+RENAMED_FLAGS = {"generation-backend": "generation-engine", "capture-backend": "capture-engine"}
 
 
 def load_config(path: str | Path, known: frozenset[str] | set[str] | None = None) -> dict:
@@ -82,8 +86,9 @@ def load_config(path: str | Path, known: frozenset[str] | set[str] | None = None
         raise StageError(f"{path}: a config is a flat mapping of flag names to values")
     unknown = sorted(k for k in data if k not in known)
     if unknown:
+        renamed = "".join(f"; {k} is now {RENAMED_FLAGS[k]}" for k in unknown if k in RENAMED_FLAGS)
         raise StageError(f"{path}: unknown key(s) {', '.join(unknown)}; keys are flag names of the stages "
-                         "(see `python <stage>.py --help`)")
+                         f"(see `python <stage>.py --help`){renamed}")
     bad_form = sorted(k for k in data if "_" in k)
     if bad_form:
         raise StageError(f"{path}: keys are kebab-case flag names: {', '.join(bad_form)}")

@@ -15,22 +15,44 @@ from pathlib import Path
 
 from common.io import read_json, write_json
 
-# The stage registry. A stage is the script <name>.py at the repo root; STAGE_DIRS gives its folder under
-# --work-dir (per-dataset stages hold one sub-folder per dataset). The world builders write build/ and a
-# target folder, not a stage folder, but share the flag namespace of the presets. 05 and 05b were one
-# script with a --mode; each keeps the sub-folder of 05_benchmark/ its mode wrote, so results, reports and
-# the scripts that read them stay where they were.
+# The stage registry. A stage is the script <name>.py at the repo root (stage_script); STAGE_DIRS gives
+# its folder under --work-dir (stage_dir, stage_folder; per-dataset stages hold one sub-folder per
+# dataset). Code names a stage by its constant, never by the literal:
+#   constant       script                              folder under --work-dir
+#   PREPARE        01_prepare_datasets                 01_prepared/<dataset>
+#   GENERATE       01b_generate_synthetic              01b_generated/<dataset>
+#   MERGE          01c_merge_datasets                  01c_merged
+#   EXTRACT        02b_extract_hidden_states_sglang    02b_hidden_states
+#   VOCAB          03_build_vocab_mapping              03_vocab
+#   TRAIN          04_train                            04_draft
+#   BENCH          05_benchmark                        05_benchmark/reference
+#   SERVE_BENCH    05b_serve_benchmark                 05_benchmark/server
+#   TINY_WORLD     00_build_tiny_world                 (none: build/ and a target folder)
+#   SMOLLM2_WORLD  00_build_smollm2_world              (none: build/ and a target folder)
+# The world builders write build/ and a target folder, not a stage folder, but share the flag namespace
+# of the presets. 05 and 05b were one script with a --mode; each keeps the sub-folder of 05_benchmark/
+# its mode wrote, so results, reports and the scripts that read them stay where they were.
+PREPARE = "01_prepare_datasets"
+GENERATE = "01b_generate_synthetic"
+MERGE = "01c_merge_datasets"
+EXTRACT = "02b_extract_hidden_states_sglang"
+VOCAB = "03_build_vocab_mapping"
+TRAIN = "04_train"
+BENCH = "05_benchmark"
+SERVE_BENCH = "05b_serve_benchmark"
+TINY_WORLD = "00_build_tiny_world"
+SMOLLM2_WORLD = "00_build_smollm2_world"
 STAGE_DIRS = {
-    "01_prepare_datasets": "01_prepared",
-    "01b_generate_synthetic": "01b_generated",
-    "01c_merge_datasets": "01c_merged",
-    "02b_extract_hidden_states_sglang": "02b_hidden_states",
-    "03_build_vocab_mapping": "03_vocab",
-    "04_train": "04_draft",
-    "05_benchmark": "05_benchmark/reference",
-    "05b_serve_benchmark": "05_benchmark/server",
+    PREPARE: "01_prepared",
+    GENERATE: "01b_generated",
+    MERGE: "01c_merged",
+    EXTRACT: "02b_hidden_states",
+    VOCAB: "03_vocab",
+    TRAIN: "04_draft",
+    BENCH: "05_benchmark/reference",
+    SERVE_BENCH: "05_benchmark/server",
 }
-WORLD_BUILDERS = ("00_build_tiny_world", "00_build_smollm2_world")
+WORLD_BUILDERS = (TINY_WORLD, SMOLLM2_WORLD)
 STAGE_SCRIPTS = WORLD_BUILDERS + tuple(STAGE_DIRS)
 MANIFEST = "manifest.json"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -68,8 +90,19 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+def stage_script(stage: str) -> str:
+    """The file of a stage (or world builder), relative to the repo root: e.g. TRAIN -> "04_train.py"."""
+    return f"{stage}.py"
+
+
+def stage_folder(stage: str) -> str:
+    """The folder of a stage relative to the work dir, e.g. TRAIN -> "04_draft" (for relative paths)."""
+    return STAGE_DIRS[stage]
+
+
 def stage_dir(work_dir: str | Path, stage: str, dataset: str | None = None) -> Path:
-    path = Path(work_dir) / STAGE_DIRS[stage]
+    """The folder of a stage under `work_dir` (a dataset's sub-folder of it when `dataset`)."""
+    path = Path(work_dir) / stage_folder(stage)
     return path / dataset if dataset else path
 
 
@@ -96,7 +129,7 @@ def require_complete(path: str | Path, producer: str) -> dict:
     path = Path(path)
     if not is_complete(path):
         what = "is missing" if not path.exists() else "is incomplete (no manifest.json)"
-        raise StageError(f"{path} {what}: run `python {producer}.py` for this --work-dir first")
+        raise StageError(f"{path} {what}: run `python {stage_script(producer)}` for this --work-dir first")
     return read_manifest(path)
 
 
@@ -173,7 +206,7 @@ def check_same_tokenizer(upstream: dict, current: dict, upstream_dir: str | Path
         raise StageError(
             f"{upstream_dir} was made with tokenizer {upstream.get('path')} "
             f"(sha256 {str(upstream.get('sha256'))[:12]}), but this run uses {current['path']} "
-            f"(sha256 {current['sha256'][:12]}). Re-run `python {producer}.py --overwrite` "
+            f"(sha256 {current['sha256'][:12]}). Re-run `python {stage_script(producer)} --overwrite` "
             "with the same target, or point --target-path at the model it was made with.")
 
 
@@ -245,6 +278,6 @@ def resolve_target(target_path: str | Path | None, upstream: dict, upstream_dir:
     check_same_tokenizer(upstream["tokenizer"], tokenizer_identity(target), upstream_dir, producer)
     if target_identity(target)["config_sha256"] != upstream["target"].get("config_sha256"):
         raise StageError(f"{upstream_dir} was made for target {upstream['target'].get('path')}, whose "
-                         f"config.json differs from {target}'s. Re-run `python {producer}.py --overwrite` "
+                         f"config.json differs from {target}'s. Re-run `python {stage_script(producer)} --overwrite` "
                          "with this target, or point --target-path at the one it was made for.")
     return target

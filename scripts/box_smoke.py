@@ -2,7 +2,7 @@
 
 --engine sglang (the default; the first thing to run on a GPU box): on SmolLM2-135M-Instruct
 (00_build_smollm2_world.py; a Llama target) and a few dozen prompts it runs: 01 -> an SGLang server for
-the target -> 01b (openai backend) against it -> 01c -> 02b through SGLang (torchrun, SpecForge's
+the target -> 01b (openai engine) against it -> 01c -> 02b through SGLang (torchrun, SpecForge's
 runner) AND through transformers on the same samples, shard against shard -> 03 -> a short 04 -> 05
 (the reference: transformers speculative decoding, k = 3) and 05b (serving: SGLang, EAGLE3 3,1,4,
 launched by 05b with its preflight) -> SGLang's accept length against the reference tau. Not yet run on
@@ -34,6 +34,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from common.stage import (BENCH, EXTRACT, GENERATE, MERGE, PREPARE, SERVE_BENCH, SMOLLM2_WORLD, TRAIN,  # noqa: E402
+                          VOCAB, stage_dir, stage_script)
 
 SERVED_NAME = "smoke-target"
 NUM_DRAFT_TOKENS = 3  # reference k = 3 <-> SGLang chain (steps 3, topk 1, 4 draft tokens)
@@ -134,36 +137,36 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
     once = ["--bench-repeats", "1"]
     label = {"sglang": "SGLang", "vllm": "vLLM"}[s.engine]
     steps = {
-        "build": [Step("00 build the small target", [py, "00_build_smollm2_world.py", "--config",
+        "build": [Step("00 build the small target", [py, stage_script(SMOLLM2_WORLD), "--config",
                                                         "configs/smollm2.yaml"], "the small-target build (00)")],
-        "prepare": [Step("01 prepare", [py, "01_prepare_datasets.py", "--work-dir", w, "--target-path", t,
+        "prepare": [Step("01 prepare", [py, stage_script(PREPARE), "--work-dir", w, "--target-path", t,
                                         "--datasets", data_specs(s), "--max-new-tokens", str(s.max_new_tokens),
                                         "--max-context", "4096"], "data preparation (01)")],
         "generate": [Step(f"01b generate through {label}", [
-            py, "01b_generate_synthetic.py", "--work-dir", w, "--target-path", t, "--generation-backend",
+            py, stage_script(GENERATE), "--work-dir", w, "--target-path", t, "--generation-engine",
             "openai", "--server-url", f"http://127.0.0.1:{s.port}/v1", "--served-model-name", SERVED_NAME,
             "--max-new-tokens", str(s.max_new_tokens), "--max-context", "4096", "--concurrency", "16"],
             f"{label} serving the target through its OpenAI API (01b against its server)")],
     }
-    merge = Step("01c merge", [py, "01c_merge_datasets.py", "--work-dir", w, "--benchmark-size", "0"],
+    merge = Step("01c merge", [py, stage_script(MERGE), "--work-dir", w, "--benchmark-size", "0"],
                  "merge and tokenization (01c)")
-    vocab = Step("03 draft vocab", [py, "03_build_vocab_mapping.py", "--work-dir", w, "--draft-vocab-size", "4096"],
+    vocab = Step("03 draft vocab", [py, stage_script(VOCAB), "--work-dir", w, "--draft-vocab-size", "4096"],
                  "draft vocabulary (03)")
     if s.engine == "vllm":  # all on this machine's CPU, float32 where numbers are compared
         steps["capture"] = [merge, Step("02b capture through transformers", [
-            py, "02b_extract_hidden_states_sglang.py", "--work-dir", w, "--capture-backend", "hf", "--device", "cpu"],
-            "transformers capture (02b --capture-backend hf)")]
+            py, stage_script(EXTRACT), "--work-dir", w, "--capture-engine", "hf", "--device", "cpu"],
+            "transformers capture (02b --capture-engine hf)")]
         steps["train"] = [vocab, Step("04 short training", [
-            py, "04_train.py", "--work-dir", w, "--max-steps", str(s.cpu_train_steps), "--learning-rate", "1e-3",
+            py, stage_script(TRAIN), "--work-dir", w, "--max-steps", str(s.cpu_train_steps), "--learning-rate", "1e-3",
             "--max-samples-per-batch", "1", "--batch-tokens", "4096", "--precision", "fp32", "--device", "cpu"],
             "draft training (04)")]
         steps["benchmark"] = [
-            Step("05 reference (transformers)", [py, "05_benchmark.py", "--work-dir", w,
+            Step("05 reference (transformers)", [py, stage_script(BENCH), "--work-dir", w,
                                                   "--num-draft-tokens", "3", "5", "7", "--loop-prompts", "4",
                                                   "--device", "cpu", *bench],
                  "reference speculative decoding (05, transformers)"),
             Step("05b serve (vLLM eagle3, agreement with replay)", [
-                py, "05b_serve_benchmark.py", "--work-dir", w, "--engine", "vllm",
+                py, stage_script(SERVE_BENCH), "--work-dir", w, "--engine", "vllm",
                 "--vllm-python", s.vllm_py, "--spec-settings", *VLLM_SETTINGS, "--cuda-graph", "off",
                 "--bench-concurrency", "1", "4", "--agreement-prompts", str(s.num_warmup),
                 "--warmup-requests", "2", "--min-accept-length", "1.1", "--baseline-port", str(s.port + 10),
@@ -174,24 +177,24 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
     steps["capture"] = [
         merge,
         Step("02b capture through SGLang", [
-            py, "-m", "torch.distributed.run", "--nproc_per_node", "1", "02b_extract_hidden_states_sglang.py",
-            "--work-dir", w, "--capture-backend", "sglang", "--sglang-tp-size", "1",
+            py, "-m", "torch.distributed.run", "--nproc_per_node", "1", stage_script(EXTRACT),
+            "--work-dir", w, "--capture-engine", "sglang", "--sglang-tp-size", "1",
             "--mem-fraction-static", str(s.mem_fraction), "--hidden-states-dtype", "bfloat16"],
-            "SGLang capture (02b --capture-backend sglang: SpecForge's runner, set_eagle3_layers_to_capture)"),
+            "SGLang capture (02b --capture-engine sglang: SpecForge's runner, set_eagle3_layers_to_capture)"),
         Step("02b capture through transformers", [
-            py, "02b_extract_hidden_states_sglang.py", "--work-dir", str(s.work_hf), "--capture-backend", "hf",
+            py, stage_script(EXTRACT), "--work-dir", str(s.work_hf), "--capture-engine", "hf",
             "--device", "cuda", "--hidden-states-dtype", "bfloat16"],
-            "transformers capture (02b --capture-backend hf)")]
+            "transformers capture (02b --capture-engine hf)")]
     steps["train"] = [vocab, Step("04 short training", [
-        py, "04_train.py", "--work-dir", w, "--max-steps", str(s.train_steps), "--learning-rate", "1e-3",
+        py, stage_script(TRAIN), "--work-dir", w, "--max-steps", str(s.train_steps), "--learning-rate", "1e-3",
         "--batch-tokens", "4096", "--device", "cuda"], "draft training (04)")]
     steps["benchmark"] = [
-        Step("05 reference (transformers)", [py, "05_benchmark.py", "--work-dir", w,
+        Step("05 reference (transformers)", [py, stage_script(BENCH), "--work-dir", w,
                                               "--num-draft-tokens", str(NUM_DRAFT_TOKENS), "--device", "cuda",
                                               *bench],
              "reference speculative decoding (05, transformers)"),
         Step("05b serve (SGLang EAGLE3)", [
-            py, "05b_serve_benchmark.py", "--work-dir", w, "--spec-settings", SPEC_SETTING,
+            py, stage_script(SERVE_BENCH), "--work-dir", w, "--spec-settings", SPEC_SETTING,
             "--cuda-graph", "on", "--bench-concurrency", "1", "--sglang-tp-size", "1",
             "--mem-fraction-static", str(s.mem_fraction), "--sglang-python", s.sglang_py,
             "--warmup-requests", "2", "--min-accept-length", "1.1", "--baseline-port", str(s.port + 10),
@@ -297,7 +300,7 @@ def compare_answers(s: Settings) -> dict | None:
 
     if s.target != DEFAULT_TARGET or not (REPO / SHIPPED_ANSWERS).is_file():
         return None
-    rows = sorted((s.work / "01b_generated").glob("*/generated.jsonl"))
+    rows = sorted(stage_dir(s.work, GENERATE).glob("*/generated.jsonl"))
     cmp = compare_with_cache(rows, REPO / SHIPPED_ANSWERS)
     firsts = sorted(d["at"] for d in cmp["divergences"])
     print(f"[smoke] 01b through {s.engine} vs the shipped transformers answers: {cmp['num_exact']}/"
@@ -379,16 +382,16 @@ def main(argv=None, environ=os.environ) -> None:
     run_step(steps["capture"][0], args.dry_run)  # 01c
     if s.engine == "sglang" and not args.dry_run:  # the hf capture reads the same 01c output
         s.work_hf.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(s.work / "01c_merged", s.work_hf / "01c_merged")
+        shutil.copytree(stage_dir(s.work, MERGE), stage_dir(s.work_hf, MERGE))
     for step in steps["capture"][1:]:
         run_step(step, args.dry_run)
     if s.engine == "sglang" and not args.dry_run:
-        compare_shards(s.work / "02b_hidden_states", s.work_hf / "02b_hidden_states", s.shard_rel_tol)
+        compare_shards(stage_dir(s.work, EXTRACT), stage_dir(s.work_hf, EXTRACT), s.shard_rel_tol)
     for step in steps["train"] + steps["benchmark"]:
         run_step(step, args.dry_run)
     if args.dry_run:
         return
-    bench = s.work / "05_benchmark"
+    bench = stage_dir(s.work, BENCH).parent
     server = json.loads((bench / "server" / "metrics.json").read_text())
     if s.engine == "vllm":
         result = {"engine": "vllm", "answers_vs_shipped": answers, "agreement": check_agreement(server),

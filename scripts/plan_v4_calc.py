@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.stage import GENERATE, MERGE, PREPARE, stage_dir  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,9 +47,9 @@ def project(work: Path, mix: dict) -> tuple[list[tuple], dict]:
     (samples, tokens, supervised, decode and prefill tokens to generate) at the mix's counts."""
     caps = mix.get("dataset-caps") or {}
     gen_records = {d["name"]: d.get("max-records") for d in mix["datasets"]}
-    m01 = read_json(work / "01_prepared" / "manifest.json")["counts"]
-    m01b = read_json(work / "01b_generated" / "manifest.json")["counts"]
-    stats = read_json(work / "01c_merged" / "stats.json")["per_source"]
+    m01 = read_json(stage_dir(work, PREPARE) / "manifest.json")["counts"]
+    m01b = read_json(stage_dir(work, GENERATE) / "manifest.json")["counts"]
+    stats = read_json(stage_dir(work, MERGE) / "stats.json")["per_source"]
     rows, tot = [], dict(samples=0, tokens=0, sup=0, dec=0, pre=0, records=0)
     for name, s in stats.items():
         if not s.get("num_samples"):

@@ -12,7 +12,7 @@ from common.benchmark import spec_decode as sd
 from common.draft.export_sglang import export_sglang, load_sglang_export
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import write_jsonl
-from common.stage import target_identity, tokenizer_identity, write_manifest
+from common.stage import MERGE, TRAIN, stage_dir, target_identity, tokenizer_identity, write_manifest
 
 POINTS = [2, 4, 6]  # capture points h_i of the 8-layer micro target
 TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.path.join('a', 'b'))",
@@ -36,13 +36,13 @@ def random_draft(target, out_dir: Path, draft_vocab_size: int = 64, seed: int = 
 def make_chain(work: Path, micro_target: Path, target, prompts) -> None:
     """01c (benchmark prompts) + 04 (export) folders with manifests, as those stages write them."""
     ident = {"tokenizer": tokenizer_identity(micro_target), "target": target_identity(micro_target)}
-    merged = work / "01c_merged"
+    merged = stage_dir(work, MERGE)
     write_jsonl(merged / "benchmark_prompts.jsonl",
                 [{"id": f"bench/{i}", "source": "bench", "prompt": t, "prompt_ids": p}
                  for i, (t, p) in enumerate(zip(TEXTS, prompts))])
-    write_manifest(merged, "01c_merge_datasets", argparse.Namespace(), **ident)
-    random_draft(target, work / "04_draft" / "export_sglang", seed=3)
-    write_manifest(work / "04_draft", "04_train", argparse.Namespace(), capture_points=POINTS, **ident)
+    write_manifest(merged, MERGE, argparse.Namespace(), **ident)
+    random_draft(target, stage_dir(work, TRAIN) / "export_sglang", seed=3)
+    write_manifest(stage_dir(work, TRAIN), TRAIN, argparse.Namespace(), capture_points=POINTS, **ident)
 
 
 class PlantedDraft:

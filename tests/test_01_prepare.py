@@ -1,4 +1,4 @@
-"""01_prepare_datasets: adapters, prompt cutting, tool-id rewriting, scrubbing, counted skips, re-runs."""
+"""Tests of 01_prepare_datasets: adapters, prompt cutting, tool-id rewriting, scrubbing, counted skips, re-runs."""
 import importlib
 import json
 from pathlib import Path
@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from common.io import iter_jsonl, read_json
-from common.stage import StageError
+from common.stage import PREPARE, StageError, stage_dir
 
-prep = importlib.import_module("01_prepare_datasets")
+prep = importlib.import_module(PREPARE)
 FIXTURES = Path(__file__).parent / "fixtures"
 
 # Two rows whose tool schemas differ: Arrow (parquet) unifies them into one struct type.
@@ -47,7 +47,7 @@ def specs(tmp_path):
 
 
 def records(work, name):
-    return {r["id"]: r for r in iter_jsonl(work / "01_prepared" / name / "records.jsonl")}
+    return {r["id"]: r for r in iter_jsonl(stage_dir(work, PREPARE, name) / "records.jsonl")}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def prepared(micro_target, tmp_path_factory):
 
 def test_messages_family(prepared):
     recs = records(prepared, "msg")
-    counts = read_json(prepared / "01_prepared" / "msg" / "manifest.json")["counts"]
+    counts = read_json(stage_dir(prepared, PREPARE, "msg") / "manifest.json")["counts"]
     # 15 rows read: 9 usable, each bad row skipped under its own reason.
     assert counts["rows_read"] == 15 and counts["num_records"] == 9 == len(recs)
     assert counts["skipped"] == {"bad_json_line": 1, "duplicate_id": 1, "missing_messages": 1, "no_prompt": 1,
@@ -91,7 +91,7 @@ def test_conversations_instruction_parquet(prepared):
     assert conv["conv/s0"]["messages"] == [{"role": "user", "content": "How do I open a file?"}]
     inst = records(prepared, "inst")
     assert [r["messages"][0]["content"] for r in inst.values()] == ["Sort this list.\n\n[3, 1, 2]", "Write fizzbuzz."]
-    assert read_json(prepared / "01_prepared" / "inst" / "manifest.json")["counts"]["skipped"] == {"missing_instruction": 1}
+    assert read_json(stage_dir(prepared, PREPARE, "inst") / "manifest.json")["counts"]["skipped"] == {"missing_instruction": 1}
     # Parquet: the None-filled fields Arrow adds when unifying different tool schemas are gone.
     pq = records(prepared, "pq")
     assert [r["tools"] for r in pq.values()] == [row["tools"] for row in PARQUET_ROWS]
@@ -101,18 +101,18 @@ def test_complete_records_keep_final_assistant(prepared):
     comp = records(prepared, "comp")
     assert len(comp) == 6 and all(r["complete"] and r["messages"][-1]["role"] == "assistant" for r in comp.values())
     assert comp["comp/c3"]["messages"][-1]["tool_calls"][0]["id"] == "functions.read_file:0"
-    assert read_json(prepared / "01_prepared" / "comp" / "manifest.json")["counts"]["skipped"] == {"no_final_assistant": 1}
+    assert read_json(stage_dir(prepared, PREPARE, "comp") / "manifest.json")["counts"]["skipped"] == {"no_final_assistant": 1}
 
 
 def test_stage_manifest_and_noop_rerun(prepared, micro_target, capsys):
-    top = read_json(prepared / "01_prepared" / "manifest.json")
+    top = read_json(stage_dir(prepared, PREPARE) / "manifest.json")
     assert top["datasets"] == ["msg", "conv", "inst", "pq", "comp"]
     assert top["tokenizer"]["sha256"] and top["target"]["path"] == str(Path(micro_target).resolve())
-    before = (prepared / "01_prepared" / "msg" / "records.jsonl").stat().st_mtime_ns
+    before = (stage_dir(prepared, PREPARE, "msg") / "records.jsonl").stat().st_mtime_ns
     prep.main(["--work-dir", str(prepared), "--target-path", str(micro_target),
                "--datasets", json.dumps(top["config"]["datasets"])])
     assert "nothing to do" in capsys.readouterr().out
-    assert (prepared / "01_prepared" / "msg" / "records.jsonl").stat().st_mtime_ns == before
+    assert (stage_dir(prepared, PREPARE, "msg") / "records.jsonl").stat().st_mtime_ns == before
 
 
 def test_config_yaml_and_errors(micro_target, tmp_path):
@@ -150,7 +150,7 @@ def test_manifest_counts_reasons_apart_and_repairs(micro_target, tmp_path):
              {"name": "uc", "adapter": "ultrachat", "path": str(write_jsonl(tmp_path / "uc.jsonl", chat))}]
     work = tmp_path / "w"
     prep.main(["--work-dir", str(work), "--target-path", str(micro_target), "--datasets", json.dumps(specs)])
-    sg = read_json(work / "01_prepared" / "sg" / "manifest.json")["counts"]
+    sg = read_json(stage_dir(work, PREPARE, "sg") / "manifest.json")["counts"]
     assert sg["skipped"] == {"missing_conversations": 1, "empty_conversations": 1, "bad_field_type": 1}
     assert sg["repaired"] == {"leading_turns_dropped": 1} and sg["special_tokens_scrubbed"] == 2
     recs = records(work, "sg")
@@ -161,6 +161,6 @@ def test_manifest_counts_reasons_apart_and_repairs(micro_target, tmp_path):
 
     ids = tok(render_prompt(tok, recs["sg/e"]["messages"]), add_special_tokens=False)["input_ids"]
     assert ids.count(tok.convert_tokens_to_ids("<|im_end|>")) == 1  # only the turn's own end
-    uc = read_json(work / "01_prepared" / "uc" / "manifest.json")["counts"]
+    uc = read_json(stage_dir(work, PREPARE, "uc") / "manifest.json")["counts"]
     assert uc["skipped"] == {"missing_user_content": 1, "empty_user_message": 1}
     assert uc["repaired"] == {"prompt_field_fallback": 1} and uc["num_records"] == 1

@@ -20,15 +20,15 @@ import pytest
 from common.text.chat_format import IM_END
 from common.generation.server_checks import HEALTH_PROBES
 from common.io import iter_jsonl, read_json
-from common.stage import StageError
+from common.stage import GENERATE, PREPARE, StageError, stage_dir, stage_script
 from openai_server import OpenAICompletionsServer, canned_completion
 
-prep = importlib.import_module("01_prepare_datasets")
-gen = importlib.import_module("01b_generate_synthetic")
+prep = importlib.import_module(PREPARE)
+gen = importlib.import_module(GENERATE)
 REPO = Path(__file__).resolve().parent.parent
 NUM_ROWS = 60
 # Short timeouts and backoffs: every fault costs milliseconds here.
-FAST = ["--generation-backend", "openai", "--max-new-tokens", "40", "--request-timeout", "1", "--stall-timeout", "1",
+FAST = ["--generation-engine", "openai", "--max-new-tokens", "40", "--request-timeout", "1", "--stall-timeout", "1",
         "--retry-base-delay", "0.01", "--retry-max-delay", "0.05", "--health-interval", "0.05",
         "--health-timeout", "1", "--summary-interval", "0.5", "--concurrency", "8", "--long-concurrency", "2"]
 
@@ -53,7 +53,7 @@ def prepared(micro_target, tmp_path_factory):
     prep.main(["--work-dir", str(work), "--target-path", str(micro_target), "--max-new-tokens", "8",
                "--max-context", "120", "--long-context", "600",
                "--datasets", json.dumps([{"name": "d", "adapter": "messages", "path": str(data)}])])
-    parts = Counter(r["partition"] for r in iter_jsonl(work / "01_prepared" / "d" / "records.jsonl"))
+    parts = Counter(r["partition"] for r in iter_jsonl(stage_dir(work, PREPARE, "d") / "records.jsonl"))
     assert parts == {"normal": 54, "long": 6}, parts
     return work
 
@@ -70,7 +70,7 @@ def args(work, *servers, extra=()):
 
 
 def rows(work, file="generated.jsonl"):
-    path = work / "01b_generated" / "d" / file
+    path = stage_dir(work, GENERATE, "d") / file
     return list(iter_jsonl(path)) if path.exists() else []
 
 
@@ -154,7 +154,7 @@ def test_each_fault_is_retried_or_recorded(prepared, micro_target, tmp_path):
         assert len(out) == NUM_ROWS - 3 and not set(out) & set(fails)
         assert out["d/u12"]["finish_reason"] == "length" and not out["d/u12"]["completion"].endswith(IM_END)
         assert all(r["completion"] == expected(r) for k, r in out.items() if k != "d/u12")
-        m = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]
+        m = read_json(stage_dir(work, GENERATE, "d") / "manifest.json")["counts"]
         assert m["failed"] == {"http_500": 1, "context_overflow": 1, "http_422": 1}
         assert m["finish_reasons"] == {"stop": NUM_ROWS - 4, "length": 1}
         assert m["this_run"]["errors"] == {"http_500": 4, "http_503": 3, "http_429": 1, "connection_error": 1,
@@ -170,7 +170,7 @@ def test_each_fault_is_retried_or_recorded(prepared, micro_target, tmp_path):
         gen.main(args(work, server, extra=["--retry-failed"]))
         assert sorted(attempts(server) - n) == [tag(8), tag(10), tag(11)] and len(work_log(server)) == before + 3
     assert len(rows(work)) == NUM_ROWS and rows(work, "failures.jsonl") == []
-    assert read_json(work / "01b_generated" / "manifest.json")["counts"]["d"]["generated"] == NUM_ROWS
+    assert read_json(stage_dir(work, GENERATE) / "manifest.json")["counts"]["d"]["generated"] == NUM_ROWS
 
 
 def test_server_down_is_waited_for_not_charged(prepared, micro_target, tmp_path):
@@ -189,7 +189,7 @@ def test_server_down_is_waited_for_not_charged(prepared, micro_target, tmp_path)
         t.join()
         assert server.num_health >= 5  # it was polled while down (every 0.05 s for 1 s)
     assert len(rows(work)) == NUM_ROWS and rows(work, "failures.jsonl") == []
-    errors = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]["this_run"]["errors"]
+    errors = read_json(stage_dir(work, GENERATE, "d") / "manifest.json")["counts"]["this_run"]["errors"]
     assert errors.get("connection_error", 0) >= 1
     # A server that never comes back stops the run (results kept) after --server-down-timeout.
     work2 = fresh(prepared, tmp_path / "b")
@@ -220,7 +220,8 @@ def test_several_servers_share_work_and_fail_over(prepared, micro_target, tmp_pa
         assert len(work_log(a)) >= NUM_ROWS // 2 and len(work_log(b)) >= 10
     out = rows(work)
     assert len(out) == NUM_ROWS and all(r["completion"] == expected(r) for r in out)
-    per_server = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]["this_run"]["requests_per_server"]
+    this_run = read_json(stage_dir(work, GENERATE, "d") / "manifest.json")["counts"]["this_run"]
+    per_server = this_run["requests_per_server"]
     assert sorted(per_server) == sorted([a.base_url, b.base_url]) and min(per_server.values()) >= 10
 
 
@@ -239,11 +240,11 @@ def test_random_kills_then_resume_exactly_once(prepared, micro_target, tmp_path)
     """SIGKILL twice and SIGTERM once at seeded random moments, then finish: every id once, and the
     text of every id written before a kill is unchanged (identical to the uninterrupted answer)."""
     work = fresh(prepared, tmp_path)
-    gen_path = work / "01b_generated" / "d" / "generated.jsonl"
+    gen_path = stage_dir(work, GENERATE, "d") / "generated.jsonl"
     rng = random.Random(1234)
     snapshots = []
     with OpenAICompletionsServer(None, tokenizer_dir=micro_target, delay_s=0.2) as server:
-        cmd = [sys.executable, "01b_generate_synthetic.py", *args(work, server, extra=[
+        cmd = [sys.executable, stage_script(GENERATE), *args(work, server, extra=[
             "--concurrency", "2", "--long-concurrency", "1", "--shutdown-grace", "10"])]
         for sig in (signal.SIGKILL, signal.SIGKILL, signal.SIGTERM):
             time.sleep(0.3)  # requests a killed client sent are all logged by the server
@@ -278,7 +279,7 @@ def test_random_kills_then_resume_exactly_once(prepared, micro_target, tmp_path)
     for snap in snapshots:
         assert all(final[k] == v for k, v in snap.items())  # complete before a kill == final
     assert all(r["completion"] == expected(r) for r in out)  # == the uninterrupted answer
-    assert read_json(work / "01b_generated" / "manifest.json")["counts"]["d"]["generated"] == NUM_ROWS
+    assert read_json(stage_dir(work, GENERATE) / "manifest.json")["counts"]["d"]["generated"] == NUM_ROWS
 
 
 def test_startup_waits_out_transient_errors(prepared, micro_target, tmp_path):
@@ -432,12 +433,12 @@ def test_a_queueing_server_far_below_the_concurrency_loses_no_work(prepared, mic
                 assert server.peak_queued >= 20 and server.peak_wait_s > 1, (server.peak_queued, server.peak_wait_s)
         out[c] = {r["id"]: (r["completion"], r["completion_ids"], r["finish_reason"], r["num_prompt_tokens"],
                             r["num_completion_tokens"]) for r in rows(work)}
-        run = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]["this_run"]
+        run = read_json(stage_dir(work, GENERATE, "d") / "manifest.json")["counts"]["this_run"]
         assert run["errors"] == {} and set(run["lost_work"].values()) == {0}
         cap = run["server_capacity"][server.base_url]
         assert (cap["engine"], cap["max_running_requests"], cap["runs_at_once"]) == ("sglang", 3, 3)
         assert run["in_flight_limit"] == {"ceiling": c, "floor": 3, "final": c, "lowest": c, "changes": 0}
-        assert read_json(work / "01b_generated" / "manifest.json")["server_capacity"] == run["server_capacity"]
+        assert read_json(stage_dir(work, GENERATE) / "manifest.json")["server_capacity"] == run["server_capacity"]
         assert f"server {server.base_url} (sglang /get_server_info): runs at most 3 requests at once" in \
             capsys.readouterr().out
     assert len(out[3]) == NUM_ROWS and out[30] == out[3] and all(r["completion"] == expected(r) for r in rows(work))
@@ -466,12 +467,12 @@ def test_a_timeout_from_a_healthy_server_halves_the_in_flight_limit_and_is_not_q
         log[-3000:]
     out = rows(work)
     assert len(out) == NUM_ROWS and all(r["completion"] == expected(r) for r in out)
-    m = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]
+    m = read_json(stage_dir(work, GENERATE, "d") / "manifest.json")["counts"]
     lost = m["this_run"]["lost_work"]
     assert (lost["timeouts"], lost["stall_timeouts"], lost["queue_timeouts"]) == (2, 2, 0)
     assert lost["abandoned_tokens"] >= 2  # at least the first token of each
     assert m["this_run"]["in_flight_limit"]["lowest"] <= 9 and m["all_runs"]["lost_work"] == lost
-    assert (work / "01b_generated" / "manifest.json").exists()  # complete: a re-run has nothing to redo
+    assert (stage_dir(work, GENERATE) / "manifest.json").exists()  # complete: a re-run has nothing to redo
     gen.main(args(work, server))
 
 
@@ -483,7 +484,7 @@ def test_queue_timeouts_count_as_overload(prepared, micro_target, tmp_path):
         gen.main(args(work, server, extra=["--concurrency", "8", "--long-concurrency", "2", "--queue-timeout", "0.2",
                                            "--request-retries", "30", "--max-timeouts", "1000"]))
         assert server.aborted >= 1  # given up while queued: the engine drops them, no tokens lost
-    run = read_json(work / "01b_generated" / "d" / "manifest.json")["counts"]["this_run"]
+    run = read_json(stage_dir(work, GENERATE, "d") / "manifest.json")["counts"]["this_run"]
     lost, limit = run["lost_work"], run["in_flight_limit"]
     assert lost["queue_timeouts"] >= 1 and lost["stall_timeouts"] == 0 and lost["abandoned_tokens"] == 0
     assert limit["floor"] == 1 and limit["lowest"] < 10

@@ -16,14 +16,14 @@ import pytest
 
 from common.generation.run_state import dataset_lock
 from common.io import iter_jsonl, read_json
-from common.stage import StageError
+from common.stage import GENERATE, PREPARE, StageError, stage_dir, stage_script
 from openai_server import OpenAICompletionsServer
 
-prep = importlib.import_module("01_prepare_datasets")
-gen = importlib.import_module("01b_generate_synthetic")
+prep = importlib.import_module(PREPARE)
+gen = importlib.import_module(GENERATE)
 REPO = Path(__file__).resolve().parent.parent
 NUM_ROWS = 12
-FAST = ["--generation-backend", "openai", "--max-new-tokens", "40", "--max-context", "200", "--request-timeout", "5",
+FAST = ["--generation-engine", "openai", "--max-new-tokens", "40", "--max-context", "200", "--request-timeout", "5",
         "--retry-base-delay", "0.01", "--retry-max-delay", "0.05", "--health-interval", "0.05",
         "--health-timeout", "2", "--summary-interval", "0.5", "--concurrency", "2"]
 
@@ -51,7 +51,7 @@ def args(work, server, *extra):
 
 
 def folder(work) -> Path:
-    return work / "01b_generated" / "d"
+    return stage_dir(work, GENERATE, "d")
 
 
 def rows(work) -> list[dict]:
@@ -62,7 +62,7 @@ def rows(work) -> list[dict]:
 def reopen(work, keep: int) -> None:
     """Make a complete dataset look like one whose run stopped after `keep` records."""
     (folder(work) / "manifest.json").unlink()
-    (work / "01b_generated" / "manifest.json").unlink()
+    (stage_dir(work, GENERATE) / "manifest.json").unlink()
     lines = (folder(work) / "generated.jsonl").read_text().splitlines(keepends=True)
     (folder(work) / "generated.jsonl").write_text("".join(lines[:keep]))
 
@@ -77,7 +77,7 @@ def test_a_second_01b_on_a_dataset_is_refused(prepared, micro_target, tmp_path):
                 gen.main(args(work, server))
         assert server.requests == []
         # The realistic case: a restart while a SIGTERM'd run still finishes its requests in flight.
-        proc = subprocess.Popen([sys.executable, "01b_generate_synthetic.py", *args(work, server, "--shutdown-grace", "30")],
+        proc = subprocess.Popen([sys.executable, stage_script(GENERATE), *args(work, server, "--shutdown-grace", "30")],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         deadline = time.time() + 60
@@ -126,8 +126,8 @@ def test_resume_with_other_settings_is_refused(prepared, micro_target, tmp_path)
     with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server, \
             OpenAICompletionsServer(None, tokenizer_dir=micro_target, served_model_name="other-model") as other:
         gen.main(args(work, server))
-        tok_sha = read_json(work / "01_prepared" / "manifest.json")["tokenizer"]["sha256"]
-        settings = {"backend": "openai", "model": "micro-target", "max_new_tokens": 40, "temperature": 0.0,
+        tok_sha = read_json(stage_dir(work, PREPARE) / "manifest.json")["tokenizer"]["sha256"]
+        settings = {"engine": "openai", "model": "micro-target", "max_new_tokens": 40, "temperature": 0.0,
                     "seed": None, "top_p": None, "tokenizer_sha256": tok_sha, "stop": ["<|im_end|>"],
                     "max_context": 200, "long_context": 0}
         assert all(r["settings"] == settings for r in rows(work))  # in every record...
@@ -169,7 +169,7 @@ def test_manifest_keeps_totals_over_all_runs(prepared, micro_target, tmp_path):
 def test_settings_conflicts_unit():
     from common.generation.run_state import settings_conflicts
 
-    now = {"backend": "openai", "model": "k2.5", "max_new_tokens": 4096, "temperature": 0.0, "seed": None,
+    now = {"engine": "openai", "model": "k2.5", "max_new_tokens": 4096, "temperature": 0.0, "seed": None,
            "tokenizer_sha256": "t", "stop": ["<|im_end|>"]}
     assert settings_conflicts([now, {"tokenizer_sha256": "t"}], now) == []  # a passed-through row: tokenizer only
     assert settings_conflicts([{**now, "model": None}], now) == []  # written before the model was known
@@ -178,6 +178,8 @@ def test_settings_conflicts_unit():
     assert settings_conflicts([{**now, "model": "k2"}], now, skip=("model",)) == []
     assert settings_conflicts([{"tokenizer_sha256": "u"}], now) == ["tokenizer_sha256 'u' (now 't')"]
     assert settings_conflicts([None], now) == ["records without settings (written by an older 01b)"]
+    # records of an older 01b name the engine "backend": still compared
+    assert settings_conflicts([{"backend": "hf", "tokenizer_sha256": "t"}], now) == ["engine 'hf' (now 'openai')"]
 
 
 def test_sampled_requests_pin_top_p_and_seed():

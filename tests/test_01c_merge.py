@@ -1,4 +1,4 @@
-"""01c_merge_datasets: the target's emitted ids and the loss mask, held-out split (benchmark-only datasets),
+"""Tests of 01c_merge_datasets: the target's emitted ids and the loss mask, held-out split (benchmark-only datasets),
 counted drops (re-tokenization mismatches of text-only answers), caps, refusals."""
 import importlib
 import json
@@ -9,11 +9,11 @@ import pytest
 
 from common.text.chat_format import IM_END, render_prompt
 from common.io import iter_jsonl, read_json
-from common.stage import StageError
+from common.stage import GENERATE, MERGE, PREPARE, StageError, stage_dir
 
-prep = importlib.import_module("01_prepare_datasets")
-gen = importlib.import_module("01b_generate_synthetic")
-merge = importlib.import_module("01c_merge_datasets")
+prep = importlib.import_module(PREPARE)
+gen = importlib.import_module(GENERATE)
+merge = importlib.import_module(MERGE)
 FIXTURES = Path(__file__).parent / "fixtures"
 DATASETS = [{"name": "msg", "adapter": "messages", "path": str(FIXTURES / "messages_rows.jsonl")},
             {"name": "comp", "adapter": "messages", "path": str(FIXTURES / "complete_rows.jsonl"), "complete": True}]
@@ -24,7 +24,7 @@ def generated(micro_target, tmp_path_factory):
     """01 + 01b (hf, 8 new tokens) on the micro target: 9 generated (all cut by the cap) + 6 passed through."""
     work = tmp_path_factory.mktemp("gen") / "work"
     prep.main(["--work-dir", str(work), "--target-path", str(micro_target), "--datasets", json.dumps(DATASETS)])
-    gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "8", "--device", "cpu"])
+    gen.main(["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", "8", "--device", "cpu"])
     return work
 
 
@@ -42,16 +42,17 @@ def fresh(generated, tmp_path):
 
 
 def merged(work, name="tokenized_data.jsonl"):
-    return list(iter_jsonl(work / "01c_merged" / name))
+    return list(iter_jsonl(stage_dir(work, MERGE) / name))
 
 
 def test_merge_exact_tokens_and_split(generated, tmp_path, tok, capsys):
     work = fresh(generated, tmp_path)
     merge.main(["--work-dir", str(work), "--benchmark-size", "4", "--max-seq-len", "120", "--no-drop-length-finished",
                 "--tokenize-batch-size", "3"])
-    gen_rows = {r["id"]: r for n in ("msg", "comp") for r in iter_jsonl(work / "01b_generated" / n / "generated.jsonl")}
+    gen_rows = {r["id"]: r for n in ("msg", "comp")
+                for r in iter_jsonl(stage_dir(work, GENERATE, n) / "generated.jsonl")}
     out, bench = merged(work), merged(work, "benchmark_prompts.jsonl")
-    stats = read_json(work / "01c_merged" / "stats.json")
+    stats = read_json(stage_dir(work, MERGE) / "stats.json")
     assert len(bench) == 4 and not {b["id"] for b in bench} & {s["id"] for s in out}
     n_differ = 0
     for s in out:
@@ -72,7 +73,7 @@ def test_merge_exact_tokens_and_split(generated, tmp_path, tok, capsys):
     # The random micro target emits ids its text does not re-tokenize to: the reason to keep them.
     assert n_differ >= 1 and n_differ == sum(v["emitted_ids_differ_from_retokenized"]
                                              for v in stats["per_source"].values())
-    recs = {r["id"]: r for n in ("msg", "comp") for r in iter_jsonl(work / "01_prepared" / n / "records.jsonl")}
+    recs = {r["id"]: r for n in ("msg", "comp") for r in iter_jsonl(stage_dir(work, PREPARE, n) / "records.jsonl")}
     for b in bench:  # what 05 needs to run a held-out prompt, consistent with what 01b sent
         assert b["prompt"] == gen_rows[b["id"]]["prompt"] == render_prompt(tok, b["messages"], b["tools"], b["thinking"])
         assert b["prompt_ids"] == tok(b["prompt"], add_special_tokens=False)["input_ids"]
@@ -89,8 +90,8 @@ def test_merge_exact_tokens_and_split(generated, tmp_path, tok, capsys):
     assert sum(stats["length_histogram"].values()) == len(out)
     assert stats["per_source"]["comp"]["num_response_tokens"] == sum(
         s["n_response_tokens"] for s in out if s["source"] == "comp")
-    m = read_json(work / "01c_merged" / "manifest.json")
-    assert m["tokenizer"] == read_json(work / "01b_generated" / "manifest.json")["tokenizer"]
+    m = read_json(stage_dir(work, MERGE) / "manifest.json")
+    assert m["tokenizer"] == read_json(stage_dir(work, GENERATE) / "manifest.json")["tokenizer"]
     capsys.readouterr()
     merge.main(["--work-dir", str(work)])  # second run: a no-op
     assert "nothing to do" in capsys.readouterr().out
@@ -100,8 +101,8 @@ def test_length_finished_kept_by_default_caps_and_stable_benchmark(generated, tm
     work = fresh(generated, tmp_path)
     merge.main(["--work-dir", str(work), "--benchmark-size", "3", "--max-seq-len", "1000", "--drop-length-finished"])
     out = merged(work)
-    stats = read_json(work / "01c_merged" / "stats.json")
-    gen_rows = {r["id"]: r for r in iter_jsonl(work / "01b_generated/msg/generated.jsonl")}
+    stats = read_json(stage_dir(work, MERGE) / "stats.json")
+    gen_rows = {r["id"]: r for r in iter_jsonl(stage_dir(work, GENERATE, "msg") / "generated.jsonl")}
     n_length = sum(r["finish_reason"] == "length" for r in gen_rows.values())
     bench_ids = [b["id"] for b in merged(work, "benchmark_prompts.jsonl")]
     n_length_bench = sum(i.startswith("msg/") for i in bench_ids)
@@ -122,7 +123,7 @@ def test_length_finished_kept_by_default_caps_and_stable_benchmark(generated, tm
             assert s["loss_mask"] == [0] * s["n_prompt_tokens"] + [1] * 8
     by_source = {src: sum(s["source"] == src for s in capped) for src in ("msg", "comp")}
     assert by_source["comp"] == 2
-    dropped = read_json(work / "01c_merged/stats.json")["per_source"]["msg"]["dropped"]
+    dropped = read_json(stage_dir(work, MERGE) / "stats.json")["per_source"]["msg"]["dropped"]
     assert "length_finished" not in dropped
     n_msg = 9 - n_length_bench - sum(n for reason, n in dropped.items() if reason != "capped")
     assert by_source["msg"] == round(0.5 * n_msg) >= 1 and dropped["capped"] == n_msg - by_source["msg"]
@@ -134,9 +135,9 @@ def test_text_only_answers_that_retokenize_differently_are_dropped(generated, tm
     """A server that returns only text: 01c tokenizes it, and an answer whose token count differs from
     the one the target reported is dropped by default (kept and counted with --keep-retokenize-mismatch)."""
     work = fresh(generated, tmp_path)
-    path = work / "01b_generated" / "msg" / "generated.jsonl"
+    path = stage_dir(work, GENERATE, "msg") / "generated.jsonl"
     rows = list(iter_jsonl(path))
-    path.write_text("".join(json.dumps({**r, "completion_ids": None, "backend": "openai"}) + "\n" for r in rows))
+    path.write_text("".join(json.dumps({**r, "completion_ids": None, "engine": "openai"}) + "\n" for r in rows))
     differ = {r["id"] for r in rows
               if len(tok(r["completion"], add_special_tokens=False)["input_ids"]) != r["num_completion_tokens"]}
     assert differ and len(differ) < len(rows)  # the micro target's answers give both cases
@@ -144,11 +145,11 @@ def test_text_only_answers_that_retokenize_differently_are_dropped(generated, tm
     bench = {b["prompt"]: b["id"] for b in merged(work, "benchmark_prompts.jsonl")}
     eligible = {r["id"] for r in rows if r["prompt"] not in bench}  # not held out, no held-out prompt
     kept = {s["id"] for s in merged(work) if s["source"] == "msg"}
-    stats = read_json(work / "01c_merged/stats.json")["per_source"]["msg"]
+    stats = read_json(stage_dir(work, MERGE) / "stats.json")["per_source"]["msg"]
     assert kept == eligible - differ and stats["dropped"]["retokenize_mismatch"] == len(differ & eligible) >= 1
     merge.main(["--work-dir", str(work), "--overwrite", "--benchmark-size", "1", "--max-seq-len", "1000",
                 "--keep-retokenize-mismatch"])
-    stats = read_json(work / "01c_merged/stats.json")["per_source"]["msg"]
+    stats = read_json(stage_dir(work, MERGE) / "stats.json")["per_source"]["msg"]
     kept = {s["id"] for s in merged(work) if s["source"] == "msg"}
     assert kept == eligible and stats["completion_retokenize_mismatch"] == len(differ & eligible)
     assert "retokenize_mismatch" not in stats["dropped"]
@@ -162,11 +163,11 @@ def test_benchmark_only_dataset_is_held_out_whole(micro_target, tmp_path):
     work = tmp_path / "work"
     datasets = DATASETS + [{"name": "bench", "adapter": "messages", "path": str(bench_rows), "benchmark-only": True}]
     prep.main(["--work-dir", str(work), "--target-path", str(micro_target), "--datasets", json.dumps(datasets)])
-    gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "8", "--device", "cpu"])
-    passed = list(iter_jsonl(work / "01b_generated" / "bench" / "generated.jsonl"))
+    gen.main(["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", "8", "--device", "cpu"])
+    passed = list(iter_jsonl(stage_dir(work, GENERATE, "bench") / "generated.jsonl"))
     assert [r["origin"] for r in passed] == ["prompt"] * 3 and all(r["completion"] is None for r in passed)
-    assert read_json(work / "01b_generated/bench/manifest.json")["counts"]["generated"] == 0
-    n_answered = sum(1 for n in ("msg", "comp") for _ in iter_jsonl(work / "01b_generated" / n / "generated.jsonl"))
+    assert read_json(stage_dir(work, GENERATE, "bench") / "manifest.json")["counts"]["generated"] == 0
+    n_answered = sum(1 for n in ("msg", "comp") for _ in iter_jsonl(stage_dir(work, GENERATE, n) / "generated.jsonl"))
     with pytest.raises(StageError, match="hold out all"):  # no silent `rows - 1`
         merge.main(["--work-dir", str(work), "--benchmark-size", str(n_answered)])
     merge.main(["--work-dir", str(work), "--benchmark-size", "2", "--max-seq-len", "1000"])
@@ -175,17 +176,17 @@ def test_benchmark_only_dataset_is_held_out_whole(micro_target, tmp_path):
     assert sorted(b["id"] for b in chosen) == ["bench/b0", "bench/b1", "bench/b2"]
     assert len(bench) == 3 + 2 and not {b["id"] for b in bench} & {s["id"] for s in merged(work)}
     assert [b["messages"][-1]["content"] for b in sorted(chosen, key=lambda b: b["id"])] == questions
-    assert read_json(work / "01c_merged/stats.json")["per_source"]["bench"]["benchmark_prompts"] == 3
+    assert read_json(stage_dir(work, MERGE) / "stats.json")["per_source"]["bench"]["benchmark_prompts"] == 3
 
 
 def test_refusals(generated, other_micro_target, tmp_path):
-    with pytest.raises(StageError, match="01b_generate_synthetic"):
+    with pytest.raises(StageError, match=GENERATE):
         merge.main(["--work-dir", str(tmp_path / "empty")])
     work = fresh(generated, tmp_path)
     with pytest.raises(StageError, match="tokenizer"):  # 01b output made with another tokenizer
         merge.main(["--work-dir", str(work), "--target-path", str(other_micro_target)])
-    (work / "01b_generated" / "msg" / "manifest.json").unlink()  # an interrupted 01b dataset
-    (work / "01b_generated" / "manifest.json").unlink()
+    (stage_dir(work, GENERATE, "msg") / "manifest.json").unlink()  # an interrupted 01b dataset
+    (stage_dir(work, GENERATE) / "manifest.json").unlink()
     with pytest.raises(StageError, match="incomplete"):
         merge.main(["--work-dir", str(work)])
 

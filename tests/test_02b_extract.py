@@ -15,14 +15,15 @@ from common.target.capture import (capture_hf, default_capture_points, target_di
                             validate_capture_points)
 from common.io import write_jsonl
 from common.target.shards import ShardReader, list_shards, shard_name
-from common.stage import StageError, read_manifest, target_identity, tokenizer_identity, write_manifest
+from common.stage import (EXTRACT, MERGE, StageError, read_manifest, stage_dir, target_identity, tokenizer_identity,
+                          write_manifest)
 
 REPO = Path(__file__).resolve().parent.parent
 LENGTHS = [9, 23, 5, 17, 12]  # 5 samples -> with 2 per shard: 3 shards, the last one partial
 
 
 
-STAGE = importlib.import_module("02b_extract_hidden_states_sglang")
+STAGE = importlib.import_module(EXTRACT)
 
 
 def make_01c(work: Path, target: Path, lengths=LENGTHS, seed: int = 0) -> list[dict]:
@@ -35,9 +36,9 @@ def make_01c(work: Path, target: Path, lengths=LENGTHS, seed: int = 0) -> list[d
         rows.append({"id": f"tiny/{k}", "source": "tiny", "input_ids": ids,
                      "loss_mask": [0] * n_prompt + [1] * (n - n_prompt), "seq_len": n,
                      "n_prompt_tokens": n_prompt, "n_response_tokens": n - n_prompt})
-    d = work / "01c_merged"
+    d = stage_dir(work, MERGE)
     write_jsonl(d / "tokenized_data.jsonl", rows)
-    write_manifest(d, "01c_merge_datasets", argparse.Namespace(), num_samples=len(rows),
+    write_manifest(d, MERGE, argparse.Namespace(), num_samples=len(rows),
                    tokenizer=tokenizer_identity(target), target=target_identity(target))
     return rows
 
@@ -101,10 +102,10 @@ def test_capture_points_and_kimi_text_config():
 def test_capture_convention_matches_hooks(extracted, model):
     """Stored aux == inputs of decoder layers [2, 4, 5]; stored final == input of lm_head."""
     work, rows = extracted
-    man = read_manifest(work / "02b_hidden_states")
+    man = read_manifest(stage_dir(work, EXTRACT))
     assert man["capture_points"] == [2, 4, 5] and man["num_hidden_layers"] == 8
     H = man["hidden_size"]
-    samples = [s for p in list_shards(work / "02b_hidden_states") for s in iter_reader(p)]
+    samples = [s for p in list_shards(stage_dir(work, EXTRACT)) for s in iter_reader(p)]
     for row, s in zip(rows, samples):
         ref = reference_states(model, row["input_ids"])
         for slot, i in enumerate([2, 4, 5]):
@@ -126,7 +127,7 @@ def iter_reader(path):
 
 def test_shards_round_trip(extracted):
     work, rows = extracted
-    out = work / "02b_hidden_states"
+    out = stage_dir(work, EXTRACT)
     assert [p.name for p in list_shards(out)] == [shard_name(k) for k in range(3)]
     samples = [s for p in list_shards(out) for s in iter_reader(p)]
     assert [s["id"] for s in samples] == [r["id"] for r in rows]
@@ -142,7 +143,7 @@ def test_shards_round_trip(extracted):
     assert man["num_samples"] == 5 and man["num_tokens"] == sum(LENGTHS)
     assert man["bytes_per_token"] == (3 * 32 + 32) * 2 + 9 and man["dtype"] == "bfloat16"
     assert man["shards"][shard_name(2)] == {"num_samples": 1, "num_tokens": LENGTHS[4]}
-    assert man["vocab_size"] == 600 and man["target"] == read_manifest(work / "01c_merged")["target"]
+    assert man["vocab_size"] == 600 and man["target"] == read_manifest(stage_dir(work, MERGE))["target"]
     assert man["num_supervised_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
 
 
@@ -166,7 +167,7 @@ def test_resume_redoes_only_missing_shards_and_rerun_is_noop(extracted, tmp_path
     work0, _ = extracted
     work = tmp_path / "w"
     shutil.copytree(work0, work)
-    out = work / "02b_hidden_states"
+    out = stage_dir(work, EXTRACT)
     keys = ("aux_hidden_states", "final_hidden_states", "input_ids", "offsets")
     before = {p.name: (ShardReader(p).sample_ids, {k: ShardReader(p).tensor(k) for k in keys})
               for p in list_shards(out)}
@@ -207,7 +208,7 @@ def test_disk_preflight(micro_target, tmp_path, monkeypatch):
     with pytest.raises(StageError) as e:
         run(work, "--disk-margin", "0.05")
     assert "GB" in str(e.value) and f"{needed / 1e9:.3f}" in str(e.value)
-    out = work / "02b_hidden_states"
+    out = stage_dir(work, EXTRACT)
     assert not list_shards(out) and not (out / "manifest.json").exists()
     monkeypatch.setattr(STAGE, "free_disk_bytes", lambda path: int(needed * 1.05) + 1)
     run(work, "--disk-margin", "0.05")
@@ -220,7 +221,7 @@ def test_target_path_mismatch_refuses(micro_target, other_micro_target, tmp_path
     with pytest.raises(StageError, match="tokenizer"):
         run(work, "--target-path", str(other_micro_target))
     run(work, "--target-path", str(micro_target))
-    assert read_manifest(work / "02b_hidden_states")["num_samples"] == 5
+    assert read_manifest(stage_dir(work, EXTRACT))["num_samples"] == 5
 
 
 def test_sglang_layer_id_rule_per_architecture():
@@ -247,9 +248,9 @@ def test_points_sglang_would_capture_differently_are_refused(micro_target, tmp_p
     make_01c(work, micro_target)
     with pytest.raises(StageError, match=r"capture h\[2, 3, 4\] instead"):
         run(work, "--capture-points", "3", "4", "5")
-    assert not (work / "02b_hidden_states").exists()
+    assert not stage_dir(work, EXTRACT).exists()
     run(work, "--capture-points", "2", "3", "5")
-    man = read_manifest(work / "02b_hidden_states")
+    man = read_manifest(stage_dir(work, EXTRACT))
     assert man["capture_points"] == [2, 3, 5] and man["sglang_layer_ids"] == [1, 2, 4]
     assert man["target_architecture"] == "DeepseekV3ForCausalLM"
 
@@ -264,4 +265,4 @@ def test_unknown_architecture_needs_the_flag(micro_target, tmp_path):
     with pytest.raises(StageError, match="BrandNewForCausalLM.*not in SGLANG_LAYER_ID_RULES"):
         run(work)
     run(work, "--allow-unknown-architecture")
-    assert read_manifest(work / "02b_hidden_states")["sglang_layer_ids"] == [1, 3, 4]
+    assert read_manifest(stage_dir(work, EXTRACT))["sglang_layer_ids"] == [1, 3, 4]

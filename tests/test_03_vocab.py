@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from common.io import write_jsonl
 from common.target.shards import shard_name, write_shard
-from common.stage import StageError, read_manifest, target_identity, tokenizer_identity, write_manifest
+from common.stage import (EXTRACT, MERGE, StageError, VOCAB, read_manifest, stage_dir, target_identity,
+                          tokenizer_identity, write_manifest)
 
 REPO = Path(__file__).resolve().parent.parent
 H = 4
@@ -20,7 +21,7 @@ IM_END_ID = 2  # third Kimi special in the micro tokenizer
 
 
 
-STAGE = importlib.import_module("03_build_vocab_mapping")
+STAGE = importlib.import_module(VOCAB)
 
 # Supervised (loss_mask 1): 10 x5, 20 x3, 30 x2, 40 x1. Unsupervised (prompt): 7 x50, 10 x1 more.
 SAMPLES = [
@@ -31,7 +32,7 @@ SAMPLES = [
 
 def make_02b(work: Path, target: Path, samples=SAMPLES, per_shard: int = 1) -> None:
     """02b shards + manifest as 02b writes them (random states: 03 never reads them)."""
-    out = work / "02b_hidden_states"
+    out = stage_dir(work, EXTRACT)
     shards = {}
     for k in range(0, len(samples), per_shard):
         chunk = [{"id": f"s{k + j}", "input_ids": ids, "loss_mask": mask,
@@ -40,7 +41,7 @@ def make_02b(work: Path, target: Path, samples=SAMPLES, per_shard: int = 1) -> N
         name = shard_name(k // per_shard)
         n = write_shard(out / name, chunk)
         shards[name] = {"num_samples": len(chunk), "num_tokens": n}
-    write_manifest(out, "02b_extract_hidden_states_sglang", argparse.Namespace(), capture_points=[2, 4, 5],
+    write_manifest(out, EXTRACT, argparse.Namespace(), capture_points=[2, 4, 5],
                    hidden_size=H, num_hidden_layers=8, vocab_size=600, dtype="bfloat16", shards=shards,
                    num_supervised_tokens=sum(sum(m) for _, m in samples),
                    tokenizer=tokenizer_identity(target), target=target_identity(target))
@@ -48,7 +49,7 @@ def make_02b(work: Path, target: Path, samples=SAMPLES, per_shard: int = 1) -> N
 
 def run(work: Path, dv: int, *extra: str):
     STAGE.main(["--work-dir", str(work), "--draft-vocab-size", str(dv), *extra])
-    out = work / "03_vocab"
+    out = stage_dir(work, VOCAB)
     return load_file(str(out / "vocab_mapping.safetensors")), read_manifest(out)
 
 
@@ -66,8 +67,8 @@ def test_mapping_semantics_and_coverage(micro_target, tmp_path):
     assert man["draft_vocab_size"] == 3 and man["vocab_size"] == 600
     assert man["end_of_turn_in_draft_vocab"] is False and man["end_of_turn_id"] == IM_END_ID
     assert man["capture_points"] == [2, 4, 5] and man["hidden_size"] == H
-    assert man["target"] == read_manifest(tmp_path / "02b_hidden_states")["target"]
-    counts = load_file(str(tmp_path / "03_vocab/token_counts.safetensors"))["counts"]
+    assert man["target"] == read_manifest(stage_dir(tmp_path, EXTRACT))["target"]
+    counts = load_file(str(stage_dir(tmp_path, VOCAB) / "token_counts.safetensors"))["counts"]
     assert counts.dtype == torch.int64 and counts.shape == (600,)
     assert counts[10] == 5 and counts[7] == 0 and int(counts.sum()) == 11
 
@@ -92,14 +93,14 @@ def test_padding_with_lowest_unused_ids(micro_target, tmp_path):
 
 
 def test_refusals(micro_target, other_micro_target, tmp_path):
-    with pytest.raises(StageError, match="02b_extract_hidden_states_sglang"):
+    with pytest.raises(StageError, match=EXTRACT):
         run(tmp_path, 3)  # no upstream
     make_02b(tmp_path, micro_target)
     with pytest.raises(StageError, match="600"):
         run(tmp_path, 601)
     with pytest.raises(StageError, match="tokenizer"):
         run(tmp_path, 3, "--target-path", str(other_micro_target))
-    assert not (tmp_path / "03_vocab" / "manifest.json").exists()
+    assert not (stage_dir(tmp_path, VOCAB) / "manifest.json").exists()
 
 
 def test_chain_from_02b_matches_direct_count(micro_target, tmp_path):
@@ -111,14 +112,14 @@ def test_chain_from_02b_matches_direct_count(micro_target, tmp_path):
         mask = [0] * (n // 3) + [1] * (n - n // 3)
         rows.append({"id": f"c/{k}", "source": "c", "input_ids": ids, "loss_mask": mask, "seq_len": n,
                      "n_prompt_tokens": n // 3, "n_response_tokens": n - n // 3})
-    write_jsonl(tmp_path / "01c_merged/tokenized_data.jsonl", rows)
-    write_manifest(tmp_path / "01c_merged", "01c_merge_datasets", argparse.Namespace(),
+    write_jsonl(stage_dir(tmp_path, MERGE) / "tokenized_data.jsonl", rows)
+    write_manifest(stage_dir(tmp_path, MERGE), MERGE, argparse.Namespace(),
                    tokenizer=tokenizer_identity(micro_target), target=target_identity(micro_target))
-    importlib.import_module("02b_extract_hidden_states_sglang").main(
+    importlib.import_module(EXTRACT).main(
         ["--work-dir", str(tmp_path), "--device", "cpu", "--samples-per-shard", "2"])
     maps, man = run(tmp_path, 10)
     direct = Counter(t for r in rows for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
-    counts = load_file(str(tmp_path / "03_vocab/token_counts.safetensors"))["counts"]
+    counts = load_file(str(stage_dir(tmp_path, VOCAB) / "token_counts.safetensors"))["counts"]
     assert {i: int(c) for i, c in enumerate(counts.tolist()) if c} == dict(direct)
     kept = sorted(sorted(direct, key=lambda t: (-direct[t], t))[:10])
     assert (torch.arange(10) + maps["d2t"]).tolist() == kept

@@ -1,4 +1,4 @@
-"""04_train: training on micro-target hidden states, export, resume, upstream checks, data plan,
+"""Tests of 04_train: training on micro-target hidden states, export, resume, upstream checks, data plan,
 the recipe flags, data-parallel training (2 processes, gloo) and the training-curve plot."""
 import importlib
 import json
@@ -13,10 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common.training import data as train_data
-from common.stage import StageError, is_complete
+from common.stage import EXTRACT, StageError, TRAIN, VOCAB, is_complete, stage_dir
 from tests.train_helpers import DV, FLAGS, POINTS, fresh_work, make_upstream, micro_batch
 
-train = importlib.import_module("04_train")
+train = importlib.import_module(TRAIN)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_train_end_to_end_improves_and_exports(upstream, tmp_path, micro_target)
     argv = ["--work-dir", str(work), *FLAGS, "--num-epochs", "6", "--eval-every", "20",
             "--save-every", "15", "--target-path", str(micro_target)]
     train.main(argv)
-    out = work / "04_draft"
+    out = stage_dir(work, TRAIN)
     man = json.loads((out / "manifest.json").read_text())
     assert man["capture_points"] == POINTS and man["draft_vocab_size"] == DV
     assert man["num_eval_samples"] > 0 and man["final_eval"]["tau"] >= 1.0
@@ -47,7 +47,7 @@ def test_train_end_to_end_improves_and_exports(upstream, tmp_path, micro_target)
         keys = set(f.keys())
         d2t = f.get_tensor("d2t")
     assert "embed_tokens.weight" not in keys and "fc.weight" in keys and len(keys) == 15
-    assert torch.equal(d2t, load_file(str(work / "03_vocab" / "vocab_mapping.safetensors"))["d2t"])
+    assert torch.equal(d2t, load_file(str(stage_dir(work, VOCAB) / "vocab_mapping.safetensors"))["d2t"])
     spec = json.loads((out / "export_speculators" / "config.json").read_text())  # the vLLM layout too
     assert spec["eagle_aux_hidden_state_layer_ids"] == POINTS and spec["norm_before_residual"] is False
     assert (out / "export_speculators" / "model.safetensors").is_file()
@@ -68,10 +68,10 @@ def test_resume_equals_uninterrupted(upstream, tmp_path):
     train.main(["--work-dir", str(a), *flags])
     b = fresh_work(upstream, tmp_path / "b")
     train.main(["--work-dir", str(b), *flags, "--stop-at-step", str(n)])
-    assert not is_complete(b / "04_draft") and not (b / "04_draft" / "export_sglang").exists()
-    assert [p.name for p in train.complete_checkpoints(b / "04_draft" / "checkpoints")] == ["step_000006"]
+    assert not is_complete(stage_dir(b, TRAIN)) and not (stage_dir(b, TRAIN) / "export_sglang").exists()
+    assert [p.name for p in train.complete_checkpoints(stage_dir(b, TRAIN) / "checkpoints")] == ["step_000006"]
     # a half-written checkpoint (no COMPLETE marker) must be ignored
-    (b / "04_draft" / "checkpoints" / "step_000009").mkdir()
+    (stage_dir(b, TRAIN) / "checkpoints" / "step_000009").mkdir()
     with pytest.raises(StageError, match="batch_tokens"):
         train.main(["--work-dir", str(b), *flags, "--batch-tokens", "128"])
     for changed, name in ((["--adam-betas", "0.9", "0.999"], "adam_betas"), (["--init", "normal"], "init"),
@@ -81,18 +81,18 @@ def test_resume_equals_uninterrupted(upstream, tmp_path):
         with pytest.raises(StageError, match=name):
             train.main(["--work-dir", str(b), *flags, *changed])
     train.main(["--work-dir", str(b), *flags])
-    sa = torch.load(a / "04_draft" / "checkpoints" / "step_000012" / "model.pt")
-    sb = torch.load(b / "04_draft" / "checkpoints" / "step_000012" / "model.pt")
+    sa = torch.load(stage_dir(a, TRAIN) / "checkpoints" / "step_000012" / "model.pt")
+    sb = torch.load(stage_dir(b, TRAIN) / "checkpoints" / "step_000012" / "model.pt")
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.allclose(sa[k].float(), sb[k].float(), atol=1e-6), k
-    la = [r for r in map(json.loads, (a / "04_draft" / "train_log.jsonl").read_text().splitlines())]
-    lb = [r for r in map(json.loads, (b / "04_draft" / "train_log.jsonl").read_text().splitlines())]
+    la = [r for r in map(json.loads, (stage_dir(a, TRAIN) / "train_log.jsonl").read_text().splitlines())]
+    lb = [r for r in map(json.loads, (stage_dir(b, TRAIN) / "train_log.jsonl").read_text().splitlines())]
     assert [r["step"] for r in lb] == [5, 6, 10, 12, 12]          # the stopped run logged step 6
     for ra, rb in zip(la[-2:], lb[-2:]):                         # last train row + final eval
         assert ra["split"] == rb["split"] and abs(ra["loss"][0] - rb["loss"][0]) < 1e-5
         assert abs(ra["tau"] - rb["tau"]) < 1e-6
-    assert not (b / "04_draft" / "checkpoints" / "step_000009").exists()
+    assert not (stage_dir(b, TRAIN) / "checkpoints" / "step_000009").exists()
 
 
 def test_the_plan_is_every_flag_of_the_marked_groups():
@@ -110,12 +110,12 @@ def test_the_plan_is_every_flag_of_the_marked_groups():
 
 
 def test_refuses_missing_upstream_and_other_target(upstream, tmp_path, other_micro_target):
-    with pytest.raises(StageError, match="02b_extract_hidden_states_sglang"):
+    with pytest.raises(StageError, match=EXTRACT):
         train.main(["--work-dir", str(tmp_path / "empty"), "--device", "cpu"])
     work = fresh_work(upstream, tmp_path)
     with pytest.raises(StageError, match="tokenizer"):
         train.main(["--work-dir", str(work), "--device", "cpu", "--target-path", str(other_micro_target)])
-    assert not (work / "04_draft").exists()
+    assert not stage_dir(work, TRAIN).exists()
 
 
 def test_data_plan_batches_order_and_split():
@@ -190,8 +190,8 @@ def test_recipe_flags_reach_the_run(upstream, tmp_path):
                         ("c", ["--max-samples-per-batch", "1"])):
         work = fresh_work(upstream, tmp_path / name)
         train.main(["--work-dir", str(work), *base, *extra])
-        rows[name] = [json.loads(x) for x in (work / "04_draft" / "train_log.jsonl").read_text().splitlines()]
-        opt = torch.load(work / "04_draft" / "checkpoints" / "step_000003" / "optimizer.pt")
+        rows[name] = [json.loads(x) for x in (stage_dir(work, TRAIN) / "train_log.jsonl").read_text().splitlines()]
+        opt = torch.load(stage_dir(work, TRAIN) / "checkpoints" / "step_000003" / "optimizer.pt")
         assert tuple(opt["param_groups"][0]["betas"]) == ((0.9, 0.999) if name == "b" else (0.9, 0.95))
     assert rows["c"][0]["num_supervised"] < rows["a"][0]["num_supervised"]      # one sample vs several
     assert abs(rows["b"][0]["loss"][0] - rows["a"][0]["loss"][0]) > 1e-3         # normal(0, 0.02) init
@@ -257,12 +257,12 @@ def test_two_processes_train_like_one_and_resume(upstream, tmp_path):
     train.main(["--work-dir", str(one), *flags])
     two = fresh_work(upstream, tmp_path / "two")
     torchrun(2, ["--work-dir", str(two), *flags, "--shard-optimizer", "on", "--stop-at-step", "6"])
-    assert [p.name for p in train.complete_checkpoints(two / "04_draft" / "checkpoints")] == ["step_000005",
-                                                                                              "step_000006"]
+    assert [p.name for p in train.complete_checkpoints(stage_dir(two, TRAIN) / "checkpoints")] == [
+        "step_000005", "step_000006"]
     torchrun(2, ["--work-dir", str(two), *flags, "--shard-optimizer", "on"])
     rows = {}
     for name, work in (("one", one), ("two", two)):
-        rows[name] = [json.loads(x) for x in (work / "04_draft" / "train_log.jsonl").read_text().splitlines()]
+        rows[name] = [json.loads(x) for x in (stage_dir(work, TRAIN) / "train_log.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in rows["two"] if r["split"] == "train"]
     assert train_steps == list(range(1, 11))                           # each step once: rank 0 alone logs
     assert len(rows["one"]) == len(rows["two"])
@@ -274,22 +274,22 @@ def test_two_processes_train_like_one_and_resume(upstream, tmp_path):
         for k in range(3):
             assert abs(ra["loss"][k] - rb["loss"][k]) < 1e-5, (ra["step"], k)
             assert abs(ra["acc"][k] - rb["acc"][k]) < 1e-9, (ra["step"], k)
-    wa = torch.load(one / "04_draft" / "checkpoints" / "step_000010" / "model.pt")
-    wb = torch.load(two / "04_draft" / "checkpoints" / "step_000010" / "model.pt")
+    wa = torch.load(stage_dir(one, TRAIN) / "checkpoints" / "step_000010" / "model.pt")
+    wb = torch.load(stage_dir(two, TRAIN) / "checkpoints" / "step_000010" / "model.pt")
     for k in wa:
         assert torch.allclose(wa[k].float(), wb[k].float(), atol=1e-5), k
-    man = json.loads((two / "04_draft" / "manifest.json").read_text())
+    man = json.loads((stage_dir(two, TRAIN) / "manifest.json").read_text())
     assert man["world_size"] == 2 and man["optimizer_sharded"] is True
-    assert (two / "04_draft" / "train_curves.png").is_file()
+    assert (stage_dir(two, TRAIN) / "train_curves.png").is_file()
 
 
 def test_max_train_samples_takes_nested_subsets(upstream, tmp_path):
     """--max-train-samples N trains on N samples, and those are among the 2N of a larger run."""
     import argparse as _ap
 
-    train = importlib.import_module("04_train")
+    train = importlib.import_module(TRAIN)
     work = fresh_work(upstream, tmp_path)
-    hs = work / "02b_hidden_states"
+    hs = stage_dir(work, EXTRACT)
     base = vars(train.build_parser().parse_args(["--work-dir", str(work)]))
     sets = {}
     for n in (3, 6, None):

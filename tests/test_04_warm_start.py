@@ -11,13 +11,13 @@ from common.draft.export_sglang import export_sglang
 from common.draft.imported import read_draft
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import write_jsonl
-from common.stage import StageError
+from common.stage import EXTRACT, MERGE, StageError, TRAIN, VOCAB, stage_dir
 from common.target.head import read_target_text_config
 from common.training.selection import accept_lengths, candidate_steps, walk_rounds
 from common.training.warm_start import anchors, l2sp_penalty
 from tests.train_helpers import DV, FLAGS, POINTS, fresh_work, make_upstream
 
-train = importlib.import_module("04_train")
+train = importlib.import_module(TRAIN)
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +30,17 @@ def trained(upstream, tmp_path_factory):
     """A draft 04 trained briefly on the upstream (its export is the 'public draft' of these tests)."""
     work = fresh_work(upstream, tmp_path_factory.mktemp("pre"))
     train.main(["--work-dir", str(work), *FLAGS, "--num-epochs", "2", "--save-every", "1000"])
-    return work / "04_draft" / "export_sglang"
+    return stage_dir(work, TRAIN) / "export_sglang"
 
 
 def run(work, *extra):
     train.main(["--work-dir", str(work), *FLAGS, "--save-every", "1000", *extra])
-    return json.loads((work / "04_draft" / "manifest.json").read_text())
+    return json.loads((stage_dir(work, TRAIN) / "manifest.json").read_text())
 
 
 def test_zero_steps_export_the_imported_draft_exactly(upstream, trained, tmp_path):
     man = run(fresh_work(upstream, tmp_path), "--init-from", str(trained), "--max-steps", "0")
-    got = load_file(str(tmp_path / "w" / "04_draft" / "export_sglang" / "model.safetensors"))
+    got = load_file(str(stage_dir(tmp_path / "w", TRAIN) / "export_sglang" / "model.safetensors"))
     want = load_file(str(trained / "model.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert man["init"]["sha256"] == read_draft(trained).sha256 and man["init"]["vocab"] == "keep"
@@ -66,7 +66,7 @@ def test_init_vocab_map_moves_rows_by_target_id_and_reports_coverage(upstream, m
     """An imported draft that covers half of 03's vocab: those rows are its rows of the same target
     token, the others the mean imported row."""
     tcfg = read_target_text_config(micro_target)
-    d2t03 = load_file(str(upstream / "03_vocab" / "vocab_mapping.safetensors"))["d2t"]
+    d2t03 = load_file(str(stage_dir(upstream, VOCAB) / "vocab_mapping.safetensors"))["d2t"]
     ours = torch.arange(DV) + d2t03                                   # 03's target ids
     kept = torch.cat([ours[::2], torch.tensor([v for v in range(600) if v not in set(ours.tolist())][:50])]).sort().values
     torch.manual_seed(1)
@@ -78,7 +78,7 @@ def test_init_vocab_map_moves_rows_by_target_id_and_reports_coverage(upstream, m
     man = run(fresh_work(upstream, tmp_path), "--init-from", str(imp), "--init-vocab", "map", "--max-steps", "0")
     cov = man["init"]["coverage"]
     assert (cov["rows"], cov["rows_found"]) == (DV, DV // 2) and man["draft_vocab_size"] == DV
-    got = load_file(str(tmp_path / "w" / "04_draft" / "export_sglang" / "model.safetensors"))
+    got = load_file(str(stage_dir(tmp_path / "w", TRAIN) / "export_sglang" / "model.safetensors"))
     src = load_file(str(imp / "model.safetensors"))["lm_head.weight"]
     row_of = {int(t): i for i, t in enumerate(kept)}
     for j in (0, 2, 1, 3):
@@ -97,7 +97,7 @@ def test_init_refused_before_anything_is_written(upstream, trained, tmp_path):
                                                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}}))
     with pytest.raises(StageError, match=r"capture points is h\[2, 4, 6\], expected h\[2, 4, 5\]"):
         run(work, "--init-from", str(bad))
-    assert not (work / "04_draft").exists()
+    assert not stage_dir(work, TRAIN).exists()
     with pytest.raises(StageError, match="--l2sp-weight pulls toward an imported draft"):
         run(work, "--l2sp-weight", "1")
 
@@ -121,7 +121,7 @@ def test_l2sp_keeps_the_fine_tune_near_the_init(upstream, trained, tmp_path):
     def distance(weight):
         work = fresh_work(upstream, tmp_path / f"l{weight}")
         run(work, "--init-from", str(trained), "--num-epochs", "2", "--l2sp-weight", str(weight))
-        got = load_file(str(work / "04_draft" / "export_sglang" / "model.safetensors"))
+        got = load_file(str(stage_dir(work, TRAIN) / "export_sglang" / "model.safetensors"))
         return sum(float(((got[k].float() - init[k].float()) ** 2).sum()) for k in init if init[k].is_floating_point())
     assert distance(100.0) < 0.1 * distance(0.0)
 
@@ -162,10 +162,10 @@ def test_selection_exports_the_best_candidate_and_shows_the_curve(upstream, tmp_
     sel = man["selection"]
     taus = {c["step"]: c["replay_tau"] for c in sel["candidates"]}
     assert len(taus) == 3 and 0 not in taus and sel["chosen_replay_tau"] == max(taus.values()) and all(t >= 1.0 for t in taus.values())
-    cand = torch.load(work / "04_draft" / "candidates" / f"step_{sel['chosen_step']:06d}" / "model.pt")
-    got = load_file(str(work / "04_draft" / "export_sglang" / "model.safetensors"))
+    cand = torch.load(stage_dir(work, TRAIN) / "candidates" / f"step_{sel['chosen_step']:06d}" / "model.pt")
+    got = load_file(str(stage_dir(work, TRAIN) / "export_sglang" / "model.safetensors"))
     assert all(torch.equal(got[k], cand[k].to(got[k].dtype)) for k in cand)
-    rows = [json.loads(r) for r in (work / "04_draft" / "train_log.jsonl").read_text().splitlines()]
+    rows = [json.loads(r) for r in (stage_dir(work, TRAIN) / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["split"] == "select"] == sorted(taus)
 
 
@@ -173,12 +173,12 @@ def test_selection_never_holds_the_reported_prompts(upstream, tmp_path):
     """05 reports on 01c's benchmark prompts; a work dir whose selection split holds one is refused."""
     work = fresh_work(upstream, tmp_path)
     args = train.parse_args(train.build_parser(), ["--work-dir", str(work), *FLAGS])
-    held = train.plan_data(args, work / "02b_hidden_states", False)
+    held = train.plan_data(args, stage_dir(work, EXTRACT), False)
     ids = [e[3] for e in held.data.entries]
     selection = {ids[i] for b in held.eval_batches for i in b}
-    (work / "01c_merged").mkdir()
-    write_jsonl(work / "01c_merged" / "benchmark_prompts.jsonl", [{"id": "other/1"}])
-    train.plan_data(args, work / "02b_hidden_states", False, train.load_inputs(args).reported_ids)
-    write_jsonl(work / "01c_merged" / "benchmark_prompts.jsonl", [{"id": sorted(selection)[0]}])
+    stage_dir(work, MERGE).mkdir()
+    write_jsonl(stage_dir(work, MERGE) / "benchmark_prompts.jsonl", [{"id": "other/1"}])
+    train.plan_data(args, stage_dir(work, EXTRACT), False, train.load_inputs(args).reported_ids)
+    write_jsonl(stage_dir(work, MERGE) / "benchmark_prompts.jsonl", [{"id": sorted(selection)[0]}])
     with pytest.raises(StageError, match="selection split holds 1 of 05's benchmark prompts"):
         run(work, "--candidates-per-epoch", "1")

@@ -10,7 +10,7 @@ import torch
 
 from common.benchmark import spec_decode as sd
 from common.draft.model import Eagle3DraftModel
-from common.stage import StageError, read_manifest
+from common.stage import BENCH, SERVE_BENCH, StageError, read_manifest, stage_dir, stage_script
 from tests.spec_helpers import POINTS, make_chain, oracle_draft, random_draft
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,12 +151,12 @@ def test_acceptance_stats_arithmetic():
 
 def test_main_writes_metrics_report_plot(micro_target, target, prompts, tmp_path, capsys):
     make_chain(tmp_path, micro_target, target, prompts)
-    stage = importlib.import_module("05_benchmark")
+    stage = importlib.import_module(BENCH)
     argv = ["--work-dir", str(tmp_path), "--num-draft-tokens", "2", "4", "--benchmark-max-new-tokens", "10",
             "--num-prompts", "3", "--loop-prompts", "2", "--device", "cpu", "--target-path", str(micro_target),
             "--replay-cache-dir", str(tmp_path / "replay_cache")]
     stage.main(argv)
-    out = tmp_path / "05_benchmark" / "reference"
+    out = stage_dir(tmp_path, BENCH)
     m = json.loads((out / "metrics.json").read_text())
     assert m["lossless"] and m["num_prompts"] == 3 and m["loop_prompts"] == 2 and m["capture_points"] == POINTS
     assert set(m["by_num_draft_tokens"]) == {"2", "4"}
@@ -188,10 +188,10 @@ def test_main_raises_and_records_when_output_differs(micro_target, target, promp
         return res
     monkeypatch.setattr(sd, "speculative_decode", corrupted)
     with pytest.raises(sd.LosslessError):
-        importlib.import_module("05_benchmark").main([
+        importlib.import_module(BENCH).main([
             "--work-dir", str(tmp_path), "--benchmark-max-new-tokens", "6", "--num-prompts", "1", "--device", "cpu",
             "--loop-untrained", "--replay-cache-dir", str(tmp_path / "replay_cache")])
-    out = tmp_path / "05_benchmark" / "reference"
+    out = stage_dir(tmp_path, BENCH)
     bad = json.loads((out / "mismatches.json").read_text())
     assert len(bad) == 2 and bad[0]["first_difference"] == ref_len - 1  # trained + untrained
     assert not (out / "manifest.json").exists()
@@ -203,9 +203,9 @@ def test_reference_mode_refuses_a_target_too_large_for_the_machine(micro_target,
 
     make_chain(tmp_path, micro_target, target, prompts)
     monkeypatch.setattr(target_head, "estimate_num_parameters", lambda cfg: 10 ** 12)  # Kimi-K2.5-sized
-    with pytest.raises(SystemExit, match="05b_serve_benchmark.py"):
-        importlib.import_module("05_benchmark").main(["--work-dir", str(tmp_path), "--device", "cpu"])
-    assert not (tmp_path / "05_benchmark" / "reference" / "metrics.json").exists()
+    with pytest.raises(SystemExit, match=stage_script(SERVE_BENCH)):
+        importlib.import_module(BENCH).main(["--work-dir", str(tmp_path), "--device", "cpu"])
+    assert not (stage_dir(tmp_path, BENCH) / "metrics.json").exists()
 
 
 def test_parameter_estimate_of_known_targets(micro_target):
@@ -282,7 +282,7 @@ def test_num_prompts_takes_every_source_in_turn():
 def test_the_old_mode_flag_is_refused_naming_the_stage_to_run(tmp_path):
     """05 had --mode reference | server until serving became 05b_serve_benchmark.py: an old command line stops
     in one line before anything is read, `--mode server` naming the script that now does it."""
-    stage = importlib.import_module("05_benchmark")
+    stage = importlib.import_module(BENCH)
     for argv in (["--mode", "server"], ["--mode=server", "--engine", "vllm"]):
         with pytest.raises(StageError, match=r"^--mode server: the serving benchmark is now its own stage, "
                                              r"`python 05b_serve_benchmark.py`") as got:
@@ -291,4 +291,4 @@ def test_the_old_mode_flag_is_refused_naming_the_stage_to_run(tmp_path):
     with pytest.raises(StageError, match=r"^--mode reference: 05_benchmark.py is the reference benchmark alone now; "
                                          r"drop --mode"):
         stage.main(["--work-dir", str(tmp_path), "--mode", "reference"])
-    assert not (tmp_path / "05_benchmark").exists()
+    assert not stage_dir(tmp_path, BENCH).parent.exists()

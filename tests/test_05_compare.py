@@ -25,7 +25,7 @@ from common.draft.export_speculators import export_speculators
 from common.draft.imported import load_draft
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import iter_jsonl
-from common.stage import StageError, read_manifest
+from common.stage import BENCH, MERGE, StageError, TRAIN, read_manifest, stage_dir
 from common.target.capture import sglang_points_reader
 from common.target.head import read_target_text_config
 from common.text.target_format import load_target_format
@@ -65,12 +65,12 @@ def run(micro_target, target, prompts, tmp_path_factory):
     eos = set(load_target_format(micro_target, load_tokenizer(micro_target)).stop_ids)
     answers = [t for p in prompts[:NUM_PROMPTS] for t in sd.greedy_decode(target, p, MAX_NEW, eos)[0]]
     other = full_vocab_draft(micro_target, work / "other", Counter(answers).most_common(1)[0][0])
-    folders = {"same": work / "04_draft" / "export_sglang", "other": other,
+    folders = {"same": stage_dir(work, TRAIN) / "export_sglang", "other": other,
                "spec": export_speculators(other, work / "spec", POINTS, micro_target, ["DeepseekV3ForCausalLM"]),
                "shifted": with_points(other, work / "shifted", OTHER_POINTS)}
-    importlib.import_module("05_benchmark").main(argv(work, micro_target, "--draft",
-                                                      *(f"{n}={p}" for n, p in folders.items())))
-    metrics = json.loads((work / "05_benchmark" / "reference" / "metrics.json").read_text())
+    importlib.import_module(BENCH).main(argv(work, micro_target, "--draft",
+                                             *(f"{n}={p}" for n, p in folders.items())))
+    metrics = json.loads((stage_dir(work, BENCH) / "metrics.json").read_text())
     return work, metrics, folders
 
 
@@ -78,7 +78,7 @@ def direct_tau(micro_target, target, work, folder, points) -> dict:
     """tau per k of the draft in `folder` replayed alone on 05's prompts and answers, features at `points`."""
     tok = load_tokenizer(micro_target)
     eos = set(load_target_format(micro_target, tok).stop_ids)
-    rows = list(iter_jsonl(work / "01c_merged" / "benchmark_prompts.jsonl"))[:NUM_PROMPTS]
+    rows = list(iter_jsonl(stage_dir(work, MERGE) / "benchmark_prompts.jsonl"))[:NUM_PROMPTS]
     cache = rb.replay_cache_file(work / "replay_cache", micro_target, MAX_NEW, eos)
     rs = rb.ReplaySet(target, rows, points, MAX_NEW, eos, cache)
     model, _, got = load_draft(folder, read_target_text_config(micro_target), sglang_points_reader(
@@ -129,9 +129,9 @@ def test_a_different_draft_gets_its_own_tau_pairs_and_a_deploy_pick(run, micro_t
     assert (dep["num_draft_tokens"], dep["temperature"]) == (2, float(T))   # smallest k, largest temperature
     assert dep["tau"] == max(d["tau"][T]["2"]["tau"] for d in m["drafts"].values())
     assert dep["clearly_better"] == all(a["ci"][0] > 0 for a in dep["against"].values())
-    report = (work / "05_benchmark" / "reference" / "report.md").read_text()
+    report = (stage_dir(work, BENCH) / "report.md").read_text()
     assert "## Drafts compared" in report and f"| other - 04 | 2 | T={T} |" in report and "**Deploy**" in report
-    man = read_manifest(work / "05_benchmark" / "reference")
+    man = read_manifest(stage_dir(work, BENCH))
     assert set(man["drafts"]) == set(folders) and man["deploy"] == dep["draft"]
     assert man["drafts"]["spec"] == {key: m["drafts"]["spec"][key] for key in ("path", "layout", "sha256")}
 
@@ -142,8 +142,8 @@ def test_greedy_only_deploys_the_better_draft(run, micro_target, target, prompts
     make_chain(tmp_path, micro_target, target, prompts)
     stage_argv = argv(tmp_path, micro_target, "--draft", f"other={folders['other']}")
     stage_argv[stage_argv.index(T)] = "0"
-    importlib.import_module("05_benchmark").main(stage_argv)
-    dep = json.loads((tmp_path / "05_benchmark" / "reference" / "metrics.json").read_text())["deploy"]
+    importlib.import_module(BENCH).main(stage_argv)
+    dep = json.loads((stage_dir(tmp_path, BENCH) / "metrics.json").read_text())["deploy"]
     assert (dep["draft"], dep["num_draft_tokens"], dep["temperature"]) == ("other", 2, 0.0)
     assert dep["tau"] == m["drafts"]["other"]["tau"]["0"]["2"]["tau"] and dep["against"]["04"]["difference"] > 0
     assert dep["statement"].startswith("deploy other" if dep["clearly_better"] else "other has the highest tau")
@@ -166,7 +166,7 @@ def full_vocab_draft(micro_target, out, token: int = 0, **target_changes):
 
 def out_of_range_points(micro_target, out):
     """04's export declaring h_9 on the 8-layer target (points must lie in 1..7)."""
-    return with_points(out.parent / "04_draft" / "export_sglang", out, [3, 5, 9])
+    return with_points(stage_dir(out.parent, TRAIN) / "export_sglang", out, [3, 5, 9])
 
 
 @pytest.mark.parametrize("make, message", [
@@ -179,9 +179,9 @@ def test_a_draft_that_does_not_fit_is_refused_before_05_writes(micro_target, tar
     make_chain(tmp_path, micro_target, target, prompts)
     bad = make(micro_target, tmp_path / "bad")
     with pytest.raises(StageError, match=message) as e:
-        importlib.import_module("05_benchmark").main(argv(tmp_path, micro_target, "--draft", f"x={bad}"))
+        importlib.import_module(BENCH).main(argv(tmp_path, micro_target, "--draft", f"x={bad}"))
     assert "\n" not in str(e.value) and str(bad) in str(e.value)
-    assert not (tmp_path / "05_benchmark").exists()
+    assert not stage_dir(tmp_path, BENCH).parent.exists()
 
 
 def test_draft_names_and_the_list_flag(tmp_path):
@@ -190,7 +190,7 @@ def test_draft_names_and_the_list_flag(tmp_path):
                            (["/just/a/path"], "expected NAME=PATH"), (["a b=/x"], "expected NAME=PATH")):
         with pytest.raises(StageError, match=message):
             cmp.parse_specs(specs)
-    stage = importlib.import_module("05_benchmark")
+    stage = importlib.import_module(BENCH)
     preset = tmp_path / "p.yaml"
     preset.write_text("draft:\n  - kimi=/models/kimi-eagle3\n")
     base = ["--work-dir", str(tmp_path), "--config", str(preset)]

@@ -11,7 +11,8 @@ import re
 import pytest
 
 from common.io import write_json
-from common.stage import StageError, input_manifests, write_manifest
+from common.stage import (BENCH, EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, input_manifests, stage_dir,
+                          stage_folder, write_manifest)
 from tests.test_server_bench import fake_launches, make_work, sweep_05b  # noqa: F401 (fixture)
 
 SHARED = {"draft", "benchmark-max-new-tokens", "num-prompts", "target-path", "bench-seed", "acceptance-temperatures",
@@ -28,8 +29,8 @@ SERVING = {"engine", "draft-format", "agreement-prompts", "agreement-tolerance",
 BASE = {"help", "work-dir", "config", "overwrite"}
 
 
-@pytest.mark.parametrize("stage, own, other", [("05_benchmark", REFERENCE, SERVING),
-                                               ("05b_serve_benchmark", SERVING, REFERENCE)])
+@pytest.mark.parametrize("stage, own, other", [(BENCH, REFERENCE, SERVING),
+                                               (SERVE_BENCH, SERVING, REFERENCE)])
 def test_each_05_stage_has_its_own_flags_and_its_help_names_none_of_the_others(stage, own, other):
     """One script used to show 48 flags for two stages without saying which read which: now 05's --help holds
     the reference flags, 05b's the serving ones, each with the flags both use, and neither names the other's."""
@@ -42,20 +43,20 @@ def test_each_05_stage_has_its_own_flags_and_its_help_names_none_of_the_others(s
 
 def test_an_old_mode_flag_names_the_script_to_run(tmp_path):
     """`05_benchmark.py --mode server` lines renamed to 05b but keeping --mode: one line saying to drop it."""
-    stage = importlib.import_module("05b_serve_benchmark")
+    stage = importlib.import_module(SERVE_BENCH)
     for argv in (["--mode", "server"], ["--mode=server"]):
         with pytest.raises(StageError, match=r"^--mode: 05b_serve_benchmark.py is the serving benchmark .* drop "
                                              r"--mode$"):
             stage.main(["--work-dir", str(tmp_path), *argv])
-    assert not (tmp_path / "05_benchmark").exists()
+    assert not stage_dir(tmp_path, BENCH).parent.exists()
 
 
 def reference_of(work, draft_dir) -> None:
     """A complete 05 folder that measured the draft in `draft_dir` (its manifest's inputs say so)."""
-    ref = work / "05_benchmark" / "reference"
+    ref = stage_dir(work, BENCH)
     write_json(ref / "metrics.json", {"by_num_draft_tokens": {"5": {"per_position_acceptance": [0.8, 0.6, 0.5, 0.4,
                                                                                                 0.3]}}})
-    write_manifest(ref, "05_benchmark", argparse.Namespace(), inputs=input_manifests(work, draft_dir))
+    write_manifest(ref, BENCH, argparse.Namespace(), inputs=input_manifests(work, draft_dir))
 
 
 def test_05_is_an_optional_input_recorded_in_the_manifest(tmp_path, micro_target, fake_launches):
@@ -65,19 +66,19 @@ def test_05_is_an_optional_input_recorded_in_the_manifest(tmp_path, micro_target
     make_work(tmp_path, micro_target)
     fake_launches()
     sweep_05b(tmp_path)
-    out = tmp_path / "05_benchmark" / "server"
-    upstream = input_manifests(tmp_path, *(tmp_path / d for d in ("04_draft", "01c_merged", "02b_hidden_states")))
+    out = stage_dir(tmp_path, SERVE_BENCH)
+    upstream = input_manifests(tmp_path, *(stage_dir(tmp_path, s) for s in (TRAIN, MERGE, EXTRACT)))
     assert json.loads((out / "manifest.json").read_text())["inputs"] == upstream
     deploy = json.dumps(json.loads((out / "metrics.json").read_text())["deploy"])
     assert "replay per-position acceptance" not in deploy
-    reference_of(tmp_path, tmp_path / "04_draft")
+    reference_of(tmp_path, stage_dir(tmp_path, TRAIN))
     sweep_05b(tmp_path, "--overwrite")
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["inputs"] == {**upstream, **input_manifests(tmp_path, tmp_path / "05_benchmark" / "reference")}
+    assert manifest["inputs"] == {**upstream, **input_manifests(tmp_path, stage_dir(tmp_path, BENCH))}
     assert "replay per-position acceptance" in json.dumps(json.loads((out / "metrics.json").read_text())["deploy"])
-    write_manifest(tmp_path / "04_draft", "04_train", argparse.Namespace(retrained=True),
-                   **{k: v for k, v in json.loads((tmp_path / "04_draft" / "manifest.json").read_text()).items()
+    write_manifest(stage_dir(tmp_path, TRAIN), TRAIN, argparse.Namespace(retrained=True),
+                   **{k: v for k, v in json.loads((stage_dir(tmp_path, TRAIN) / "manifest.json").read_text()).items()
                       if k in ("tokenizer", "target", "capture_points", "draft_vocab_size")})
     sweep_05b(tmp_path, "--overwrite")   # 05 measured the draft before this one: not an input
-    assert "05_benchmark/reference/manifest.json" not in json.loads((out / "manifest.json").read_text())["inputs"]
+    assert f"{stage_folder(BENCH)}/manifest.json" not in json.loads((out / "manifest.json").read_text())["inputs"]
 

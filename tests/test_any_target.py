@@ -11,12 +11,12 @@ import pytest
 from common.text.target_format import FormatError, describe_target, render_final_turn
 from common.text.tokenizer import load_tokenizer
 from common.io import iter_jsonl, read_json
-from common.stage import StageError
+from common.stage import GENERATE, MERGE, PREPARE, StageError, stage_dir
 from openai_server import OpenAICompletionsServer
 
-prep = importlib.import_module("01_prepare_datasets")
-gen = importlib.import_module("01b_generate_synthetic")
-merge = importlib.import_module("01c_merge_datasets")
+prep = importlib.import_module(PREPARE)
+gen = importlib.import_module(GENERATE)
+merge = importlib.import_module(MERGE)
 FIXTURES = Path(__file__).parent / "fixtures"
 COMPLETE_ROWS = [  # answers the target itself wrote
     {"id": "plain", "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi there"}]},
@@ -30,7 +30,7 @@ COMPLETE_ROWS = [  # answers the target itself wrote
 
 
 def read(work, stage, name, file):
-    return list(iter_jsonl(work / stage / name / file))
+    return list(iter_jsonl(stage_dir(work, stage, name) / file))
 
 
 def test_describe_target(micro_target, micro_chatml_target, micro_llama3_target, tmp_path):
@@ -76,29 +76,29 @@ def test_01_on_chatml_drops_or_keeps_unrendered_tools(micro_chatml_target, tmp_p
 
     work = tmp_path / "drop"
     prep.main(["--work-dir", str(work)] + base)  # default: drop, counted
-    counts = read_json(work / "01_prepared" / "manifest.json")["counts"]
-    msg = read(work, "01_prepared", "msg", "records.jsonl")
+    counts = read_json(stage_dir(work, PREPARE) / "manifest.json")["counts"]
+    msg = read(work, PREPARE, "msg", "records.jsonl")
     assert counts["msg"]["skipped"]["tool_calls_not_rendered"] == 2  # m2, m3 (m3 also declares tools)
     assert counts["msg"]["with_tools"] == 0 and counts["msg"]["thinking"] == 0
     assert not any(r.get("tools") or r["thinking"] or any(m.get("tool_calls") for m in r["messages"]) for r in msg)
     assert counts["comp"]["skipped"] == {"reasoning_not_rendered": 1, "tool_calls_not_rendered": 1}
-    assert read_json(work / "01_prepared" / "manifest.json")["target_format"]["renders_tools"] is False
+    assert read_json(stage_dir(work, PREPARE) / "manifest.json")["target_format"]["renders_tools"] is False
 
-    gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "4", "--device", "cpu"])
-    comp = read(work, "01b_generated", "comp", "generated.jsonl")
+    gen.main(["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", "4", "--device", "cpu"])
+    comp = read(work, GENERATE, "comp", "generated.jsonl")
     assert [(r["completion"], r["origin"]) for r in comp] == [("hi there<|im_end|>", "dataset")]
     assert "<think>" not in comp[0]["prompt"] and comp[0]["prompt"].endswith("<|im_start|>assistant\n")
     merge.main(["--work-dir", str(work), "--benchmark-size", "1"])
     tok = load_tokenizer(micro_chatml_target)
-    sample = next(s for s in iter_jsonl(work / "01c_merged" / "tokenized_data.jsonl") if s["source"] == "comp")
+    sample = next(s for s in iter_jsonl(stage_dir(work, MERGE) / "tokenized_data.jsonl") if s["source"] == "comp")
     assert sample["input_ids"][-1] == 2 and sample["loss_mask"][-1] == 1
     assert tok.decode(sample["input_ids"][sample["n_prompt_tokens"]:]) == "hi there<|im_end|>"
 
     work = tmp_path / "keep"
     prep.main(["--work-dir", str(work), "--tools-not-rendered", "keep"] + base)
-    counts = read_json(work / "01_prepared" / "manifest.json")["counts"]["msg"]
+    counts = read_json(stage_dir(work, PREPARE) / "manifest.json")["counts"]["msg"]
     assert counts["kept_tool_calls_not_rendered"] == 2 and counts["with_tools"] == 0
-    calls = [c["id"] for r in read(work, "01_prepared", "msg", "records.jsonl")
+    calls = [c["id"] for r in read(work, PREPARE, "msg", "records.jsonl")
              for m in r["messages"] for c in m.get("tool_calls") or []]
     assert calls and "call_1" in calls and not any(c.startswith("functions.") for c in calls)  # dataset ids kept
 
@@ -110,9 +110,9 @@ def test_servers_stop_on_the_targets_end_of_turn_and_return_ids(micro_llama3_tar
     datasets = json.dumps([{"name": "chat", "adapter": "messages", "path": str(chat_prompts_file)}])
     hf = tmp_path / "hf"
     prep.main(["--work-dir", str(hf), "--target-path", str(micro_llama3_target), "--datasets", datasets])
-    gen.main(["--work-dir", str(hf), "--generation-backend", "hf", "--max-new-tokens", "12", "--device", "cpu",
+    gen.main(["--work-dir", str(hf), "--generation-engine", "hf", "--max-new-tokens", "12", "--device", "cpu",
               "--hf-batch-size", "1"])
-    ref = {r["id"]: r for r in read(hf, "01b_generated", "chat", "generated.jsonl")}
+    ref = {r["id"]: r for r in read(hf, GENERATE, "chat", "generated.jsonl")}
     assert {r["finish_reason"] for r in ref.values()} == {"stop", "length"}
     assert all(r["completion_ids"][-1] == 4 for r in ref.values() if r["finish_reason"] == "stop")
     for vllm in (False, True):  # SGLang 0.5.14's /v1/completions returns text only; vLLM can return ids
@@ -120,10 +120,10 @@ def test_servers_stop_on_the_targets_end_of_turn_and_return_ids(micro_llama3_tar
         prep.main(["--work-dir", str(work), "--target-path", str(micro_llama3_target), "--datasets", datasets])
         with OpenAICompletionsServer(micro_llama3_target, honor_keep_stop=False) as server:
             server.vllm_token_ids = vllm
-            gen.main(["--work-dir", str(work), "--generation-backend", "openai", "--server-url", server.base_url,
+            gen.main(["--work-dir", str(work), "--generation-engine", "openai", "--server-url", server.base_url,
                       "--max-new-tokens", "12", "--concurrency", "2"])
             body = server.requests[-1]
         assert body["stop"] == ["<|eot_id|>", "<|end_of_text|>"] and body["return_token_ids"] is True
-        for r in read(work, "01b_generated", "chat", "generated.jsonl"):
+        for r in read(work, GENERATE, "chat", "generated.jsonl"):
             assert r["completion"] == ref[r["id"]]["completion"]  # the trimmed <|eot_id|> is restored
             assert r["completion_ids"] == (ref[r["id"]]["completion_ids"] if vllm else None)

@@ -14,7 +14,7 @@ from common.io import write_jsonl
 from common.serving import context
 from common.serving.sglang import SGLangEngine
 from common.serving.vllm import VllmEngine
-from common.stage import StageError
+from common.stage import MERGE, SERVE_BENCH, StageError, stage_dir
 from common.text.chat_format import render_prompt
 from common.text.tokenizer import load_tokenizer
 from tests.sglang_server_stub import StubServer, StubState
@@ -98,7 +98,7 @@ def test_bucket_names_are_short_or_a_length():
 
 def write_held_out(work: Path, target: Path, n: int = 12) -> list[dict]:
     rows = held_out_rows(load_tokenizer(target), n)
-    write_jsonl(work / "01c_merged" / "benchmark_prompts.jsonl", rows)
+    write_jsonl(stage_dir(work, MERGE) / "benchmark_prompts.jsonl", rows)
     return rows
 
 
@@ -116,7 +116,7 @@ def test_the_sweep_times_every_bucket_on_prompts_disjoint_from_the_warm_up(tmp_p
     with StubServer(base) as b, StubServer(spec) as e:
         run_05b(tmp_path, "--baseline-url", b, "--eagle3-url", e, "--num-prompts", "4", "--warmup-requests", "2",
                "--bench-context", "short", str(length), "--bench-context-prompts", "3", "--bench-concurrency", "1", "2")
-    out = tmp_path / "05_benchmark" / "server"
+    out = stage_dir(tmp_path, SERVE_BENCH)
     m = json.loads((out / "metrics.json").read_text())
     warm_ids = set(m["prompt_split"]["warmup"])
     warm_text = [r["messages"][0]["content"] for r in rows if r["id"] in warm_ids]
@@ -176,7 +176,7 @@ def test_a_bucket_the_launched_servers_cannot_hold_is_refused_before_any_launch(
     for _, state in fake.launched:
         timed = [r["input_ids"] for r in state.requests if r["sampling_params"]["max_new_tokens"] == 8]
         assert sum(360 <= len(ids) <= 400 for ids in timed) == 2 * 2   # 2 prompts x 2 passes
-    m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    m = json.loads((stage_dir(tmp_path, SERVE_BENCH) / "metrics.json").read_text())
     assert m["context_length"] == 4096
     engine = VllmEngine(Path("t"), Path("e"), Path("d"), {}, {})
     assert engine.context_length() == (2048, "--vllm-max-model-len (vLLM's --max-model-len)")

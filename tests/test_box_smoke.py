@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from common.target.shards import shard_name, write_shard
-from common.stage import write_manifest
+from common.stage import BENCH, EXTRACT, GENERATE, PREPARE, SERVE_BENCH, stage_script, write_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,11 +59,11 @@ def test_dry_run_commands_parse_with_each_stage(tmp_path):
     for cmd in stages:
         by_script.setdefault(next(a for a in cmd if a.endswith(".py") and a[:2].isdigit()), []).append(cmd)
     work, work_hf = str(tmp_path / "smoke"), str(tmp_path / "smoke_hf")
-    sg, hf = by_script["02b_extract_hidden_states_sglang.py"]
+    sg, hf = by_script[stage_script(EXTRACT)]
     assert sg[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "1"]
-    assert sg[sg.index("--capture-backend") + 1] == "sglang" and sg[sg.index("--work-dir") + 1] == work
-    assert hf[hf.index("--capture-backend") + 1] == "hf" and hf[hf.index("--work-dir") + 1] == work_hf
-    (ref,), (server,) = by_script["05_benchmark.py"], by_script["05b_serve_benchmark.py"]
+    assert sg[sg.index("--capture-engine") + 1] == "sglang" and sg[sg.index("--work-dir") + 1] == work
+    assert hf[hf.index("--capture-engine") + 1] == "hf" and hf[hf.index("--work-dir") + 1] == work_hf
+    (ref,), (server,) = by_script[stage_script(BENCH)], by_script[stage_script(SERVE_BENCH)]
     assert ref[ref.index("--num-draft-tokens") + 1] == "3"
     assert server[server.index("--spec-settings") + 1] == "3,1,4"
     assert server[server.index("--sglang-python") + 1] == "/opt/sglang/bin/python"
@@ -71,13 +71,13 @@ def test_dry_run_commands_parse_with_each_stage(tmp_path):
         for flag in ("--num-prompts", "--benchmark-max-new-tokens", "--work-dir"):
             assert a[a.index(flag) + 1] == b[b.index(flag) + 1]
     # 01 reads the prompts next to the target folder; 01b talks to the server the driver starts
-    prep = by_script["01_prepare_datasets.py"][0]
+    prep = by_script[stage_script(PREPARE)][0]
     specs = json.loads(prep[prep.index("--datasets") + 1])
     assert [d["path"] for d in specs] == [str(tmp_path / "models" / "data" / f) for f in
                                           ("train_code.jsonl", "heldout.jsonl")]
     assert specs[1]["benchmark-only"] is True
     server_cmd = next(c for c in cmds if "sglang.launch_server" in c)
-    gen = by_script["01b_generate_synthetic.py"][0]
+    gen = by_script[stage_script(GENERATE)][0]
     assert server_cmd[0] == "/opt/sglang/bin/python" and server_cmd[server_cmd.index("--port") + 1] == "31000"
     assert gen[gen.index("--server-url") + 1] == "http://127.0.0.1:31000/v1"
     assert server_cmd[server_cmd.index("--served-model-name") + 1] == gen[gen.index("--served-model-name") + 1]
@@ -89,7 +89,7 @@ def test_dry_run_with_vllm_runs_on_the_cpu(tmp_path):
     the agreement check; the stage commands parse with each stage's own parser."""
     cmds = dry_run(tmp_path, "--engine", "vllm")
     joined = [" ".join(c) for c in cmds]
-    assert not any("sglang.launch_server" in j or "--capture-backend sglang" in j or "--sglang-" in j for j in joined)
+    assert not any("sglang.launch_server" in j or "--capture-engine sglang" in j or "--sglang-" in j for j in joined)
     stages = [c for c in cmds if any(a.endswith(".py") and a[:2].isdigit() for a in c)]
     assert len(stages) == 9  # 00 01 01b 01c 02b-hf 03 04 05 05b
     for cmd in stages:
@@ -99,7 +99,7 @@ def test_dry_run_with_vllm_runs_on_the_cpu(tmp_path):
         args = parser.parse_args(cmd[i + 1:])
         if getattr(args, "device", None) is not None:
             assert args.device == "cpu", cmd
-    server = next(c for c in stages if "05b_serve_benchmark.py" in c)
+    server = next(c for c in stages if stage_script(SERVE_BENCH) in c)
     assert server[server.index("--engine") + 1] == "vllm"
     assert server[server.index("--spec-settings") + 1:server.index("--spec-settings") + 4] == ["3,1,4", "5,1,6", "7,1,8"]
     assert int(server[server.index("--agreement-prompts") + 1]) > 0
@@ -109,7 +109,7 @@ def test_dry_run_with_vllm_runs_on_the_cpu(tmp_path):
 
 def write_02b(folder: Path, samples: list[dict], points=(2, 4, 5)) -> None:
     write_shard(folder / shard_name(0), samples, torch.bfloat16)
-    write_manifest(folder, "02b_extract_hidden_states_sglang", argparse.Namespace(), capture_points=list(points),
+    write_manifest(folder, EXTRACT, argparse.Namespace(), capture_points=list(points),
                    hidden_size=8)
 
 

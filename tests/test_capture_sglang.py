@@ -1,9 +1,9 @@
-"""02b --capture-backend sglang around a stand-in for the one GPU call: SpecForge's
+"""02b --capture-engine sglang around a stand-in for the one GPU call: SpecForge's
 `capture_eagle3([B, T] ids) -> (data, aux_rows [T, 3H], last_rows [T, H])` for rows of one length, here
 computed by the HF micro target. Proves: equal-length grouping under a token budget (shards keep 01c's
 order), refused settings (also SpecForge's own keyword arguments), the process count checked before any
 model loads, rank 0 alone preparing the stage folder, shape checks that stop before storing, shards
-identical to the hf backend, per-shard resume, and 01c's length order giving shards of one length."""
+identical to the hf engine, per-shard resume, and 01c's length order giving shards of one length."""
 from __future__ import annotations
 
 import importlib
@@ -16,7 +16,7 @@ from common.target import sglang_capture as cs
 from common.target.capture import capture_hf
 from common.target.shards import ShardReader, list_shards, shard_name
 from common.io import iter_jsonl
-from common.stage import StageError, read_manifest
+from common.stage import EXTRACT, GENERATE, MERGE, PREPARE, StageError, read_manifest, stage_dir
 from tests.test_02b_extract import STAGE, make_01c
 
 
@@ -92,18 +92,18 @@ def run(work, *extra):
                 "--hidden-states-dtype", "float32", *extra])
 
 
-def test_sglang_backend_equals_hf(tmp_path, micro_target, patched):
+def test_sglang_engine_equals_hf(tmp_path, micro_target, patched):
     _, made = patched
     hf, sg = tmp_path / "hf", tmp_path / "sg"
     make_01c(hf, micro_target)
     make_01c(sg, micro_target)
     run(hf, "--device", "cpu")
-    run(sg, "--capture-backend", "sglang", "--sglang-tp-size", "1", "--mem-fraction-static", "0.7")
+    run(sg, "--capture-engine", "sglang", "--sglang-tp-size", "1", "--mem-fraction-static", "0.7")
     assert made[0].kwargs["mem_fraction_static"] == 0.7 and made[0].kwargs["disable_radix_cache"] is True
     assert made[0].layer_ids == [1, 3, 4]  # capture points [2, 4, 5] - 1, first id 1: DeepSeek adds 1
     # shard plan of 2 samples, lengths [9, 23 | 5, 17 | 12]: no two equal, one row per call
     assert made[0].calls == [[9], [23], [5], [17], [12]]
-    a, b = list_shards(hf / "02b_hidden_states"), list_shards(sg / "02b_hidden_states")
+    a, b = list_shards(stage_dir(hf, EXTRACT)), list_shards(stage_dir(sg, EXTRACT))
     assert [p.name for p in a] == [p.name for p in b] == [shard_name(k) for k in range(3)]
     for pa, pb in zip(a, b):
         ra, rb = ShardReader(pa), ShardReader(pb)
@@ -113,13 +113,13 @@ def test_sglang_backend_equals_hf(tmp_path, micro_target, patched):
                 assert torch.equal(ra[i][key], rb[i][key])
             for key in ("aux", "final"):
                 torch.testing.assert_close(ra[i][key], rb[i][key], rtol=1e-5, atol=1e-6)
-    man = read_manifest(sg / "02b_hidden_states")
-    assert man["capture_backend"] == "sglang" and man["num_tokens"] == 66
+    man = read_manifest(stage_dir(sg, EXTRACT))
+    assert man["capture_engine"] == "sglang" and man["num_tokens"] == 66
 
     # resume: a deleted shard is the only one captured again
-    (sg / "02b_hidden_states" / "manifest.json").unlink()
-    (sg / "02b_hidden_states" / shard_name(1)).unlink()
-    run(sg, "--capture-backend", "sglang")
+    (stage_dir(sg, EXTRACT) / "manifest.json").unlink()
+    (stage_dir(sg, EXTRACT) / shard_name(1)).unlink()
+    run(sg, "--capture-engine", "sglang")
     assert made[1].calls == [[5], [17]]
     assert man["target_architecture"] == "DeepseekV3ForCausalLM" and man["sglang_layer_ids"] == [1, 3, 4]
     assert man["this_run"]["num_forward_calls"] == 5 and man["this_run"]["num_tokens"] == 66
@@ -127,7 +127,7 @@ def test_sglang_backend_equals_hf(tmp_path, micro_target, patched):
 
 def test_equal_lengths_share_one_call(tmp_path, micro_target, patched):
     """Rows of one length go through capture_eagle3 together; the shard keeps 01c's order and equals
-    the hf backend's."""
+    the hf engine's."""
     _, made = patched
     lengths = [7, 5, 7, 7, 5, 9]
     hf, sg = tmp_path / "hf", tmp_path / "sg"
@@ -136,15 +136,15 @@ def test_equal_lengths_share_one_call(tmp_path, micro_target, patched):
     STAGE.main(["--work-dir", str(hf), "--samples-per-shard", "6", "--hidden-states-dtype", "float32",
                 "--device", "cpu"])
     STAGE.main(["--work-dir", str(sg), "--samples-per-shard", "6", "--capture-batch-tokens", "30",
-                "--hidden-states-dtype", "float32", "--capture-backend", "sglang"])
+                "--hidden-states-dtype", "float32", "--capture-engine", "sglang"])
     assert made[0].calls == [[7, 7, 7], [5, 5], [9]]
-    a, b = ShardReader(hf / "02b_hidden_states" / shard_name(0)), ShardReader(sg / "02b_hidden_states" / shard_name(0))
+    a, b = ShardReader(stage_dir(hf, EXTRACT) / shard_name(0)), ShardReader(stage_dir(sg, EXTRACT) / shard_name(0))
     assert a.sample_ids == b.sample_ids == [r["id"] for r in rows]
     for i in range(len(rows)):
         assert b[i]["input_ids"].tolist() == rows[i]["input_ids"]
         for key in ("aux", "final"):
             torch.testing.assert_close(a[i][key], b[i][key], rtol=1e-5, atol=1e-5)
-    assert read_manifest(sg / "02b_hidden_states")["this_run"]["num_forward_calls"] == 3
+    assert read_manifest(stage_dir(sg, EXTRACT))["this_run"]["num_forward_calls"] == 3
 
 
 def test_01c_order_gives_shards_of_one_length(tmp_path, micro_target, patched):
@@ -161,13 +161,13 @@ def test_01c_order_gives_shards_of_one_length(tmp_path, micro_target, patched):
                                 for k, text in enumerate(texts)))
         datasets.append({"name": name, "adapter": "messages", "path": str(path)})
     work = tmp_path / "work"
-    importlib.import_module("01_prepare_datasets").main(
+    importlib.import_module(PREPARE).main(
         ["--work-dir", str(work), "--target-path", str(micro_target), "--datasets", json.dumps(datasets)])
-    importlib.import_module("01b_generate_synthetic").main(
-        ["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "4", "--device", "cpu"])
-    importlib.import_module("01c_merge_datasets").main(["--work-dir", str(work), "--benchmark-size", "0"])
-    samples = list(iter_jsonl(work / "01c_merged" / "tokenized_data.jsonl"))
-    assert read_manifest(work / "01c_merged")["sample_order"] == "seq_len, id"
+    importlib.import_module(GENERATE).main(
+        ["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", "4", "--device", "cpu"])
+    importlib.import_module(MERGE).main(["--work-dir", str(work), "--benchmark-size", "0"])
+    samples = list(iter_jsonl(stage_dir(work, MERGE) / "tokenized_data.jsonl"))
+    assert read_manifest(stage_dir(work, MERGE))["sample_order"] == "seq_len, id"
     short, long = sorted({s["seq_len"] for s in samples})
     assert [s["seq_len"] for s in samples] == [short] * 4 + [long] * 4
     assert [s["id"] for s in samples] == sorted(s["id"] for s in samples[:4]) + sorted(s["id"] for s in samples[4:])
@@ -175,8 +175,8 @@ def test_01c_order_gives_shards_of_one_length(tmp_path, micro_target, patched):
     assert in_01b_order == [short, long] * 4
 
     STAGE.main(["--work-dir", str(work), "--samples-per-shard", "4", "--capture-batch-tokens", "1000",
-                "--hidden-states-dtype", "float32", "--capture-backend", "sglang"])
-    shards = list_shards(work / "02b_hidden_states")
+                "--hidden-states-dtype", "float32", "--capture-engine", "sglang"])
+    shards = list_shards(stage_dir(work, EXTRACT))
     assert [ShardReader(p).sample_ids for p in shards] == [[s["id"] for s in samples[:4]],
                                                            [s["id"] for s in samples[4:]]]
     assert made[0].calls == [[short] * 4, [long] * 4]  # one call per shard, all its rows at once
@@ -187,8 +187,8 @@ def test_world_size_checked_before_any_model_loads(tmp_path, micro_target, patch
     make_01c(tmp_path, micro_target)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(StageError, match="--sglang-tp-size 1 but 2 process"):
-        run(tmp_path, "--capture-backend", "sglang", "--sglang-tp-size", "1")
-    assert made == [] and not (tmp_path / "02b_hidden_states").exists()
+        run(tmp_path, "--capture-engine", "sglang", "--sglang-tp-size", "1")
+    assert made == [] and not stage_dir(tmp_path, EXTRACT).exists()
 
 
 def test_only_rank_0_prepares_the_stage_folder(tmp_path, micro_target, patched, monkeypatch):
@@ -197,7 +197,7 @@ def test_only_rank_0_prepares_the_stage_folder(tmp_path, micro_target, patched, 
     lockstep without writing."""
     _, made = patched
     make_01c(tmp_path, micro_target)
-    out = tmp_path / "02b_hidden_states"
+    out = stage_dir(tmp_path, EXTRACT)
     out.mkdir()
     (out / "manifest.json").write_text("{}")
     (out / (shard_name(0) + ".tmp")).write_bytes(b"partial")
@@ -209,7 +209,7 @@ def test_only_rank_0_prepares_the_stage_folder(tmp_path, micro_target, patched, 
     monkeypatch.setattr(cs, "barrier", barrier)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    run(tmp_path, "--capture-backend", "sglang", "--sglang-tp-size", "2", "--overwrite")
+    run(tmp_path, "--capture-engine", "sglang", "--sglang-tp-size", "2", "--overwrite")
     assert seen == [["manifest.json", shard_name(0) + ".tmp"]]
     assert len(made[0].calls) == 5  # captured in lockstep with rank 0 ...
     assert list(out.iterdir()) == []  # ... but wrote neither shards nor a manifest
@@ -217,11 +217,11 @@ def test_only_rank_0_prepares_the_stage_folder(tmp_path, micro_target, patched, 
     # A complete stage without --overwrite: rank 1 sees rank 0 keep it and does nothing.
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(cs, "barrier", lambda: None)
-    run(tmp_path, "--capture-backend", "sglang", "--sglang-tp-size", "2")
+    run(tmp_path, "--capture-engine", "sglang", "--sglang-tp-size", "2")
     assert read_manifest(out)["num_samples"] == 5
     monkeypatch.setenv("RANK", "1")
     before = len(made)
-    run(tmp_path, "--capture-backend", "sglang", "--sglang-tp-size", "2")
+    run(tmp_path, "--capture-engine", "sglang", "--sglang-tp-size", "2")
     assert len(made) == before  # no model built: the stage is complete
 
 
@@ -230,15 +230,15 @@ def test_wrong_shape_is_not_stored(tmp_path, micro_target, patched):
     build.bad = True
     make_01c(tmp_path, micro_target)
     with pytest.raises(StageError, match=r"expected \(9, 96\) and \(9, 32\)"):
-        run(tmp_path, "--capture-backend", "sglang")
-    assert list_shards(tmp_path / "02b_hidden_states") == []
+        run(tmp_path, "--capture-engine", "sglang")
+    assert list_shards(stage_dir(tmp_path, EXTRACT)) == []
 
 
 def test_refused_before_any_work(tmp_path, micro_target):
     make_01c(tmp_path, micro_target)
     with pytest.raises(StageError, match="pipeline parallel"):
-        run(tmp_path, "--capture-backend", "sglang", "--capture-engine-args", '{"pp_size": 2}')
-    assert not (tmp_path / "02b_hidden_states").exists()
+        run(tmp_path, "--capture-engine", "sglang", "--capture-engine-args", '{"pp_size": 2}')
+    assert not stage_dir(tmp_path, EXTRACT).exists()
 
 
 def test_capture_rows_on_the_pinned_api():

@@ -36,6 +36,9 @@ def test_config_defaults_cli_wins_unknown_key_fails(tmp_path):
     cfg.write_text("work-dir: /tmp/w\nno-such-flag-anywhere: 1\n")
     with pytest.raises(stage.StageError, match="no-such-flag-anywhere"):
         config.parse_args(parser, ["--config", str(cfg)])
+    cfg.write_text("generation-backend: hf\n")  # a renamed flag: the error names its new name
+    with pytest.raises(stage.StageError, match="generation-backend is now generation-engine"):
+        config.parse_args(parser, ["--config", str(cfg)])
 
 
 def test_an_abbreviated_flag_is_refused(capsys):
@@ -74,8 +77,8 @@ def test_a_manifest_names_the_machine(tmp_path):
 
 
 def test_require_complete_names_the_producer(tmp_path):
-    with pytest.raises(stage.StageError, match="01b_generate_synthetic.py"):
-        stage.require_complete(tmp_path / "missing", "01b_generate_synthetic")
+    with pytest.raises(stage.StageError, match=stage.stage_script(stage.GENERATE)):
+        stage.require_complete(tmp_path / "missing", stage.GENERATE)
 
 
 def test_repeated_config_merges_and_refuses_a_conflict(tmp_path):
@@ -104,7 +107,7 @@ def test_stage_flags_are_read_without_running_the_stages():
     for name in stage.STAGE_SCRIPTS:
         real = set(config._flag_names(importlib.import_module(name).build_parser()))
         shared = set(config._flag_names(config.base_parser(None, work_dir=name not in stage.WORLD_BUILDERS)))
-        assert config.declared_flags(stage.REPO_ROOT / f"{name}.py") == real - shared, name
+        assert config.declared_flags(stage.REPO_ROOT / stage.stage_script(name)) == real - shared, name
 
 
 REAL_RUN = ["--config", "configs/kimi-k2.5.yaml", "--config", "configs/datasets_v4.yaml"]
@@ -119,7 +122,7 @@ def test_the_real_runs_two_presets_combine_on_every_stage(monkeypatch):
     for name in stage.STAGE_DIRS:
         args = config.parse_args(importlib.import_module(name).build_parser(), [*REAL_RUN, "--work-dir", "/w"])
         assert [p.name for p in args.config] == ["kimi-k2.5.yaml", "datasets_v4.yaml"]
-    m01b = importlib.import_module("01b_generate_synthetic")
+    m01b = importlib.import_module(stage.GENERATE)
     args = config.parse_args(m01b.build_parser(), [*REAL_RUN, "--work-dir", "/w"])
     assert (args.concurrency, args.long_context, args.long_concurrency) == (160, 16384, 16)
     mix, kimi = (config.load_config(stage.REPO_ROOT / "configs" / f) for f in ("datasets_v4.yaml", "kimi-k2.5.yaml"))
@@ -139,10 +142,10 @@ def test_each_seed_has_one_purpose(monkeypatch, tmp_path):
     for name in stage.STAGE_DIRS:
         args = vars(config.parse_args(importlib.import_module(name).build_parser(), argv))
         seeds[name] = {k: v for k, v in args.items() if k.endswith("seed")}
-    assert seeds["01_prepare_datasets"] == seeds["01c_merge_datasets"] == {"mix_seed": 7}
-    assert seeds["01b_generate_synthetic"] == {"generation_seed": 0} and seeds["04_train"] == {"train_seed": 0}
-    assert seeds["05_benchmark"] == seeds["05b_serve_benchmark"] == {"bench_seed": 0}
-    assert not any("mix_seed" in s for n, s in seeds.items() if n not in ("01_prepare_datasets", "01c_merge_datasets"))
+    assert seeds[stage.PREPARE] == seeds[stage.MERGE] == {"mix_seed": 7}
+    assert seeds[stage.GENERATE] == {"generation_seed": 0} and seeds[stage.TRAIN] == {"train_seed": 0}
+    assert seeds[stage.BENCH] == seeds[stage.SERVE_BENCH] == {"bench_seed": 0}
+    assert not any("mix_seed" in s for n, s in seeds.items() if n not in (stage.PREPARE, stage.MERGE))
 
 
 @pytest.mark.parametrize("preset", ["tiny.yaml", "smollm2.yaml"])
@@ -155,14 +158,14 @@ def test_each_small_preset_parses_on_every_stage(preset, monkeypatch):
     cli = ["--config", f"configs/{preset}", "--work-dir", "/w"]
     parsed = {name: config.parse_args(importlib.import_module(name).build_parser(), cli) for name in stage.STAGE_DIRS}
     values = config.load_config(stage.REPO_ROOT / "configs" / preset)
-    for name in ("05_benchmark", "05b_serve_benchmark"):
-        own = config.declared_flags(stage.REPO_ROOT / f"{name}.py")
+    for name in (stage.BENCH, stage.SERVE_BENCH):
+        own = config.declared_flags(stage.REPO_ROOT / stage.stage_script(name))
         for key in set(values) & own:
             got = getattr(parsed[name], key.replace("-", "_"))
             assert (str(got) if isinstance(got, Path) else got) == values[key], (preset, name, key)
     if preset == "smollm2.yaml":   # keys of each half of the old 05, and the keys both read
-        assert parsed["05_benchmark"].num_draft_tokens == [3, 5, 7] and parsed["05b_serve_benchmark"].engine == "vllm"
-        for name in ("05_benchmark", "05b_serve_benchmark"):
+        assert parsed[stage.BENCH].num_draft_tokens == [3, 5, 7] and parsed[stage.SERVE_BENCH].engine == "vllm"
+        for name in (stage.BENCH, stage.SERVE_BENCH):
             assert parsed[name].acceptance_temperatures == [0, 1.0] and parsed[name].benchmark_max_new_tokens == 256
 
 

@@ -10,6 +10,7 @@ import pytest
 from common.datasets.mix import (ADAPTERS, GENERIC_ADAPTERS, BadRow, FilteredRow, check_mix_spec, cut_trajectory,
                                 expand_row, length_partition, thinking_for)
 from common.io import iter_jsonl, read_json
+from common.stage import GENERATE, MERGE, PREPARE, stage_dir
 
 FIX = Path(__file__).parent / "fixtures" / "mix"
 MIX = sorted(set(ADAPTERS) - set(GENERIC_ADAPTERS))   # one adapter per dataset of the mix
@@ -191,11 +192,11 @@ def test_stage_thinking_ratio_flag(tmp_path):
     target = write_kimi_k25_model_dir(tmp_path / "kimi")
     specs = [{"name": "uc", "adapter": "ultrachat", "path": str(FIX / "ultrachat.jsonl"), "cut": "every"},
              {"name": "sg", "adapter": "sharegpt", "path": str(FIX / "sharegpt.jsonl"), "thinking-ratio": 1.0}]
-    prep = importlib.import_module("01_prepare_datasets")
+    prep = importlib.import_module(PREPARE)
     prep.main(["--work-dir", str(tmp_path / "w"), "--target-path", str(target), "--datasets", json.dumps(specs),
                "--thinking-ratio", "0"])
-    assert not any(r["thinking"] for r in rows(tmp_path / "w" / "01_prepared" / "uc" / "records.jsonl"))
-    assert all(r["thinking"] for r in rows(tmp_path / "w" / "01_prepared" / "sg" / "records.jsonl"))
+    assert not any(r["thinking"] for r in rows(stage_dir(tmp_path / "w", PREPARE, "uc") / "records.jsonl"))
+    assert all(r["thinking"] for r in rows(stage_dir(tmp_path / "w", PREPARE, "sg") / "records.jsonl"))
     with pytest.raises(StageError, match="thinking-ratio"):
         prep.main(["--work-dir", str(tmp_path / "w2"), "--target-path", str(target), "--datasets",
                    json.dumps(specs), "--thinking-ratio", "1.5"])
@@ -242,7 +243,7 @@ TOUCAN_U0_TEXT = (
 @pytest.fixture(scope="module")
 def kimi_chain(tmp_path_factory):
     """The bundled K2.5 tokenizer folder plus a random 2-layer DeepseekV3 over its 163,840 ids (so the
-    hf backend can write completions), then 01 -> 01b -> 01c on every mix fixture."""
+    hf engine can write completions), then 01 -> 01b -> 01c on every mix fixture."""
     import torch  # noqa: F401  (the model below)
 
     from common.text.kimi_tokenizer import write_kimi_k25_model_dir
@@ -260,21 +261,21 @@ def kimi_chain(tmp_path_factory):
     specs = [{"name": n, "adapter": n, "path": str(FIX / f"{n}.jsonl"), **CHAIN_SPECS.get(n, {})}
              for n in MIX]
     work = tmp / "work"
-    importlib.import_module("01_prepare_datasets").main(
+    importlib.import_module(PREPARE).main(
         ["--work-dir", str(work), "--target-path", str(target), "--datasets", json.dumps(specs), *CHAIN_LENGTHS])
     # 01b gets the long limit so that it writes the long partition too (it knows no partitions yet).
-    importlib.import_module("01b_generate_synthetic").main(
-        ["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "3", "--max-context", "330",
+    importlib.import_module(GENERATE).main(
+        ["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", "3", "--max-context", "330",
          "--hf-batch-size", "8", "--device", "cpu"])
-    importlib.import_module("01c_merge_datasets").main(
+    importlib.import_module(MERGE).main(
         ["--work-dir", str(work), "--benchmark-size", "0", "--no-drop-length-finished", "--max-seq-len", "10240"])
     return work, tok
 
 
 def test_chain_counts(kimi_chain):
     work, _ = kimi_chain
-    m01 = read_json(work / "01_prepared" / "manifest.json")["counts"]
-    recs = {n: {r["id"].split("/", 1)[1]: r for r in iter_jsonl(work / "01_prepared" / n / "records.jsonl")}
+    m01 = read_json(stage_dir(work, PREPARE) / "manifest.json")["counts"]
+    recs = {n: {r["id"].split("/", 1)[1]: r for r in iter_jsonl(stage_dir(work, PREPARE, n) / "records.jsonl")}
             for n in MIX}
     for name, (ids, broken, filtered) in EXPECTED.items():
         want = {"swe_rebench": ["r0#turn1", "r0#turn2", "r0#turn3"], "swe_smith": ids[:2]}.get(name, ids)
@@ -288,7 +289,7 @@ def test_chain_counts(kimi_chain):
             assert r["complete"] or (r["num_prompt_tokens"] + 3 <= 160) == (r["partition"] == "normal")
     assert not any(r["thinking"] for r in recs["toucan"].values())
     assert {r["thinking"] for r in recs["swe_rebench"].values()} == {True, False}
-    stats = read_json(work / "01c_merged" / "stats.json")
+    stats = read_json(stage_dir(work, MERGE) / "stats.json")
     # Exact duplicates (same prompt, same greedy completion) are kept once: the two SWE-smith rows
     # differ only in how the observation names its call, and open_swe/s0 is the same trajectory as
     # swe_rebench/r0#turn2 (both thinking).
@@ -299,8 +300,8 @@ def test_chain_counts(kimi_chain):
 
 def test_chain_golden_text_and_masks(kimi_chain):
     work, tok = kimi_chain
-    gen = {r["id"]: r for n in MIX for r in iter_jsonl(work / "01b_generated" / n / "generated.jsonl")}
-    data = {r["id"]: r for r in iter_jsonl(work / "01c_merged" / "tokenized_data.jsonl")}
+    gen = {r["id"]: r for n in MIX for r in iter_jsonl(stage_dir(work, GENERATE, n) / "generated.jsonl")}
+    data = {r["id"]: r for r in iter_jsonl(stage_dir(work, MERGE) / "tokenized_data.jsonl")}
     assert gen["hermes_fc/h0"]["prompt"] == HERMES_H0_PROMPT and gen["hermes_fc/h0"]["origin"] == "target"
     u0 = gen["toucan/u0"]
     assert u0["prompt"] + u0["completion"] == TOUCAN_U0_TEXT and u0["origin"] == "dataset"
@@ -318,7 +319,7 @@ def test_chain_golden_text_and_masks(kimi_chain):
     assert tok.decode(h["input_ids"][first - 4:first]) == "<|im_assistant|>assistant<|im_middle|><think>"
     assert h["input_ids"][:first] == tok(HERMES_H0_PROMPT, add_special_tokens=False)["input_ids"]
     assert len(data) == 26
-    recs = {r["id"]: r for n in MIX for r in iter_jsonl(work / "01_prepared" / n / "records.jsonl")}
+    recs = {r["id"]: r for n in MIX for r in iter_jsonl(stage_dir(work, PREPARE, n) / "records.jsonl")}
     for sid, s in data.items():  # every sample: prompt masked, the generated suffix supervised
         n_p = s["n_prompt_tokens"]
         opening = [THINK] if recs[sid]["thinking"] else [THINK, THINK_END]
@@ -339,7 +340,7 @@ def test_the_mix_preset():
 
     cfg = yaml.safe_load((Path(__file__).parent.parent / "configs" / "datasets_v4.yaml").read_text())
     assert set(cfg) <= all_stage_flags()
-    prep = importlib.import_module("01_prepare_datasets")
+    prep = importlib.import_module(PREPARE)
     allowed = prep.SPEC_KEYS | {"cut", "thinking-ratio", "filters", "max-records"}
     names = [d["name"] for d in cfg["datasets"]]
     for d in cfg["datasets"]:

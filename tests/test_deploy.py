@@ -186,21 +186,21 @@ def test_report_names_the_best_setting_and_splits_tau_by_source_and_thinking(tmp
 def test_the_reference_counts_only_for_the_same_draft(tmp_path):
     """05b's optional input: 05's folder counts (its per-depth tau feeds the cost model) only when 05 measured
     THIS draft, as its manifest's inputs say (stage.input_manifests); a manifest from before 05b split off
-    keyed 04's hash "04_draft"."""
+    keyed 04's hash by its folder name."""
     import argparse
 
     from common.serving.sweep import same_draft_reference
-    from common.stage import input_manifests, manifest_sha256, write_manifest
+    from common.stage import BENCH, TRAIN, input_manifests, manifest_sha256, stage_dir, stage_folder, write_manifest
 
     ns = argparse.Namespace()
-    write_manifest(tmp_path / "04_draft", "04_train", ns)
-    ref = tmp_path / "05_benchmark" / "reference"
+    write_manifest(stage_dir(tmp_path, TRAIN), TRAIN, ns)
+    ref = stage_dir(tmp_path, BENCH)
     assert same_draft_reference(tmp_path) is None                    # 05 never ran
-    write_manifest(ref, "05_benchmark", ns, inputs=input_manifests(tmp_path, tmp_path / "04_draft"))
+    write_manifest(ref, BENCH, ns, inputs=input_manifests(tmp_path, stage_dir(tmp_path, TRAIN)))
     assert same_draft_reference(tmp_path) == ref
-    write_manifest(ref, "05_benchmark", ns, inputs={"04_draft": manifest_sha256(tmp_path / "04_draft")})
+    write_manifest(ref, BENCH, ns, inputs={stage_folder(TRAIN): manifest_sha256(stage_dir(tmp_path, TRAIN))})
     assert same_draft_reference(tmp_path) == ref                     # written before the split
-    write_manifest(tmp_path / "04_draft", "04_train", argparse.Namespace(retrained=True))  # a new draft
+    write_manifest(stage_dir(tmp_path, TRAIN), TRAIN, argparse.Namespace(retrained=True))  # a new draft
     assert same_draft_reference(tmp_path) is None
 
 

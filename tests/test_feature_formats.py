@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from common.stage import EXTRACT, TRAIN, VOCAB, stage_dir
 from common.target.shards import FeatureFormat, ShardReader, decode_fp8, encode_fp8, write_shard
 
 H, V = 16, 50
@@ -148,8 +149,7 @@ def test_compact_chain_02b_03_04(micro_target, tmp_path):
 
     from tests.test_02b_extract import make_01c
 
-    stage02, stage03, stage04 = (importlib.import_module(m) for m in (
-        "02b_extract_hidden_states_sglang", "03_build_vocab_mapping", "04_train"))
+    stage02, stage03, stage04 = (importlib.import_module(m) for m in (EXTRACT, VOCAB, TRAIN))
     runs = {}
     for name, extra in (("bf16", []), ("compact", ["--aux-format", "fp8", "--teacher-format", "topk",
                                                    "--teacher-topk", "16", "--prompt-window", "4"])):
@@ -160,17 +160,18 @@ def test_compact_chain_02b_03_04(micro_target, tmp_path):
         stage04.main(["--work-dir", str(work), "--num-epochs", "2", "--batch-tokens", "64", "--learning-rate",
                       "3e-3", "--eval-fraction", "0", "--ttt-steps", "3", "--device", "cpu", "--precision", "fp32",
                       "--draft-num-attention-heads", "4", "--log-every", "1", "--save-every", "100"])
-        runs[name] = {d: json.loads((work / d / "manifest.json").read_text())
-                      for d in ("02b_hidden_states", "03_vocab", "04_draft")}
-        runs[name]["log"] = [json.loads(x) for x in (work / "04_draft" / "train_log.jsonl").read_text().splitlines()]
+        runs[name] = {s: json.loads((stage_dir(work, s) / "manifest.json").read_text())
+                      for s in (EXTRACT, VOCAB, TRAIN)}
+        log = stage_dir(work, TRAIN) / "train_log.jsonl"
+        runs[name]["log"] = [json.loads(x) for x in log.read_text().splitlines()]
     bf16, compact = runs["bf16"], runs["compact"]
-    assert compact["02b_hidden_states"]["feature_format"] == {"aux": "fp8", "teacher": "topk", "topk": 16, "window": 4}
-    assert compact["02b_hidden_states"]["num_tokens"] < bf16["02b_hidden_states"]["num_tokens"]   # window
-    assert compact["02b_hidden_states"]["num_bytes"] * 1.5 < bf16["02b_hidden_states"]["num_bytes"]  # H=32: headers weigh
-    assert compact["03_vocab"]["num_supervised_tokens"] == bf16["03_vocab"]["num_supervised_tokens"]
+    assert compact[EXTRACT]["feature_format"] == {"aux": "fp8", "teacher": "topk", "topk": 16, "window": 4}
+    assert compact[EXTRACT]["num_tokens"] < bf16[EXTRACT]["num_tokens"]   # window
+    assert compact[EXTRACT]["num_bytes"] * 1.5 < bf16[EXTRACT]["num_bytes"]  # H=32: headers weigh
+    assert compact[VOCAB]["num_supervised_tokens"] == bf16[VOCAB]["num_supervised_tokens"]
     losses = [r["loss"][0] for r in compact["log"] if r["split"] == "train"]
     assert losses[-1] < losses[0]
-    assert (tmp_path / "compact" / "04_draft" / "export_sglang" / "model.safetensors").is_file()
+    assert (stage_dir(tmp_path / "compact", TRAIN) / "export_sglang" / "model.safetensors").is_file()
 
 
 def test_02b_refuses_to_resume_in_another_format(micro_target, tmp_path):
@@ -181,10 +182,10 @@ def test_02b_refuses_to_resume_in_another_format(micro_target, tmp_path):
     from common.stage import StageError
     from tests.test_02b_extract import make_01c
 
-    stage02 = importlib.import_module("02b_extract_hidden_states_sglang")
+    stage02 = importlib.import_module(EXTRACT)
     make_01c(tmp_path, micro_target)
     stage02.main(["--work-dir", str(tmp_path), "--samples-per-shard", "2", "--device", "cpu"])
-    (tmp_path / "02b_hidden_states" / "manifest.json").unlink()     # as if killed before the end
+    (stage_dir(tmp_path, EXTRACT) / "manifest.json").unlink()     # as if killed before the end
     with _pytest.raises(StageError, match="feature format"):
         stage02.main(["--work-dir", str(tmp_path), "--samples-per-shard", "2", "--device", "cpu",
                       "--aux-format", "fp8"])

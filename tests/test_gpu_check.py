@@ -17,6 +17,7 @@ import gpu_check as gc  # noqa: E402
 import gpu_check_train as gt  # noqa: E402
 
 from common.config import declared_flags  # noqa: E402
+from common.stage import TRAIN, stage_script  # noqa: E402
 
 SECTIONS = ["preflight", "ttt_kernel", "step_04", "replay_05", "capture_02b", "train_04", "attention", "projection"]
 
@@ -38,7 +39,7 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     runs = {r["name"]: r for r in secs["train_04"]["runs"]}
     assert list(runs) == ["compact_T48", "bf16_T48", "compact_T48_warm_start"]
     for r in runs.values():
-        if r["name"].endswith("warm_start") and "init-from" not in declared_flags(REPO / "04_train.py"):
+        if r["name"].endswith("warm_start") and "init-from" not in declared_flags(REPO / stage_script(TRAIN)):
             assert r["status"] == "skipped: 04 has no --init-from"
             continue
         assert r["tokens_per_s"] > 0 and r["steps"] == 3 and r["peak_rss_gib"] > 0 and r["mfu"] is None

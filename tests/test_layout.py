@@ -177,10 +177,10 @@ def test_checker_catches_each_kind_of_violation(tmp_path):
 def test_stage_docstrings_open_with_their_contract():
     """A stage's docstring: one summary line, then Reads:/Writes:/Real:/Tiny:, then the what-and-why in
     at most 12 lines (the fault policy lives in the module that implements it)."""
-    from common.stage import STAGE_SCRIPTS
+    from common.stage import STAGE_SCRIPTS, stage_script
 
     for name in STAGE_SCRIPTS:
-        doc = ast.get_docstring(ast.parse((REPO / f"{name}.py").read_text()))
+        doc = ast.get_docstring(ast.parse((REPO / stage_script(name)).read_text()))
         summary, contract, *body = doc.split("\n\n")
         assert "\n" not in summary, name
         tags = [line.split(":")[0] for line in contract.splitlines() if not line.startswith(" ")]

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from common.stage import TRAIN, stage_dir
 from common.training import loss as loss_mod
 from common.training.loss import (LK_ETA, soft_cross_entropy, soft_cross_entropy_acceptance, ttt_loss)
 from common.training.teacher import step_counts
 from tests.train_helpers import FLAGS, fresh_work, make_upstream, micro_batch
 
-train = importlib.import_module("04_train")
+train = importlib.import_module(TRAIN)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +203,7 @@ def test_train_end_to_end_with_lk_loss(upstream, tmp_path, micro_target, objecti
     work = fresh_work(upstream, tmp_path)
     train.main(["--work-dir", str(work), *FLAGS, "--num-epochs", "4", "--eval-every", "1000",
                 "--save-every", "1000", "--target-path", str(micro_target), "--loss", objective])
-    out = work / "04_draft"
+    out = stage_dir(work, TRAIN)
     man = json.loads((out / "manifest.json").read_text())
     assert man["config"]["loss"] == objective
     tr = [r for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if r["split"] == "train"]

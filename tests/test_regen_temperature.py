@@ -6,6 +6,8 @@ import json
 
 import yaml
 
+from common.stage import EXTRACT, GENERATE, MERGE, TRAIN, VOCAB, stage_dir, stage_folder
+
 regen = importlib.import_module("benchmarks.regen_temperature")
 
 
@@ -17,11 +19,11 @@ def test_the_sampled_preset_drops_only_the_greedy_response_cache(tmp_path):
 
 
 def test_data_summary_counts_loops_and_the_token_cap_without_benchmark_prompts(tmp_path):
-    (tmp_path / "01c_merged").mkdir()
-    (tmp_path / "01b_generated").mkdir()
-    (tmp_path / "01c_merged" / "stats.json").write_text(json.dumps({"totals": {
+    stage_dir(tmp_path, MERGE).mkdir()
+    stage_dir(tmp_path, GENERATE).mkdir()
+    (stage_dir(tmp_path, MERGE) / "stats.json").write_text(json.dumps({"totals": {
         "num_samples": 200, "num_response_tokens": 5000, "repetition_loops": 30}}))
-    (tmp_path / "01b_generated" / "manifest.json").write_text(json.dumps({"counts": {
+    (stage_dir(tmp_path, GENERATE) / "manifest.json").write_text(json.dumps({"counts": {
         "code": {"finish_reasons": {"length": 40, "stop": 60}},
         "chat": {"finish_reasons": {"stop": 100}},
         "heldout": {"benchmark_only": True, "finish_reasons": {"null": 120}}}}))
@@ -55,16 +57,16 @@ def test_a_greedy_row_from_elsewhere_is_checked(tmp_path):
     from common.stage import input_manifests
 
     base = tmp_path / "base"
-    for d in ("02b_hidden_states", "03_vocab"):
-        (base / d).mkdir(parents=True)
-        (base / d / "manifest.json").write_text(json.dumps({"stage": d}))
+    for s in (EXTRACT, VOCAB):
+        stage_dir(base, s).mkdir(parents=True)
+        (stage_dir(base, s) / "manifest.json").write_text(json.dumps({"stage": s}))
     row = tmp_path / "row"
-    (row / "04_draft").mkdir(parents=True)
-    inputs = input_manifests(base, base / "02b_hidden_states", base / "03_vocab")
+    stage_dir(row, TRAIN).mkdir(parents=True)
+    inputs = input_manifests(base, stage_dir(base, EXTRACT), stage_dir(base, VOCAB))
     flags = {"train-seed": 0, "candidates-per-epoch": 1, "max-train-samples": 100}
 
     def write(config, inputs):
-        (row / "04_draft" / "manifest.json").write_text(json.dumps({"config": config, "inputs": inputs}))
+        (stage_dir(row, TRAIN) / "manifest.json").write_text(json.dumps({"config": config, "inputs": inputs}))
 
     write({"train_seed": 0, "candidates_per_epoch": 1, "max_train_samples": 100}, inputs)
     regen.check_row(row, base, flags)
@@ -72,7 +74,7 @@ def test_a_greedy_row_from_elsewhere_is_checked(tmp_path):
     with pytest.raises(SystemExit, match="max-train-samples"):
         regen.check_row(row, base, flags)
     write({"train_seed": 0, "candidates_per_epoch": 1, "max_train_samples": 100},
-          {**inputs, "02b_hidden_states/manifest.json": "0" * 64})
+          {**inputs, f"{stage_folder(EXTRACT)}/manifest.json": "0" * 64})
     with pytest.raises(SystemExit, match="other 02b/03"):
         regen.check_row(row, base, flags)
 

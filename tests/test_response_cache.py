@@ -1,4 +1,4 @@
-"""01b on a non-Kimi (ChatML, tied-embedding Llama) target: the hf backend keeps the ids it emitted, and
+"""01b on a non-Kimi (ChatML, tied-embedding Llama) target: the hf engine keeps the ids it emitted, and
 `--response-cache` serves known greedy answers: a cached run equals a generated one byte for byte, a
 changed setting misses."""
 import gzip
@@ -11,11 +11,11 @@ import pytest
 from common.generation.response_cache import ResponseCache, cache_identity, write_response_cache
 from common.text.target_format import describe_target
 from common.io import iter_jsonl, read_json
-from common.stage import StageError
+from common.stage import GENERATE, MERGE, PREPARE, StageError, stage_dir
 
-prep = importlib.import_module("01_prepare_datasets")
-gen = importlib.import_module("01b_generate_synthetic")
-merge = importlib.import_module("01c_merge_datasets")
+prep = importlib.import_module(PREPARE)
+gen = importlib.import_module(GENERATE)
+merge = importlib.import_module(MERGE)
 NEW = "12"  # --max-new-tokens
 NUM_PROMPTS = 8  # conftest.CHAT_PROMPTS
 
@@ -29,7 +29,7 @@ def prepared(micro_chatml_stopping_target, chat_prompts_file, tmp_path_factory):
 
 
 def run_01b(work, *extra):
-    gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", NEW, "--device", "cpu",
+    gen.main(["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", NEW, "--device", "cpu",
               "--hf-batch-size", "1", *extra])
 
 
@@ -42,7 +42,7 @@ def generated(prepared, tmp_path_factory):
 
 
 def rows(work):
-    return list(iter_jsonl(work / "01b_generated" / "chat" / "generated.jsonl"))
+    return list(iter_jsonl(stage_dir(work, GENERATE, "chat") / "generated.jsonl"))
 
 
 def copy(src, tmp_path, name="work"):
@@ -57,7 +57,7 @@ def identity(target):
     return cache_identity(target, describe_target(tok, target), "hf-float32"), tok
 
 
-def test_hf_backend_keeps_the_emitted_ids(generated, micro_chatml_stopping_target):
+def test_hf_engine_keeps_the_emitted_ids(generated, micro_chatml_stopping_target):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,14 +78,14 @@ def test_hf_backend_keeps_the_emitted_ids(generated, micro_chatml_stopping_targe
         ref = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=len(ids),
                              do_sample=False, eos_token_id=2, pad_token_id=2)[0, x.shape[1]:].tolist()
         assert ref == ids
-    m = read_json(generated / "01b_generated" / "manifest.json")
+    m = read_json(stage_dir(generated, GENERATE) / "manifest.json")
     assert m["target_format"]["stop_ids"] == [2] and m["target_format"]["kimi"] is False
 
 
 def test_cached_run_equals_generated_run(generated, prepared, micro_chatml_stopping_target, tmp_path):
     ident, tok = identity(micro_chatml_stopping_target)
     cache_path = tmp_path / "cache" / "responses.jsonl.gz"
-    counts = write_response_cache([generated / "01b_generated" / "chat" / "generated.jsonl"], cache_path, ident, tok)
+    counts = write_response_cache([stage_dir(generated, GENERATE, "chat") / "generated.jsonl"], cache_path, ident, tok)
     assert counts["num_entries"] == NUM_PROMPTS and counts["skipped"] == {}
     first = cache_path.read_bytes()
     # Same entries, any order, rows or paths: the same bytes (the file is shipped in a repo).
@@ -101,16 +101,16 @@ def test_cached_run_equals_generated_run(generated, prepared, micro_chatml_stopp
     cached, ref = rows(work), {r["id"]: r for r in rows(generated)}
     assert len(cached) == len(ref)
     for r in cached:
-        assert r["origin"] == "cache" and r["backend"] is None
-        assert {**r, "origin": "target", "backend": "hf"} == ref[r["id"]]
-    counts = read_json(work / "01b_generated" / "chat" / "manifest.json")["counts"]
+        assert r["origin"] == "cache" and r["engine"] is None
+        assert {**r, "origin": "target", "engine": "hf"} == ref[r["id"]]
+    counts = read_json(stage_dir(work, GENERATE, "chat") / "manifest.json")["counts"]
     assert counts["from_cache"] == NUM_PROMPTS and counts["generated"] == 0
     assert counts["this_run"]["response_cache"] == {"hits": NUM_PROMPTS, "misses": 0}
     # The training data made from both runs is identical, byte for byte.
     for w in (work, copy(generated, tmp_path, "generated")):
         merge.main(["--work-dir", str(w), "--benchmark-size", "2", "--no-drop-length-finished"])
-    assert (work / "01c_merged" / "tokenized_data.jsonl").read_bytes() == (
-        tmp_path / "generated" / "01c_merged" / "tokenized_data.jsonl").read_bytes()
+    assert (stage_dir(work, MERGE) / "tokenized_data.jsonl").read_bytes() == (
+        stage_dir(tmp_path / "generated", MERGE) / "tokenized_data.jsonl").read_bytes()
 
 
 def test_changed_settings_miss(generated, prepared, micro_chatml_stopping_target, tmp_path):
@@ -125,11 +125,11 @@ def test_changed_settings_miss(generated, prepared, micro_chatml_stopping_target
     out = rows(work)
     assert sorted(r["origin"] for r in out) == sorted(["cache"] * len(half) + ["target"] * (NUM_PROMPTS - len(half)))
     assert all(r["completion_ids"] == ref[r["id"]]["completion_ids"] for r in out)
-    assert read_json(work / "01b_generated/chat/manifest.json")["counts"]["this_run"]["response_cache"] == {
+    assert read_json(stage_dir(work, GENERATE, "chat") / "manifest.json")["counts"]["this_run"]["response_cache"] == {
         "hits": len(half), "misses": NUM_PROMPTS - len(half)}
 
     work = copy(prepared, tmp_path, "other_cap")  # another max-new-tokens: another request, a miss
-    gen.main(["--work-dir", str(work), "--generation-backend", "hf", "--max-new-tokens", "11", "--device", "cpu",
+    gen.main(["--work-dir", str(work), "--generation-engine", "hf", "--max-new-tokens", "11", "--device", "cpu",
               "--response-cache", str(cache_path)])
     assert {r["origin"] for r in rows(work)} == {"target"}
 

@@ -15,6 +15,7 @@ from common.benchmark import replay as rp
 from common.benchmark import sampled as smp
 from common.benchmark import spec_decode as sd
 
+from common.stage import BENCH, stage_dir
 from tests.spec_helpers import POINTS, PlantedDraft, make_chain
 
 T_SHARP = 0.02
@@ -195,12 +196,12 @@ def test_main_reports_greedy_and_sampled_side_by_side(micro_target, target, prom
     """05 with --acceptance-temperatures 0 T: the greedy numbers are those of a run without the flag, and the
     report shows both temperatures and the loop check."""
     make_chain(tmp_path, micro_target, target, prompts)
-    stage = importlib.import_module("05_benchmark")
+    stage = importlib.import_module(BENCH)
     argv = ["--work-dir", str(tmp_path), "--num-draft-tokens", "2", "--benchmark-max-new-tokens", "10",
             "--num-prompts", "3", "--loop-prompts", "1", "--device", "cpu", "--target-path", str(micro_target),
             "--replay-cache-dir", str(tmp_path / "replay_cache")]
     stage.main(argv)
-    out = tmp_path / "05_benchmark" / "reference"
+    out = stage_dir(tmp_path, BENCH)
     greedy = json.loads((out / "metrics.json").read_text())
     assert "sampled" not in greedy
     stage.main(argv + ["--overwrite", "--acceptance-temperatures", "0", str(T_SHARP), "--acceptance-top-p", "0.9",

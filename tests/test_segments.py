@@ -14,6 +14,7 @@ from common.benchmark import reference as rb
 from common.benchmark import replay as rp
 from common.benchmark import segments as sg
 from common.benchmark import spec_decode as sd
+from common.stage import BENCH, stage_dir
 from common.text.chat_format import render_completion, render_prompt
 from common.text.kimi_tokenizer import load_kimi_k25_tokenizer
 
@@ -212,11 +213,11 @@ def test_offsets_are_replays_anchors_and_cells_sum_to_the_totals():
 
 def test_main_reports_segments_and_keeps_the_existing_tables(micro_target, target, prompts, tmp_path):
     make_chain(tmp_path, micro_target, target, prompts)
-    stage = importlib.import_module("05_benchmark")
+    stage = importlib.import_module(BENCH)
     stage.main(["--work-dir", str(tmp_path), "--num-draft-tokens", "2", "3", "--benchmark-max-new-tokens", "12",
                 "--num-prompts", "3", "--loop-prompts", "0", "--device", "cpu", "--target-path", str(micro_target),
                 "--replay-cache-dir", str(tmp_path / "replay_cache")])
-    out = tmp_path / "05_benchmark" / "reference"
+    out = stage_dir(tmp_path, BENCH)
     m = json.loads((out / "metrics.json").read_text())
     assert m["segments"]["segments"] == list(sg.SEGMENTS)
     assert sum(m["segments"]["num_continuation_tokens_by_segment"].values()) == m["num_continuation_tokens"]

@@ -24,7 +24,8 @@ from common.serving import sglang as srv
 from common.serving.sglang import SGLangEngine, parse_meta
 from common.serving.sweep import run_prompts, summarize
 from common.serving.vllm import VllmEngine
-from common.stage import StageError, target_identity, tokenizer_identity, write_manifest
+from common.stage import (BENCH, EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, stage_dir, stage_script,
+                          target_identity, tokenizer_identity, write_manifest)
 from tests.sglang_server_stub import StubServer, StubState
 
 REPO = Path(__file__).resolve().parent.parent
@@ -173,22 +174,22 @@ def test_run_prompts_against_stub():
 
 
 def load_05b():
-    return importlib.import_module("05b_serve_benchmark")
+    return importlib.import_module(SERVE_BENCH)
 
 
 def make_work(work: Path, target: Path) -> Path:
     """Just the manifests and files 05b reads: 01c prompts, 02b manifest, 04 export."""
     ns, ident = argparse.Namespace(), {"tokenizer": tokenizer_identity(target), "target": target_identity(target)}
-    write_jsonl(work / "01c_merged" / "benchmark_prompts.jsonl",
+    write_jsonl(stage_dir(work, MERGE) / "benchmark_prompts.jsonl",
                 [{"id": f"p{k}", "source": "t", "prompt": "x", "prompt_ids": [k + 1, k + 2]} for k in range(3)])
-    write_manifest(work / "01c_merged", "01c_merge_datasets", ns, **ident)
-    write_manifest(work / "02b_hidden_states", "02b_extract_hidden_states_sglang", ns, capture_points=POINTS,
+    write_manifest(stage_dir(work, MERGE), MERGE, ns, **ident)
+    write_manifest(stage_dir(work, EXTRACT), EXTRACT, ns, capture_points=POINTS,
                    hidden_size=32, vocab_size=600, target_architecture="DeepseekV3ForCausalLM",
                    sglang_layer_ids=[p - 1 for p in POINTS], **ident)
     cfg = json.loads((target / "config.json").read_text())
     model = Eagle3DraftModel(draft_config(cfg, draft_vocab_size=64))
-    export = export_sglang(model, work / "04_draft" / "export_sglang", POINTS, "float32")
-    write_manifest(work / "04_draft", "04_train", ns, capture_points=POINTS, draft_vocab_size=64, **ident)
+    export = export_sglang(model, stage_dir(work, TRAIN) / "export_sglang", POINTS, "float32")
+    write_manifest(stage_dir(work, TRAIN), TRAIN, ns, capture_points=POINTS, draft_vocab_size=64, **ident)
     return export
 
 
@@ -199,7 +200,7 @@ def test_05b_attached(tmp_path, micro_target):
     with StubServer(base) as b, StubServer(spec) as e:
         load_05b().main(["--work-dir", str(tmp_path), "--baseline-url", b, "--eagle3-url", e,
                          "--bench-concurrency", "2", "--benchmark-max-new-tokens", "24", "--warmup-requests", "1"])
-    out = tmp_path / "05_benchmark" / "server"
+    out = stage_dir(tmp_path, SERVE_BENCH)
     m = json.loads((out / "metrics.json").read_text())
     assert set(m["runs"]) == {"baseline/graph", "3-1-4/graph"} and m["concurrency"] == [1, 2]
     run = m["runs"]["3-1-4/graph"]["by_temperature"]["0"]
@@ -234,7 +235,7 @@ def test_graph_mode_read_from_cuda_graph_config(tmp_path, micro_target):
     assert spec.server_args["disable_cuda_graph"] is False
     with StubServer(spec) as e:
         run_05b(tmp_path, "--eagle3-url", e)
-    m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    m = json.loads((stage_dir(tmp_path, SERVE_BENCH) / "metrics.json").read_text())
     assert set(m["runs"]) == {"3-1-4/nograph"} and m["runs"]["3-1-4/nograph"]["cuda_graph"] is False
 
 
@@ -269,7 +270,7 @@ def test_draft_identified_by_content(tmp_path, micro_target):
     shutil.copytree(export, copy)
     with StubServer(StubState(algorithm="EAGLE3", draft_path=str(copy), model_path=str(micro_target))) as e:
         run_05b(tmp_path, "--eagle3-url", e)
-    m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    m = json.loads((stage_dir(tmp_path, SERVE_BENCH) / "metrics.json").read_text())
     assert m["preflight"]["draft_sha256"] == drafts.folder_fingerprint(export, drafts.DRAFT_FILES)
     assert m["preflight"]["server_draft_path"] == str(copy)
     cfg = json.loads((copy / "config.json").read_text())
@@ -310,7 +311,7 @@ def test_05b_refuses_eagle(tmp_path, micro_target):
     with StubServer(StubState(algorithm="EAGLE", draft_path=str(export), model_path=str(micro_target))) as e:
         with pytest.raises(StageError, match=f"EAGLE3 server {e} reports .*not 'EAGLE3'"):
             load_05b().main(["--work-dir", str(tmp_path), "--eagle3-url", e, "--warmup-requests", "1"])
-    assert not (tmp_path / "05_benchmark" / "server" / "manifest.json").exists()
+    assert not (stage_dir(tmp_path, SERVE_BENCH) / "manifest.json").exists()
 
 
 def test_launch_ready_stop(tmp_path):
@@ -650,7 +651,7 @@ def test_a_declared_draft_is_served_at_every_setting_like_04s(tmp_path, micro_ta
             argv = [str(export) if a == draft else a for a in cmd]
             by_draft.setdefault(draft, []).append((argv, [json.dumps(r, sort_keys=True) for r in state.requests]))
     assert by_draft[str(export)] == by_draft[str(public)] and len(by_draft[str(public)]) == 4
-    out = tmp_path / "05_benchmark" / "server"
+    out = stage_dir(tmp_path, SERVE_BENCH)
     m = json.loads((out / "metrics.json").read_text())
     assert list(m["runs"]) == ["baseline/graph", "3-1-4/graph", "5-1-6/graph", "public/3-1-4/graph",
                                "public/5-1-6/graph", "baseline/nograph", "3-1-4/nograph", "5-1-6/nograph",
@@ -693,7 +694,7 @@ def test_an_attached_server_serves_04s_or_a_declared_draft_by_content(tmp_path, 
     shutil.copytree(public, copy)
     with StubServer(StubState(algorithm="EAGLE3", draft_path=str(copy), model_path=str(micro_target))) as e:
         run_05b(tmp_path, "--eagle3-url", e, "--draft", f"public={public}")
-    m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    m = json.loads((stage_dir(tmp_path, SERVE_BENCH) / "metrics.json").read_text())
     assert list(m["runs"]) == ["public/3-1-4/graph"] and m["runs"]["public/3-1-4/graph"]["draft"] == "public"
     assert m["preflight"]["server_draft_path"] == str(copy) and m["preflight"]["draft_name"] == "public"
     undeclared = other_draft(tmp_path, micro_target, "undeclared", seed=2)
@@ -722,7 +723,7 @@ def test_a_draft_an_engine_cannot_serve_is_refused_before_any_launch(tmp_path, m
         with pytest.raises(StageError, match=message) as e:
             sweep_05b(tmp_path, "--draft", f"public={public}", f"bad={bad}")
         assert "\n" not in str(e.value) and str(bad) in str(e.value)
-    assert fake.launched == [] and not (tmp_path / "05_benchmark").exists()
+    assert fake.launched == [] and not stage_dir(tmp_path, BENCH).parent.exists()
     # vLLM reads eagle_config's ids as the points without the top-level ones: [1, 3, 4] are h[2, 4, 5] to
     # SGLang on DeepSeek (first id 1: +1), so vLLM would feed other layers; SGLang serves it as is
     cfg = json.loads((public / "config.json").read_text())
@@ -748,7 +749,7 @@ def test_doubled_completion_tokens_refuse_the_run_by_name_with_the_tau_bound(tmp
                      count_scale=2)
     with StubServer(base) as b, StubServer(spec) as e, pytest.raises(StageError, match="nothing valid was measured"):
         run_05b(tmp_path, "--baseline-url", b, "--eagle3-url", e)
-    out = tmp_path / "05_benchmark" / "server"
+    out = stage_dir(tmp_path, SERVE_BENCH)
     assert not (out / "manifest.json").exists()
     m = json.loads((out / "metrics.json").read_text())
     run = m["runs"]["3-1-4/graph"]["by_temperature"]["0"]["by_concurrency"]["1"]
@@ -864,7 +865,7 @@ def test_a_bad_generate_answer_ends_05_in_one_line_naming_server_and_field(tmp_p
             run_05b(tmp_path, "--eagle3-url", e)
     assert isinstance(got.value, SystemExit) and "\n" not in str(got.value)
     assert len(spec.requests) == (0 if fault == "html" else 1)  # the first answer ends it: no retry
-    assert not (tmp_path / "05_benchmark" / "server" / "manifest.json").exists()
+    assert not (stage_dir(tmp_path, SERVE_BENCH) / "manifest.json").exists()
 
 
 @pytest.mark.parametrize("fault, message", [
@@ -884,7 +885,7 @@ def test_the_html_page_is_one_line_on_stderr_without_a_traceback(tmp_path, micro
     import subprocess
     make_work(tmp_path, micro_target)
     with StubServer(StubState(model_path=str(micro_target), bad_info="html")) as b:
-        done = subprocess.run([sys.executable, str(REPO / "05b_serve_benchmark.py"), "--work-dir", str(tmp_path),
+        done = subprocess.run([sys.executable, str(REPO / stage_script(SERVE_BENCH)), "--work-dir", str(tmp_path),
                                "--baseline-url", b, "--warmup-requests", "1"], capture_output=True,
                               text=True, cwd=REPO, timeout=300,
                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
@@ -942,7 +943,7 @@ def attached_pair(tmp_path, micro_target, *extra) -> tuple[StubState, StubState,
     spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), accept_length=3.0)
     with StubServer(base) as b, StubServer(spec) as e:
         run_05b(tmp_path, "--baseline-url", b, "--eagle3-url", e, *extra)
-    return base, spec, json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    return base, spec, json.loads((stage_dir(tmp_path, SERVE_BENCH) / "metrics.json").read_text())
 
 
 def test_the_baseline_gets_the_same_warm_up_as_every_eagle3_server(tmp_path, micro_target, fake_launches):
@@ -1001,9 +1002,9 @@ def test_prefix_caching_is_off_on_every_server_alike(tmp_path, micro_target, fak
     fake = fake_launches()
     sweep_05b(tmp_path)
     assert len(fake.launched) == 6 and all("--disable-radix-cache" in cmd for cmd, _ in fake.launched)
-    commands = json.loads((tmp_path / "05_benchmark" / "server" / "commands.json").read_text())
+    commands = json.loads((stage_dir(tmp_path, SERVE_BENCH) / "commands.json").read_text())
     assert all("--disable-radix-cache" in cmd for cmd in commands.values())
-    m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    m = json.loads((stage_dir(tmp_path, SERVE_BENCH) / "metrics.json").read_text())
     assert all("--disable-radix-cache" not in (rec.get("launch") or "") for rec in m["deploy"]["best"].values())
     with StubServer(StubState(model_path=str(micro_target), disable_radix_cache=False)) as b:
         with pytest.raises(StageError, match=rf"SGLang server {b} reports disable_radix_cache False: .*start it with "
@@ -1037,11 +1038,11 @@ def test_timed_passes_alternate_and_repeat_with_an_interval_on_each_ratio(tmp_pa
         assert lo <= cell["speed_ratio"] <= hi and {r["pass"] for r in cell["requests"]} == {0, 1, 2}
     fake_launches()
     sweep_05b(tmp_path, "--bench-concurrency", "1", "2", "--overwrite")
-    m = json.loads((tmp_path / "05_benchmark" / "server" / "metrics.json").read_text())
+    m = json.loads((stage_dir(tmp_path, SERVE_BENCH) / "metrics.json").read_text())
     assert [(p["pass"], p["concurrency"]) for p in m["pass_order"] if p["run"] == "5-1-6/nograph"] == \
         [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert m["repeats"] == 2 and "2 timed passes of each (setting, T, concurrency)" in \
-        (tmp_path / "05_benchmark" / "server" / "report.md").read_text()
+        (stage_dir(tmp_path, SERVE_BENCH) / "report.md").read_text()
 
 
 PINNED = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "sampling_seed"}

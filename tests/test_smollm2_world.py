@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.stage import SMOLLM2_WORLD
+
 REPO = Path(__file__).resolve().parent.parent
 WORLD = REPO / "build" / "smollm2"
 needs_world = pytest.mark.skipif(not (WORLD / "manifest.json").is_file(),
                                  reason="build/smollm2 not built: run `make test` (it builds it) or 00_build_smollm2_world.py")
-builder = importlib.import_module("00_build_smollm2_world")
+builder = importlib.import_module(SMOLLM2_WORLD)
 
 
 def test_prompt_asset_is_what_the_generator_makes():
@@ -71,9 +73,9 @@ def test_world_conversion_was_checked_and_files_are_split():
 
 @needs_world
 def test_shipped_answers_regenerate_identically():
-    """Three shipped greedy answers (the shortest, to stay fast), generated again by 01b's hf backend."""
+    """Three shipped greedy answers (the shortest, to stay fast), generated again by 01b's hf engine."""
     from common.text.chat_format import render_prompt
-    from common.generation.hf_backend import HFBackend, hf_generator
+    from common.generation.hf_engine import HFEngine, hf_generator
     from common.generation.response_cache import ResponseCache, cache_identity, prompt_sha256
     from common.text.target_format import load_target_format
     from common.text.tokenizer import load_tokenizer
@@ -91,9 +93,9 @@ def test_shipped_answers_regenerate_identically():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        backend = HFBackend(target, tok, fmt.stop_ids)
+        engine = HFEngine(target, tok, fmt.stop_ids)
         for e in sample:
-            got = backend.generate_batch([texts[e["prompt_sha256"]]], [e["max_new_tokens"]])[0]
+            got = engine.generate_batch([texts[e["prompt_sha256"]]], [e["max_new_tokens"]])[0]
             assert got["completion_ids"] == e["completion_ids"] and got["finish_reason"] == e["finish_reason"]
     finally:
         torch.set_num_threads(before)

@@ -1,4 +1,4 @@
-"""00_build_tiny_world: a loadable Kimi-shaped target, a held-out prompt set, caching, determinism."""
+"""Tests of 00_build_tiny_world: a loadable Kimi-shaped target, a held-out prompt set, caching, determinism."""
 import importlib
 import json
 import time
@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from common.stage import TINY_WORLD
+
 REPO = Path(__file__).resolve().parent.parent
-stage = importlib.import_module("00_build_tiny_world")
+stage = importlib.import_module(TINY_WORLD)
 
 from common.worlds import tiny_tasks as tw  # noqa: E402
 
@@ -53,7 +55,7 @@ def test_manifest_reports_gates_and_identities(built):
     from common.stage import target_identity, tokenizer_identity
 
     m = json.loads((built / "manifest.json").read_text())
-    assert m["stage"] == "00_build_tiny_world"
+    assert m["stage"] == TINY_WORLD
     assert m["tokenizer"]["sha256"] == tokenizer_identity(built / "target")["sha256"]
     assert m["target"]["config_sha256"] == target_identity(built / "target")["config_sha256"]
     q = m["quality"]

@@ -1,6 +1,6 @@
 """A real serving engine in the loop: vLLM's CPU build (build/vllm-venv, `make engine`) serves SmolLM2-135M
 with drafts this pipeline trained. Nothing here is a stub:
-- 01b's openai backend against a real vLLM server: start-up checks (model listing, tokenizer agreement,
+- 01b's openai engine against a real vLLM server: start-up checks (model listing, tokenizer agreement,
   health gate), the engine's own token ids, and its answers against the shipped greedy answers;
 - 05b --engine vllm launching a baseline and EAGLE-3 servers at k = 3, 5, 7: every round
   of vLLM's acceptance equals replay's on the same prompts (float32: exactly), greedy and, with the CPU
@@ -25,7 +25,7 @@ import pytest
 
 from common.io import iter_jsonl
 from common.serving import process, vllm
-from common.stage import StageError
+from common.stage import EXTRACT, GENERATE, MERGE, PREPARE, SERVE_BENCH, StageError, TRAIN, VOCAB, stage_dir
 
 pytestmark = pytest.mark.engine   # the real-engine tier: `make test` runs it, `make test-fast` leaves it out
 
@@ -37,9 +37,8 @@ SHIPPED = REPO / "assets" / "smollm2" / "responses.jsonl.gz"
 SERVED = "smollm2"
 POINTS = [2, 15, 27]
 BUDGET = 48  # new tokens per benchmark answer
-stage = {name: importlib.import_module(name) for name in (
-    "01_prepare_datasets", "01b_generate_synthetic", "01c_merge_datasets", "02b_extract_hidden_states_sglang",
-    "03_build_vocab_mapping", "04_train", "05b_serve_benchmark")}
+stage = {name: importlib.import_module(name) for name in (PREPARE, GENERATE, MERGE, EXTRACT, VOCAB, TRAIN,
+                                                          SERVE_BENCH)}
 
 
 def free_port() -> int:
@@ -64,17 +63,17 @@ def datasets(num_train: int, num_heldout: int) -> str:
 def build_chain(work: Path) -> None:
     """01 -> 01c from the shipped answers, 02b (transformers), 03, and a short float32 04."""
     w, t = ["--work-dir", str(work)], ["--target-path", str(TARGET)]
-    stage["01_prepare_datasets"].main([*w, *t, "--datasets", datasets(40, 6), "--max-new-tokens", "256",
-                                       "--max-context", "2048"])
-    stage["01b_generate_synthetic"].main([*w, *t, "--generation-backend", "hf", "--hf-batch-size", "1",
-                                          "--response-cache", str(SHIPPED), "--max-new-tokens", "256",
-                                          "--max-context", "2048"])
-    stage["01c_merge_datasets"].main([*w, "--benchmark-size", "0", "--max-seq-len", "2048"])
-    stage["02b_extract_hidden_states_sglang"].main([*w, "--capture-backend", "hf", "--device", "cpu"])
-    stage["03_build_vocab_mapping"].main([*w, "--draft-vocab-size", "2048"])
-    stage["04_train"].main([*w, "--max-steps", "100", "--learning-rate", "1e-3", "--max-samples-per-batch", "1",
-                            "--batch-tokens", "2048", "--precision", "fp32", "--device", "cpu",
-                            "--eval-fraction", "0", "--log-every", "50"])
+    stage[PREPARE].main([*w, *t, "--datasets", datasets(40, 6), "--max-new-tokens", "256",
+                         "--max-context", "2048"])
+    stage[GENERATE].main([*w, *t, "--generation-engine", "hf", "--hf-batch-size", "1",
+                          "--response-cache", str(SHIPPED), "--max-new-tokens", "256",
+                          "--max-context", "2048"])
+    stage[MERGE].main([*w, "--benchmark-size", "0", "--max-seq-len", "2048"])
+    stage[EXTRACT].main([*w, "--capture-engine", "hf", "--device", "cpu"])
+    stage[VOCAB].main([*w, "--draft-vocab-size", "2048"])
+    stage[TRAIN].main([*w, "--max-steps", "100", "--learning-rate", "1e-3", "--max-samples-per-batch", "1",
+                       "--batch-tokens", "2048", "--precision", "fp32", "--device", "cpu",
+                       "--eval-fraction", "0", "--log-every", "50"])
 
 
 class Served:
@@ -110,7 +109,7 @@ def world(tmp_path_factory):
     try:
         work = root / "work"
         build_chain(work)
-        draft = work / "04_draft"
+        draft = stage_dir(work, TRAIN)
         sglang_ids = root / "sglang_ids_only"
         shutil.copytree(draft / "export_sglang", sglang_ids)
         cfg = json.loads((sglang_ids / "config.json").read_text())
@@ -132,14 +131,14 @@ def test_01b_against_a_real_vllm_server(world):
 
     work = world["root"] / "w01b"
     w, t = ["--work-dir", str(work)], ["--target-path", str(TARGET)]
-    stage["01_prepare_datasets"].main([*w, *t, "--datasets", datasets(6, 0), "--max-new-tokens", "256",
-                                       "--max-context", "2048"])
-    stage["01b_generate_synthetic"].main([*w, *t, "--generation-backend", "openai", "--server-url",
-                                          world["baseline"].url + "/v1", "--served-model-name", SERVED,
-                                          "--max-new-tokens", "256", "--max-context", "2048", "--concurrency", "6",
-                                          "--health-probes", "2", "--health-max-new-tokens", "64"])
-    rows = list(iter_jsonl(work / "01b_generated" / "code" / "generated.jsonl"))
-    assert len(rows) == 6 and all(r["origin"] == "target" and r["backend"] == "openai" for r in rows)
+    stage[PREPARE].main([*w, *t, "--datasets", datasets(6, 0), "--max-new-tokens", "256",
+                         "--max-context", "2048"])
+    stage[GENERATE].main([*w, *t, "--generation-engine", "openai", "--server-url",
+                          world["baseline"].url + "/v1", "--served-model-name", SERVED,
+                          "--max-new-tokens", "256", "--max-context", "2048", "--concurrency", "6",
+                          "--health-probes", "2", "--health-max-new-tokens", "64"])
+    rows = list(iter_jsonl(stage_dir(work, GENERATE, "code") / "generated.jsonl"))
+    assert len(rows) == 6 and all(r["origin"] == "target" and r["engine"] == "openai" for r in rows)
     assert all(r["completion_ids"] for r in rows)  # vLLM's emitted ids, not a re-tokenization
     cmp = compare_with_cache(rows, SHIPPED)
     print(f"01b on vLLM vs the shipped transformers answers: {cmp['num_exact']}/{cmp['num_compared']} exact; "
@@ -152,7 +151,7 @@ def test_05b_vllm_equals_replay_at_k_3_5_7(world):
     next to it; each one's acceptance, round by round and per position, equals replay's on the same
     prompts, greedy; sampled, with the CPU build's fix loaded, its rounds equal replay along its answers."""
     work = world["work"]
-    stage["05b_serve_benchmark"].main([
+    stage[SERVE_BENCH].main([
         "--work-dir", str(work), "--engine", "vllm", "--vllm-python", str(ENGINE_PY),
         "--baseline-url", world["baseline"].url,
         "--vllm-kv-cache-space", "1", "--draft-format", "speculators", "--cuda-graph", "off",
@@ -160,7 +159,7 @@ def test_05b_vllm_equals_replay_at_k_3_5_7(world):
         "--agreement-prompts", "4", "--benchmark-max-new-tokens", str(BUDGET), "--warmup-requests", "1",
         "--min-accept-length", "1.02", "--baseline-port", str(free_port()), "--eagle3-port", str(free_port()),
         "--acceptance-temperatures", "0", "1.0", "--acceptance-top-p", "0.95", "--vllm-fix-sampling"])
-    out = work / "05_benchmark" / "server"
+    out = stage_dir(work, SERVE_BENCH)
     m = json.loads((out / "metrics.json").read_text())
     assert set(m["runs"]) == {"baseline/nograph", "3-1-4/nograph", "5-1-6/nograph", "7-1-8/nograph"}
     for key, k in (("3-1-4/nograph", 3), ("5-1-6/nograph", 5), ("7-1-8/nograph", 7)):
@@ -195,10 +194,10 @@ def test_planted_eagle_method_is_caught(world):
             "speculators", "--bench-concurrency", "1", "--num-prompts", "2", "--benchmark-max-new-tokens", "16",
             "--overwrite"]
     with pytest.raises(StageError, match="method 'eagle', not 'eagle3'"):
-        stage["05b_serve_benchmark"].main([*base, "--eagle3-url", s.url])
+        stage[SERVE_BENCH].main([*base, "--eagle3-url", s.url])
     with pytest.raises(StageError, match="never reported its auxiliary layers"):
         vllm.check_aux_layers(s.log, POINTS, s.url)
-    prompts = [r["prompt_ids"] for r in iter_jsonl(world["work"] / "01c_merged" / "benchmark_prompts.jsonl")][:2]
+    prompts = [r["prompt_ids"] for r in iter_jsonl(stage_dir(world["work"], MERGE) / "benchmark_prompts.jsonl")][:2]
     before = vllm.read_counters(s.url)
     for ids in prompts:
         vllm.complete_stream(s.url, SERVED, ids, 32, 300)
@@ -215,18 +214,18 @@ def test_planted_capture_ids_off_by_one_are_caught(world):
     s, work = world["ids"], world["work"]
     with pytest.raises(StageError, match=r"inputs of layers \[1, 14, 26\].*capture points \[2, 15, 27\]"):
         vllm.check_aux_layers(s.log, POINTS, s.url)
-    m02b = json.loads((work / "02b_hidden_states" / "manifest.json").read_text())
-    m04 = json.loads((work / "04_draft" / "manifest.json").read_text())
-    engine = VllmEngine(TARGET, work / "04_draft" / "export_sglang", world["sglang_ids"], m02b, m04, settings())
-    prompts = [r["prompt_ids"] for r in iter_jsonl(work / "01c_merged" / "benchmark_prompts.jsonl")][:3]
-    check = AgreementCheck(engine, TARGET, work / "04_draft" / "export_sglang", m04, prompts, BUDGET, 300, 0.0,
+    m02b = json.loads((stage_dir(work, EXTRACT) / "manifest.json").read_text())
+    m04 = json.loads((stage_dir(work, TRAIN) / "manifest.json").read_text())
+    engine = VllmEngine(TARGET, stage_dir(work, TRAIN) / "export_sglang", world["sglang_ids"], m02b, m04, settings())
+    prompts = [r["prompt_ids"] for r in iter_jsonl(stage_dir(work, MERGE) / "benchmark_prompts.jsonl")][:3]
+    check = AgreementCheck(engine, TARGET, stage_dir(work, TRAIN) / "export_sglang", m04, prompts, BUDGET, 300, 0.0,
                            world["root"] / "agreement_ids")
     with pytest.raises(StageError, match=r"draft's inputs: .*inputs of layers \[1, 14, 26\]"):
         check(s.url, "ids", (3, 1, 4))
     # and 05b itself refuses this server: its draft is not 04's export (config.json differs)
     with pytest.raises(StageError, match="not 04's export"):
-        stage["05b_serve_benchmark"].main(["--work-dir", str(work), "--engine", "vllm",
-                                           "--eagle3-url", s.url, "--num-prompts", "1", "--overwrite"])
+        stage[SERVE_BENCH].main(["--work-dir", str(work), "--engine", "vllm",
+                                 "--eagle3-url", s.url, "--num-prompts", "1", "--overwrite"])
 
 
 def test_the_cpu_builds_sampling_defect_is_detected():

@@ -4,6 +4,8 @@ import argparse
 import importlib
 from pathlib import Path
 
+from common.stage import TRAIN, stage_dir
+
 study = importlib.import_module("benchmarks.warm_start_study")
 
 
@@ -80,7 +82,7 @@ def test_candidate_exports_hold_each_candidates_weights(micro_target, tmp_path):
     from tests.test_draft_import import random_draft
 
     row = tmp_path / "warm_0.25_epochs2"
-    d = row / "04_draft"
+    d = stage_dir(row, TRAIN)
     chosen, other = random_draft(micro_target, 300, seed=1), random_draft(micro_target, 300, seed=2)
     export_sglang(chosen, d / "export_sglang", [2, 4, 5])
     for step, model in ((0, other), (5, other), (10, chosen)):

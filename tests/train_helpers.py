@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common.stage import target_identity, tokenizer_identity, write_manifest
+from common.stage import EXTRACT, VOCAB, stage_dir, target_identity, tokenizer_identity, write_manifest
 from common.target.shards import shard_name, write_shard
 
 POINTS = [2, 4, 5]
@@ -28,7 +28,7 @@ def make_upstream(micro_target, work: Path) -> Path:
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(200, generator=g)
     head = model.lm_head.weight.detach()                             # [V, H]
-    hs_dir = work / "02b_hidden_states"
+    hs_dir = stage_dir(work, EXTRACT)
     samples, counts = [], torch.zeros(cfg.vocab_size)
     with torch.no_grad():
         for i in range(24):
@@ -48,24 +48,24 @@ def make_upstream(micro_target, work: Path) -> Path:
     for s in range(3):
         write_shard(hs_dir / shard_name(s), samples[s * 8:(s + 1) * 8])
     ident = {"tokenizer": tokenizer_identity(micro_target), "target": target_identity(micro_target)}
-    write_manifest(hs_dir, "02b_extract_hidden_states_sglang", argparse.Namespace(),
+    write_manifest(hs_dir, EXTRACT, argparse.Namespace(),
                    capture_points=POINTS, hidden_size=cfg.hidden_size, num_hidden_layers=8,
                    vocab_size=cfg.vocab_size, **ident)
     used = counts.argsort(descending=True)[:DV].sort().values
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[used] = True
-    vocab_dir = work / "03_vocab"
+    vocab_dir = stage_dir(work, VOCAB)
     vocab_dir.mkdir()
     save_file({"d2t": used - torch.arange(DV), "t2d": t2d}, str(vocab_dir / "vocab_mapping.safetensors"))
-    write_manifest(vocab_dir, "03_build_vocab_mapping", argparse.Namespace(), draft_vocab_size=DV,
+    write_manifest(vocab_dir, VOCAB, argparse.Namespace(), draft_vocab_size=DV,
                    vocab_size=cfg.vocab_size, **ident)
     return work
 
 
 def fresh_work(upstream, tmp_path):
     work = tmp_path / "w"
-    for d in ("02b_hidden_states", "03_vocab"):
-        shutil.copytree(upstream / d, work / d)
+    for s in (EXTRACT, VOCAB):
+        shutil.copytree(stage_dir(upstream, s), stage_dir(work, s))
     return work
 
 

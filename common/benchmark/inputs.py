@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from common.benchmark import compare as cmp
 from common.io import iter_jsonl
-from common.stage import StageError, check_same_tokenizer, require_complete, resolve_target, stage_dir
+from common.stage import MERGE, StageError, TRAIN, check_same_tokenizer, require_complete, resolve_target, stage_dir
 
 
 class Repeated(argparse.Action):
@@ -56,15 +56,15 @@ class Inputs(NamedTuple):
 
 def load_inputs(work_dir: Path, num_prompts: int | None, num_warm: int = 0) -> Inputs:
     """Check 04 and 01c (the same tokenizer) and split the held-out prompts once (split_prompts)."""
-    draft_dir = stage_dir(work_dir, "04_train")
-    m04 = require_complete(draft_dir, "04_train")
+    draft_dir = stage_dir(work_dir, TRAIN)
+    m04 = require_complete(draft_dir, TRAIN)
     export_dir = draft_dir / "export_sglang"
     if not (export_dir / "config.json").is_file() or not (export_dir / "model.safetensors").is_file():
         raise StageError(f"{export_dir} lacks config.json/model.safetensors: re-run `python 04_train.py "
                          "--overwrite`")
-    merged = stage_dir(work_dir, "01c_merge_datasets")
-    m01c = require_complete(merged, "01c_merge_datasets")
-    check_same_tokenizer(m01c["tokenizer"], m04["tokenizer"], merged, "01c_merge_datasets")
+    merged = stage_dir(work_dir, MERGE)
+    m01c = require_complete(merged, MERGE)
+    check_same_tokenizer(m01c["tokenizer"], m04["tokenizer"], merged, MERGE)
     held_out = list(iter_jsonl(merged / "benchmark_prompts.jsonl"))
     rows, warm = split_prompts(held_out, num_prompts, num_warm, merged / "benchmark_prompts.jsonl")
     if not rows:
@@ -108,7 +108,7 @@ def target_and_drafts(args, m04: dict) -> tuple[Path, dict]:
     """The target (--target-path, which must be 04's, else 04's) and every --draft checked against it
     (compare.check_drafts): a draft that does not fit stops the stage before it writes."""
     specs = cmp.parse_specs(args.draft)
-    target_dir = resolve_target(args.target_path, m04, stage_dir(args.work_dir, "04_train"), "04_train")
+    target_dir = resolve_target(args.target_path, m04, stage_dir(args.work_dir, TRAIN), TRAIN)
     return target_dir, cmp.check_drafts(specs, target_dir)
 
 

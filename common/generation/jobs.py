@@ -52,11 +52,11 @@ def make_jobs(records: list[dict], tok, text_format, *, max_new_tokens: int, max
         if benchmark_only:
             passed.append({**base, "completion": None, "completion_ids": None, "finish_reason": None,
                            "num_prompt_tokens": n, "num_completion_tokens": None, "origin": "prompt",
-                           "backend": None})
+                           "engine": None})
         elif r["complete"]:
             passed.append({**base, "completion": completions[r["id"]], "completion_ids": None, "finish_reason": "stop",
                            "num_prompt_tokens": n, "num_completion_tokens": n_completion[r["id"]],
-                           "origin": "dataset", "backend": None})
+                           "origin": "dataset", "engine": None})
         elif n >= limit:
             overflow.append({"id": r["id"], "reason": "context_overflow",
                              "detail": f"prompt has {n} tokens, {flag} is {limit} ({part} partition)"})

@@ -7,7 +7,7 @@
                           summary log line every `summary_interval` s. SIGINT/SIGTERM stop new requests
                           and let those in flight finish for `shutdown_grace` s; a second signal stops
                           at once. Returns the name of the signal that stopped it, if any.
-  run_hf(backend, ...)    in-process batches of common/generation/hf_backend.HFBackend, similar prompt
+  run_hf(engine, ...)    in-process batches of common/generation/hf_engine.HFEngine, similar prompt
                           lengths together.
 Each finished job goes to `write(job, result)`, each failed one to `fail(job, reason, detail)`.
 
@@ -200,13 +200,13 @@ def size_to_servers(pool, found: dict, jobs: dict, in_flight: int) -> None:
         pool.limit.set_floor(sum(fits))
 
 
-def run_hf(backend, todo, write, batch_size: int, progress: Progress):
-    """Generate every job in batches of `batch_size` prompts through `backend.generate_batch`."""
+def run_hf(engine, todo, write, batch_size: int, progress: Progress):
+    """Generate every job in batches of `batch_size` prompts through `engine.generate_batch`."""
     # Similar lengths batch together: less padding, fewer wasted positions.
     todo = sorted(todo, key=lambda j: (j["n_prompt"], j["id"]))
     for i in range(0, len(todo), batch_size):
         batch = todo[i:i + batch_size]
-        results = backend.generate_batch([j["prompt"] for j in batch], [j["max_new"] for j in batch])
+        results = engine.generate_batch([j["prompt"] for j in batch], [j["max_new"] for j in batch])
         for job, result in zip(batch, results):
             write(job, result)
         progress.update(len(batch), sum(r["num_completion_tokens"] for r in results))

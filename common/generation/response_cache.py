@@ -3,7 +3,7 @@
 API (used by 01b `--response-cache PATH` and by world builders that ship a finished 01b output):
   identity = cache_identity(target_path, text_format, generator)
       what makes two greedy answers the same: the target's config.json, weights and tokenizer hashes, the
-      generator (backend + dtype, e.g. "hf-float32"; common/generation/hf_backend.hf_generator) and the stop ids
+      generator (engine + dtype, e.g. "hf-float32"; common/generation/hf_engine.hf_generator) and the stop ids
       (common/text/target_format.TargetFormat.stop_ids); temperature is always 0.
   write_response_cache(generated, out_path, identity, tokenizer) -> {"num_entries", "skipped", "bytes"}
       `generated`: 01b generated.jsonl paths and/or row dicts (mixed); rows the target wrote (origin
@@ -19,7 +19,7 @@ File: gzip JSONL (gzip mtime 0). Line 1 is the header `{"format": "eagle3-respon
 `{"prompt_sha256": hex of the rendered prompt text, "max_new_tokens": the request's effective cap,
 "finish_reason": "stop|length", "completion_ids": [int]}` plus `"completion": str` only when the text
 is not `tokenizer.decode(completion_ids, skip_special_tokens=False)` (a server's text may differ; the hf
-backend's never does), so ~2,000 answers of ~200 tokens take well under 1 MB.
+engine's never does), so ~2,000 answers of ~200 tokens take well under 1 MB.
 A hit requires the same identity, the same rendered prompt and the same effective max-new-tokens:
 a "stop" answer is the same under a larger cap, but a strict key keeps "cached == generated" exact.
 """

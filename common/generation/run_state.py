@@ -9,7 +9,7 @@ generation settings, and totals over all runs.
                              holder's file is closed or the process ends, however it ends (SIGKILL too),
                              so a stale lock file never blocks anyone.
   drop_duplicate_ids(path)   repair a generated.jsonl that holds an id twice (first record wins).
-  generation_settings(...)   what decides a record's text: backend, the model the server reported,
+  generation_settings(...)   what decides a record's text: engine, the model the server reported,
                              --max-new-tokens, --max-context, --long-context (they cap every request),
                              --temperature, --top-p and --seed (sampling only), the tokenizer and
                              chat template (their hash) and the stop strings. Stored in every record
@@ -105,18 +105,22 @@ def drop_duplicate_ids(path: str | Path) -> int:
     return dropped
 
 
-def generation_settings(backend: str, model: str | None, max_new_tokens: int, temperature: float, seed: int,
+def generation_settings(engine: str, model: str | None, max_new_tokens: int, temperature: float, seed: int,
                         tokenizer_sha256: str, stop: Iterable[str] = (), max_context: int | None = None,
                         long_context: int | None = None, top_p: float = 1.0) -> dict:
     """The settings that decide a generated record's text (see the module doc). max_context and
     long_context belong here: a request's cap is min(max_new_tokens, context - prompt tokens), so a
     resume with another context silently changes every later answer's length."""
-    return {"backend": backend, "model": model, "max_new_tokens": max_new_tokens, "temperature": temperature,
+    return {"engine": engine, "model": model, "max_new_tokens": max_new_tokens, "temperature": temperature,
             "seed": seed if temperature > 0 else None, "top_p": top_p if temperature > 0 else None,
             "tokenizer_sha256": tokenizer_sha256, "stop": list(stop),
             # 0, not None, for "no long partition": None means "not known" to settings_conflicts, so
             # adding --long-context on a resume would pass unnoticed
             "max_context": max_context, "long_context": long_context or 0}
+
+
+# Keys that records written by an older 01b name differently: compared under today's name.
+RENAMED_SETTINGS = {"backend": "engine"}
 
 
 def settings_conflicts(found: list[dict | None], current: dict, skip: Iterable[str] = ()) -> list[str]:
@@ -130,6 +134,7 @@ def settings_conflicts(found: list[dict | None], current: dict, skip: Iterable[s
             out.append("records without settings (written by an older 01b)")
             continue
         for key, value in old.items():
+            key = RENAMED_SETTINGS.get(key, key)
             if key not in skip and key in current and value is not None and current[key] != value:
                 out.append(f"{key} {value!r} (now {current[key]!r})")
     return sorted(set(out))

@@ -570,15 +570,15 @@ def same_draft_reference(work_dir: Path) -> Path | None:
     the current 04 manifest's hash (stage.input_manifests). 05b's optional input: its per-depth tau feeds
     the cost model. None otherwise."""
     from common.io import read_json
-    from common.stage import input_manifests, is_complete, stage_dir
+    from common.stage import BENCH, TRAIN, input_manifests, is_complete, stage_dir, stage_folder
 
-    ref = stage_dir(work_dir, "05_benchmark")
+    ref = stage_dir(work_dir, BENCH)
     if not is_complete(ref):
         return None
     inputs = read_json(ref / "manifest.json").get("inputs", {})
-    ((key, sha),) = input_manifests(work_dir, stage_dir(work_dir, "04_train")).items()
-    # 05 manifests written before 05b split off keyed 04's hash "04_draft": existing results still count
-    return ref if inputs.get(key, inputs.get("04_draft")) == sha else None
+    ((key, sha),) = input_manifests(work_dir, stage_dir(work_dir, TRAIN)).items()
+    # 05 manifests written before 05b split off keyed 04's hash by its folder name: existing results still count
+    return ref if inputs.get(key, inputs.get(stage_folder(TRAIN))) == sha else None
 
 
 def warm_count(args) -> int:

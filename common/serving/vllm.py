@@ -57,7 +57,7 @@ from common.serving.engine import Engine, ServedDraft
 from common.serving.http import BadAnswer, http_json, parse_answer, sse_request, with_retries
 from common.serving.request_params import pinned
 from common.serving.settings import is_adaptive, parse_spec_setting
-from common.stage import StageError, stage_dir
+from common.stage import StageError, TRAIN, stage_dir
 
 METHOD = "eagle3"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -486,7 +486,7 @@ class VllmEngine(Engine):
     @classmethod
     def from_args(cls, args, export_dir, m02b, m04, target_dir, work_dir, foreign):
         draft_dir = (export_dir if args.draft_format == "sglang"
-                     else stage_dir(work_dir, "04_train") / "export_speculators")
+                     else stage_dir(work_dir, TRAIN) / "export_speculators")
         if not (draft_dir / "config.json").is_file():
             raise StageError(f"{draft_dir} has no config.json: re-run `python 04_train.py --overwrite`")
         settings = VllmSettings(python=args.vllm_python, dtype=args.vllm_dtype,

@@ -1,9 +1,9 @@
-"""Capture of the target's hidden states for EAGLE-3: capture points, target dimensions, the HF backend.
+"""Capture of the target's hidden states for EAGLE-3: capture points, target dimensions, the HF engine.
 
 Convention (docs/design.md section 1): a capture point i names h_i, the residual stream at the INPUT of
 decoder layer i (h_0 = embeddings, h_i = output of layer i-1). The draft reads the concatenation
 [h_low | h_mid | h_high] (ascending), width 3H, and the teacher's logits come from the target's final
-post-norm hidden state (the lm_head input). Every backend returns exactly these two tensors
+post-norm hidden state (the lm_head input). Every capture engine returns exactly these two tensors
 (`capture_hf` here, SGLang's in sglang_capture.py beside it). Which draft-config ids make SGLang capture
 the same h_i depends on the target's model family: SGLANG_LAYER_ID_RULES below, the one place it is kept.
 """
@@ -144,7 +144,7 @@ def sglang_layer_ids(points: list[int], architecture: str, allow_unknown: bool =
         raise StageError(
             f"capture points {list(points)} cannot be served by SGLang {SGLANG_VERSION_READ} on {architecture}: "
             f"the draft config would say ids {ids}, and its set_eagle3_layers_to_capture ({rule}) would "
-            f"capture h{captured} instead, while the shards, the hf backend, reference mode and the vLLM "
+            f"capture h{captured} instead, while the shards, the hf engine, reference mode and the vLLM "
             "export use h" + str(list(points)) + ". Use capture points whose first entry is 2 "
             "(the default [2, N//2, N-3]).")
     return ids

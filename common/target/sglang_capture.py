@@ -1,7 +1,7 @@
-"""02b backend `sglang`: capture h at the capture points and the final hidden state through SGLang.
+"""02b engine `sglang`: capture h at the capture points and the final hidden state through SGLang.
 
 SGLang's public generate API returns one hidden-state tensor per request (`return_hidden_states`): the
-aux concat when the model captures aux layers, else the final state, never both. So this backend uses
+aux concat when the model captures aux layers, else the final state, never both. So this engine uses
 SGLang the way SpecForge's offline data preparation does (sgl-project/SpecForge @e630ca4e,
 `specforge/offline_capture/sglang_backend/capture.py`, for sglang==0.5.14): an in-process ModelRunner
 built by `OfflineSGLangCaptureBackend.build(path, torch_dtype=..., trust_remote_code=..., **kwargs)`,

@@ -1,16 +1,16 @@
-"""The in-process generation backend: batched `generate_batch(prompt_texts, max_new_tokens)` with
+"""The in-process generation engine: batched `generate_batch(prompt_texts, max_new_tokens)` with
 transformers (the tiny world, tests, SmolLM2 on CPU); same result dicts as
 common/generation/server_pool.ServerPool, plus `completion_ids` (the ids the target emitted, end-of-turn
 id included when it stopped)."""
 from __future__ import annotations
 
 
-class HFBackend:
+class HFEngine:
     """Left-padded batched generation with transformers (fp32 on CPU, bf16 on CUDA).
 
     `stop_ids`: the ids that end a turn (common/text/target_format.TargetFormat.stop_ids); the first one
     also pads when the tokenizer has no pad token. `generator` names what decides the greedy answers
-    (backend and dtype), for the response cache's identity.
+    (engine and dtype), for the response cache's identity.
     """
 
     name = "hf"
@@ -26,7 +26,7 @@ class HFBackend:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
         self.temperature, self.seed, self.top_p = temperature, seed, top_p
         self.stop_ids = [int(i) for i in stop_ids]
-        assert self.stop_ids, "HFBackend needs at least one stop id"
+        assert self.stop_ids, "HFEngine needs at least one stop id"
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
 
     def generate_batch(self, prompt_texts: list[str], max_new_tokens: list[int]) -> list[dict]:
@@ -64,5 +64,5 @@ class HFBackend:
 
 
 def hf_generator(device: str) -> str:
-    """What decides the hf backend's greedy answers besides the model: the dtype its device runs in."""
+    """What decides the hf engine's greedy answers besides the model: the dtype its device runs in."""
     return "hf-float32" if device == "cpu" else "hf-bfloat16"
