@@ -1,5 +1,5 @@
 """05 --draft NAME=PATH (common/benchmark/compare.py): other drafts measured next to 04's on the same prompts
-(05, the reference benchmark; 05b's side is in tests/test_server_bench.py).
+(05, the reference benchmark; 05b's side is in tests/test_sweep.py).
 04's own export under another name or in the speculators layout must measure exactly as 04's; a draft reading
 other capture points gets the features at its own points; a draft that does not fit is refused before 05
 writes anything; the deploy pick is the highest tau at the serving setting, clearly better only when every

@@ -1,6 +1,6 @@
 """05b, the serving benchmark, as a stage of its own next to 05 (the reference benchmark): each one's flags,
 the old `--mode` refused by name, and 05 recorded as 05b's optional input. The sweep itself is tested in
-tests/test_server_bench.py."""
+tests/test_sweep.py."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ import pytest
 from common.io import write_json
 from common.stage import (BENCH, EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, input_manifests, stage_dir,
                           stage_folder, write_manifest)
-from tests.test_server_bench import fake_launches, make_work, sweep_05b  # noqa: F401 (fixture)
+from tests.test_sweep import fake_launches, make_work, sweep_05b  # noqa: F401 (fixture)
 
 SHARED = {"draft", "benchmark-max-new-tokens", "num-prompts", "target-path", "bench-seed", "acceptance-temperatures",
           "acceptance-top-p"}

@@ -18,7 +18,7 @@ from common.stage import MERGE, SERVE_BENCH, StageError, stage_dir
 from common.text.chat_format import render_prompt
 from common.text.tokenizer import load_tokenizer
 from tests.sglang_server_stub import StubServer, StubState
-from tests.test_server_bench import fake_launches, free_ports, make_work, run_05b, sweep_05b  # noqa: F401 (fixture)
+from tests.test_sweep import fake_launches, free_ports, make_work, run_05b, sweep_05b  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 
