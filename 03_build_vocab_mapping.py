@@ -22,8 +22,9 @@ from safetensors.torch import save_file
 
 from common.config import base_parser, parse_args
 from common.io import atomic_path
-from common.stage import (EXTRACT, StageError, VOCAB, input_manifests, require_complete, resolve_target, stage_dir,
+from common.stage import (EXTRACT, StageError, VOCAB, input_manifests, resolve_target, stage_dir,
                           stage_folder, stage_script, start_stage, write_manifest)
+from common.target.manifests import HiddenStatesManifest
 from common.target.shards import ShardReader, list_shards
 from common.text.target_format import load_target_format
 from common.text.tokenizer import load_tokenizer
@@ -80,10 +81,10 @@ def save_tensors(path: Path, tensors: dict) -> None:
 def main(argv=None):
     args = parse_args(build_parser(), argv)
     src = stage_dir(args.work_dir, UPSTREAM)
-    upstream = require_complete(src, UPSTREAM)
-    resolve_target(args.target_path, upstream, src, EXTRACT)
+    upstream = HiddenStatesManifest.require(src)
+    resolve_target(args.target_path, upstream.raw, src, EXTRACT)
     out = stage_dir(args.work_dir, STAGE)
-    vocab_size, dv = upstream["vocab_size"], args.draft_vocab_size
+    vocab_size, dv = upstream.vocab_size, args.draft_vocab_size
     if not 1 <= dv <= vocab_size:
         raise StageError(f"--draft-vocab-size {dv} must lie in 1..{vocab_size} (the target vocab size)")
     if not start_stage(out, args.overwrite, STAGE):
@@ -91,27 +92,27 @@ def main(argv=None):
     t0 = time.time()
 
     shards = list_shards(src)
-    missing = sorted(set(upstream["shards"]) - {p.name for p in shards})
+    missing = sorted(set(upstream.shards) - {p.name for p in shards})
     if missing:
         raise StageError(f"{src} lacks shards its manifest lists ({', '.join(missing[:3])}): "
                          f"re-run `python {stage_script(UPSTREAM)}`")
-    shards = [p for p in shards if p.name in upstream["shards"]]
+    shards = [p for p in shards if p.name in upstream.shards]
     print(f"[03] counting supervised tokens of {len(shards)} shards in {src} (vocab {vocab_size}, "
           f"draft vocab {dv})")
     counts = count_supervised(shards, vocab_size)  # [V]
     total = int(counts.sum())
     if total == 0:
         raise StageError(f"{src} holds no loss-masked tokens: check 01c's loss_mask")
-    if "num_supervised_tokens" in upstream:
-        assert total == upstream["num_supervised_tokens"], (total, upstream["num_supervised_tokens"])
+    if upstream.num_supervised_tokens is not None:
+        assert total == upstream.num_supervised_tokens, (total, upstream.num_supervised_tokens)
     d2t, t2d, kept = build_mapping(counts, dv)
     covered = int(counts[kept].sum())
     coverage = covered / total
     distinct = int((counts > 0).sum())
 
     # The end-of-turn token must be draftable, or the draft can never propose the end of an answer.
-    tok = load_tokenizer(upstream["tokenizer"]["path"])
-    text_format = load_target_format(upstream["target"]["path"], tok)
+    tok = load_tokenizer(upstream.tokenizer["path"])
+    text_format = load_target_format(upstream.target["path"], tok)
     end_id = text_format.stop_ids[0]
     end_in = bool(t2d[end_id])
 
@@ -123,9 +124,9 @@ def main(argv=None):
         num_padding_ids=max(0, dv - distinct), end_of_turn=text_format.end_of_turn, end_of_turn_id=end_id,
         end_of_turn_in_draft_vocab=end_in,
         counted_from=f"{stage_folder(UPSTREAM)} (input_ids, loss_mask)",
-        capture_points=upstream["capture_points"], hidden_size=upstream["hidden_size"],
-        num_hidden_layers=upstream["num_hidden_layers"],
-        tokenizer=upstream["tokenizer"], target=upstream["target"],
+        capture_points=list(upstream.capture_points), hidden_size=upstream.hidden_size,
+        num_hidden_layers=upstream.num_hidden_layers,
+        tokenizer=upstream.tokenizer, target=upstream.target,
         inputs=input_manifests(args.work_dir, src),
         elapsed_s=round(time.time() - t0, 2))
     print(f"[03] coverage {coverage:.4f} ({covered:,} of {total:,} supervised tokens); "

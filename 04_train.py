@@ -39,10 +39,11 @@ from common.draft.imported import ImportedDraft, check_draft, read_draft
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
 from common.stage import (EXTRACT, MERGE, StageError, TRAIN, VOCAB, check_same_tokenizer, input_manifests,
-                          require_complete, resolve_target, stage_dir, start_stage, write_manifest)
+                          resolve_target, stage_dir, start_stage, write_manifest)
 from common.target.capture import sglang_points_reader, target_architecture
 from common.target.head import load_target_head, read_target_text_config
-from common.target.shards import FeatureFormat, list_shards
+from common.target.manifests import HiddenStatesManifest, VocabManifest
+from common.target.shards import list_shards
 from common.training.checkpoints import complete_checkpoints, load_checkpoint, save_checkpoint
 from common.training.data import (Prefetcher, ShardData, epoch_order, is_eval, load_batch, local_batches,
                                   make_batches, schedule, to_device)
@@ -222,8 +223,8 @@ class Inputs:
     """What 04 reads: the 02b and 03 folders, their manifests (same tokenizer) and the target folder."""
     hs_dir: Path
     vocab_dir: Path
-    m02b: dict
-    m03: dict
+    m02b: HiddenStatesManifest
+    m03: VocabManifest
     target_path: Path
     reported_ids: set[str]    # 01c's benchmark prompts (05 reports on them): never in the selection split
 
@@ -231,10 +232,10 @@ class Inputs:
 def load_inputs(args) -> Inputs:
     hs_dir = stage_dir(args.work_dir, EXTRACT)
     vocab_dir = stage_dir(args.work_dir, VOCAB)
-    m02b = require_complete(hs_dir, EXTRACT)
-    m03 = require_complete(vocab_dir, VOCAB)
-    check_same_tokenizer(m02b["tokenizer"], m03["tokenizer"], vocab_dir, VOCAB)
-    target_path = resolve_target(args.target_path, m02b, hs_dir, EXTRACT)
+    m02b = HiddenStatesManifest.require(hs_dir)
+    m03 = VocabManifest.require(vocab_dir)
+    check_same_tokenizer(m02b.tokenizer, m03.tokenizer, vocab_dir, VOCAB)
+    target_path = resolve_target(args.target_path, m02b.raw, hs_dir, EXTRACT)
     bench = stage_dir(args.work_dir, MERGE) / "benchmark_prompts.jsonl"
     reported = {r["id"] for r in iter_jsonl(bench)} if bench.is_file() else set()
     return Inputs(hs_dir, vocab_dir, m02b, m03, target_path, reported)
@@ -249,10 +250,10 @@ def build_draft(args, inputs: Inputs, imported: ImportedDraft | None, device, bf
     mapping = load_file(str(inputs.vocab_dir / "vocab_mapping.safetensors"))
     d2t, t2d = mapping["d2t"], mapping["t2d"]
     # A top-k teacher (02b feature format) needs no lm_head: Kimi's is 2.35 GB of GPU memory.
-    with_head = FeatureFormat.from_dict(m02b.get("feature_format")).teacher == "final"
+    with_head = m02b.feature_format.teacher == "final"
     embed, lm_head = load_target_head(target_path, dtype=torch.bfloat16 if bf16 else torch.float32,
                                       with_head=with_head)
-    hidden, points = int(m02b["hidden_size"]), [int(p) for p in m02b["capture_points"]]
+    hidden, points = m02b.hidden_size, list(m02b.capture_points)
     if not (embed.shape[1] == hidden == tcfg["hidden_size"] and embed.shape[0] == t2d.shape[0] == tcfg["vocab_size"]):
         raise StageError(f"shapes disagree: 02b hidden {hidden}, target config hidden {tcfg['hidden_size']} "
                          f"vocab {tcfg['vocab_size']}, embedding {tuple(embed.shape)}, t2d {tuple(t2d.shape)}: "
@@ -262,7 +263,7 @@ def build_draft(args, inputs: Inputs, imported: ImportedDraft | None, device, bf
         model, warm = warm_start(args, imported, inputs, embed, d2t, t2d)
         cfg = dict(model.config)
     else:
-        cfg = draft_config(tcfg, int(inputs.m03["draft_vocab_size"]), args.draft_num_attention_heads,
+        cfg = draft_config(tcfg, inputs.m03.draft_vocab_size, args.draft_num_attention_heads,
                            args.draft_num_key_value_heads, args.draft_intermediate_size)
         torch.manual_seed(args.train_seed)
         model = Eagle3DraftModel(cfg)
@@ -288,7 +289,7 @@ def read_init(args, inputs: Inputs) -> ImportedDraft | None:
     d = read_draft(args.init_from)
     arch = target_architecture(json.loads((inputs.target_path / "config.json").read_text()))
     check_draft(d, read_target_text_config(inputs.target_path), sglang_points_reader(arch),
-                [int(p) for p in inputs.m02b["capture_points"]])
+                list(inputs.m02b.capture_points))
     return d
 
 
@@ -466,7 +467,7 @@ def export(args, model, cfg: dict, inputs: Inputs, dp: DataPlan, final_eval: dic
     """The best candidate (when selecting), the SGLang and speculators folders and the training curves,
     then the manifest (last: it marks the stage complete)."""
     m02b, target_path = inputs.m02b, inputs.target_path
-    points = [int(p) for p in m02b["capture_points"]]
+    points = list(m02b.capture_points)
     selection = choose_candidate(out, model)
     export_dir = export_sglang(model, out / "export_sglang", points, torch_dtype=export_dtype)
     spec_dir = export_speculators(export_dir, out / "export_speculators", points, target_path,
@@ -480,7 +481,7 @@ def export(args, model, cfg: dict, inputs: Inputs, dp: DataPlan, final_eval: dic
                    num_steps=dp.total, num_train_samples=dp.num_train, num_eval_samples=dp.num_eval,
                    final_eval=final_eval, export_dir=str(export_dir), export_speculators_dir=str(spec_dir),
                    train_curves=None if curves is None else str(curves), **run, selection=selection,
-                   init=None if warm is None else warm.identity(), tokenizer=m02b["tokenizer"], target=m02b["target"],
+                   init=None if warm is None else warm.identity(), tokenizer=m02b.tokenizer, target=m02b.target,
                    inputs=input_manifests(args.work_dir, inputs.hs_dir, inputs.vocab_dir))
     print(f"[04] exported {export_dir}")
 

@@ -36,6 +36,7 @@ from common.benchmark.segments import plot_tau_by_position
 from common.benchmark.spec_decode import LosslessError
 from common.config import base_parser, parse_args
 from common.draft.export_sglang import load_sglang_export
+from common.draft.manifest import DraftManifest
 from common.draft.model import Eagle3DraftModel
 from common.generation.hf_engine import hf_generator
 from common.generation.response_cache import ResponseCache, cache_identity
@@ -99,7 +100,7 @@ def build_parser():
     return p
 
 
-def read_capture_points(export_cfg: dict, m04: dict, num_hidden_layers: int) -> list[int]:
+def read_capture_points(export_cfg: dict, m04: DraftManifest, num_hidden_layers: int) -> list[int]:
     """Capture points (h_i indices) from the export config, cross-checked against SGLang's ids."""
     points = export_cfg.get("eagle_aux_hidden_state_layer_ids")
     if points is None:
@@ -111,8 +112,8 @@ def read_capture_points(export_cfg: dict, m04: dict, num_hidden_layers: int) -> 
     if sglang_ids is not None and [i + 1 for i in sglang_ids] != points:
         raise StageError(f"export config: eagle_config ids {sglang_ids} are not capture points {points} "
                          "minus 1; the draft would read the wrong layers in SGLang")
-    if m04.get("capture_points") is not None and list(m04["capture_points"]) != points:
-        raise StageError(f"04 manifest trained on capture points {m04['capture_points']} but the export "
+    if m04.capture_points is not None and list(m04.capture_points) != points:
+        raise StageError(f"04 manifest trained on capture points {list(m04.capture_points)} but the export "
                          f"says {points}")
     return points
 
@@ -244,7 +245,7 @@ def main(argv=None):
         write_json(out / "mismatches.json", mismatches)
         raise LosslessError(f"{len(mismatches)} speculative outputs differ from target-only greedy "
                             f"decoding; details in {out / 'mismatches.json'} (no manifest written)")
-    write_manifest(out, STAGE, args, tokenizer=m04["tokenizer"], target=m04["target"],
+    write_manifest(out, STAGE, args, tokenizer=m04.tokenizer, target=m04.target,
                    inputs=input_manifests(args.work_dir, stage_dir(args.work_dir, TRAIN),
                                           stage_dir(args.work_dir, MERGE)),
                    capture_points=points, draft_vocab_size=export_cfg["draft_vocab_size"],

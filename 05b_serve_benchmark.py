@@ -32,8 +32,9 @@ from common.serving import deploy
 from common.serving.context import parse_buckets
 from common.serving.registry import ENGINES, check_servable
 from common.serving.sweep import same_draft_reference, server_main, warm_count
-from common.stage import (EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, input_manifests, require_complete, stage_dir,
+from common.stage import (EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, input_manifests, stage_dir,
                           start_stage, write_manifest)
+from common.target.manifests import HiddenStatesManifest
 
 STAGE = SERVE_BENCH
 
@@ -165,7 +166,7 @@ def main(argv=None):
     out = stage_dir(args.work_dir, STAGE)
     inputs = load_inputs(args.work_dir, args.num_prompts, warm_count(args))
     hidden = stage_dir(args.work_dir, EXTRACT)
-    m02b = require_complete(hidden, EXTRACT)
+    m02b = HiddenStatesManifest.require(hidden)
     target_dir, checked = target_and_drafts(args, inputs.m04)
     # a draft the engine cannot serve as checked stops 05b before any server launches
     served = check_servable(args.engine, checked, target_dir)
@@ -178,7 +179,7 @@ def main(argv=None):
         raise StageError(f"every timed run was refused, so nothing valid was measured (why: {out / 'report.md'}); "
                          "no manifest written: fix the server and run 05b again")
     upstream = [stage_dir(args.work_dir, TRAIN), stage_dir(args.work_dir, MERGE), hidden]
-    write_manifest(out, STAGE, args, tokenizer=inputs.m04["tokenizer"], target=inputs.m04["target"],
+    write_manifest(out, STAGE, args, tokenizer=inputs.m04.tokenizer, target=inputs.m04.target,
                    inputs=input_manifests(args.work_dir, *upstream, *([reference] if reference else [])),
                    counts={"num_prompts": len(inputs.rows), "num_warmup_prompts": len(inputs.warm),
                            **{f"num_prompts_context_{b}": rec["num_prompts"]

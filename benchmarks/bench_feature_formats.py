@@ -42,17 +42,18 @@ def reencode(base: Path, rows: dict, out: Path) -> dict:
 
     from common.target.shards import FeatureFormat, ShardReader, list_shards, topk_logits, write_shard
     from common.target.head import load_target_head
-    from common.io import read_json, write_json
+    from common.io import write_json
+    from common.target.manifests import HiddenStatesManifest
 
-    m02 = read_json(stage_dir(base, EXTRACT) / "manifest.json")
-    if m02.get("feature_format", {}) not in ({}, FeatureFormat().as_dict()):
-        raise SystemExit(f"the base's 02b must be bf16 + final without a window, not {m02['feature_format']}")
+    m02 = HiddenStatesManifest.read(stage_dir(base, EXTRACT))
+    if m02.feature_format != FeatureFormat():
+        raise SystemExit(f"the base's 02b must be bf16 + final without a window, not {m02.feature_format.as_dict()}")
     fmts = {name: FeatureFormat(**f) for name, f in rows.items()}
     todo = {n: f for n, f in fmts.items() if not (stage_dir(out / n, EXTRACT) / "manifest.json").is_file()}
     if not todo:
         return {}
     k_max = max([f.topk for f in todo.values() if f.topk] or [0])
-    lm_head = load_target_head(m02["target"]["path"], dtype=torch.float32, with_head=True)[1] if k_max else None
+    lm_head = load_target_head(m02.target["path"], dtype=torch.float32, with_head=True)[1] if k_max else None
     seconds = {n: 0.0 for n in todo}
     shards = list_shards(stage_dir(base, EXTRACT))
     for path in shards:
@@ -74,9 +75,9 @@ def reencode(base: Path, rows: dict, out: Path) -> dict:
         d = stage_dir(out / name, EXTRACT)
         rows_stored = sum(ShardReader(p).num_tokens for p in list_shards(d))
         num_bytes = sum(p.stat().st_size for p in list_shards(d))
-        write_json(d / "manifest.json", {**m02, "feature_format": features.as_dict(), "num_tokens": rows_stored,
-                                         "num_bytes": num_bytes, "bytes_per_token": features.bytes_per_token(m02["hidden_size"]),
-                                         "bytes_per_sample_token": round(num_bytes / m02["num_tokens"], 1),
+        write_json(d / "manifest.json", {**m02.raw, "feature_format": features.as_dict(), "num_tokens": rows_stored,
+                                         "num_bytes": num_bytes, "bytes_per_token": features.bytes_per_token(m02.hidden_size),
+                                         "bytes_per_sample_token": round(num_bytes / m02.num_tokens, 1),
                                          "reencoded_from": str(stage_dir(base, EXTRACT))})
     return seconds
 
@@ -90,7 +91,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     import torch
 
-    from common.io import read_json
+    from common.target.manifests import HiddenStatesManifest
 
     torch.set_num_threads(args.threads)
     rows = {name: ROWS[name] for name in args.rows}
@@ -107,11 +108,11 @@ def main(argv=None):
         work = args.out / "formats" / name
         dr.link(args.base, work, (MERGE, VOCAB))
         run = dr.train(work, args.config, flags)
-        m02 = read_json(stage_dir(work, EXTRACT) / "manifest.json")
-        results = dr.save_result(out_json, name, {"flags": flags, "format": m02["feature_format"], **run,
-                                                  "bytes_per_sample_token": m02["bytes_per_sample_token"],
+        m02 = HiddenStatesManifest.read(stage_dir(work, EXTRACT))
+        results = dr.save_result(out_json, name, {"flags": flags, "format": m02.feature_format.as_dict(), **run,
+                                                  "bytes_per_sample_token": m02.bytes_per_sample_token,
                                                   "replay": held.evaluate(run["export"], args.num_draft_tokens)})
-        print(f"[formats] {name}: {m02['bytes_per_sample_token']} B/token, "
+        print(f"[formats] {name}: {m02.bytes_per_sample_token} B/token, "
               + ", ".join(f"k={k} tau {e['tau']:.3f}" for k, e in results[name]["replay"].items()), flush=True)
 
     results = dr.load_results(out_json)   # rows of other processes too

@@ -51,9 +51,9 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=None, help="epochs of every point (default: the preset's)")
     p.add_argument("--train-flags", nargs="*", default=[], metavar="FLAG=VALUE", help="extra 04 flags, every point")
     args = p.parse_args(argv)
-    from common.io import read_json
+    from common.target.manifests import HiddenStatesManifest
 
-    m02 = read_json(stage_dir(args.base, EXTRACT) / "manifest.json")
+    m02 = HiddenStatesManifest.read(stage_dir(args.base, EXTRACT))
     held = None   # built on the first point that needs it: a table of finished points needs no target
     out_json = args.out / "results.json"
     results = dr.load_results(out_json)
@@ -97,7 +97,7 @@ def main(argv=None):
         prev = r
     (args.out / "table.md").write_text("\n".join(lines) + "\n")
     plot(results, args.num_draft_tokens, args.out / "data_scaling.png",
-         f"{dr.target_name(args.base)}: tau vs training samples ({m02['num_samples']} captured)")
+         f"{dr.target_name(args.base)}: tau vs training samples ({m02.num_samples} captured)")
     print("\n".join(lines))
 
 

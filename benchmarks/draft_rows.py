@@ -61,12 +61,14 @@ def train(work: Path, config: Path, flags: dict) -> dict:
     """04 in `work` with the preset and `flags` (resumes if killed); returns a summary of the run."""
     t0 = time.time()
     stage(TRAIN).main(["--config", str(config), "--work-dir", str(work), *argv_of(flags)])
+    from common.draft.manifest import DraftManifest
+
     d = stage_dir(work, TRAIN)
-    m04 = json.loads((d / "manifest.json").read_text())
+    m04 = DraftManifest.read(d)
     log = [json.loads(x) for x in (d / "train_log.jsonl").read_text().splitlines()]
     train_rows = [r for r in log if r["split"] == "train"]
-    ev = m04.get("final_eval") or {}
-    return {"steps": m04["num_steps"], "num_train_samples": m04["num_train_samples"],
+    ev = m04.final_eval or {}
+    return {"steps": m04.num_steps, "num_train_samples": m04.num_train_samples,
             "seconds": round(time.time() - t0, 1),
             "tokens_per_s": sum(r["tokens_per_s"] for r in train_rows) / max(1, len(train_rows)),
             "eval_acc": ev.get("acc"), "eval_tau": ev.get("tau"), "export": str(d / "export_sglang")}
@@ -90,12 +92,13 @@ class HeldOut:
         from common.text.target_format import load_target_format
         from common.text.tokenizer import load_tokenizer
         from common.benchmark.reference import ReplaySet, replay_cache_file
-        from common.io import iter_jsonl, read_json
+        from common.io import iter_jsonl
+        from common.target.manifests import HiddenStatesManifest
 
         torch.set_num_threads(threads)
         cfg = yaml.safe_load(config.read_text())
-        m02 = read_json(stage_dir(base, EXTRACT) / "manifest.json")
-        self.target_dir = Path(m02["target"]["path"])
+        m02 = HiddenStatesManifest.read(stage_dir(base, EXTRACT))
+        self.target_dir = Path(m02.target["path"])
         self.target = AutoModelForCausalLM.from_pretrained(str(self.target_dir), dtype=torch.float32).eval()
         tok = load_tokenizer(self.target_dir)
         fmt = load_target_format(self.target_dir, tok)
@@ -110,7 +113,7 @@ class HeldOut:
                                           self.target_dir, tok, fmt)
         cache = replay_cache_file(REPO / "build" / "replay_cache", self.target_dir, max_new, eos)
         t0 = time.time()
-        self.replay_set = ReplaySet(self.target, self.prompts, [int(x) for x in m02["capture_points"]], max_new,
+        self.replay_set = ReplaySet(self.target, self.prompts, list(m02.capture_points), max_new,
                                     eos, cache, known, desc="[rows] held-out features")
         print(f"[rows] {len(self.prompts)} held-out prompts ready in {time.time() - t0:.0f} s "
               f"(answers: {self.replay_set.sources})", flush=True)
@@ -153,7 +156,9 @@ def evaluate(eval_dir: Path, base: Path, ours: Path, drafts: dict[str, Path], ar
 
 def target_name(base: Path) -> str:
     """The target of a base work dir: its model folder, from the 02b manifest (e.g. smollm2/target)."""
-    path = Path(json.loads((stage_dir(base, EXTRACT) / "manifest.json").read_text())["target"]["path"])
+    from common.target.manifests import HiddenStatesManifest
+
+    path = Path(HiddenStatesManifest.read(stage_dir(base, EXTRACT)).target["path"])
     return f"{path.parent.name}/{path.name}"
 
 

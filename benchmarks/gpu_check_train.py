@@ -33,6 +33,7 @@ from common.config import declared_flags, load_config  # noqa: E402
 from common.draft.model import draft_config  # noqa: E402
 from common.io import read_json, write_json  # noqa: E402
 from common.stage import EXTRACT, TRAIN, VOCAB, stage_dir, stage_script  # noqa: E402
+from common.target.manifests import HiddenStatesManifest  # noqa: E402
 from common.target.shards import FeatureFormat  # noqa: E402
 
 PRESET = REPO / "configs" / "kimi-k2.5.yaml"
@@ -105,7 +106,7 @@ def warm_export(work: Path, cfg: dict, device: str, scratch: Path) -> Path:
     from common.draft.export_sglang import export_sglang
     from common.draft.model import Eagle3DraftModel
     mapping = load_file(str(stage_dir(work, VOCAB) / "vocab_mapping.safetensors"))
-    points = read_json(stage_dir(work, EXTRACT) / "manifest.json")["capture_points"]
+    points = list(HiddenStatesManifest.read(stage_dir(work, EXTRACT)).capture_points)
     with torch.device(device):   # Kimi's draft: 2 B parameters with the embedding, built in seconds on a GPU
         model = Eagle3DraftModel(cfg)
     model.set_vocab_mapping(mapping["d2t"], mapping["t2d"])

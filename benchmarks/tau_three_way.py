@@ -39,11 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import draft_rows as dr  # noqa: E402
 
 from common.config import parse_args  # noqa: E402
-from common.io import read_json  # noqa: E402
+from common.draft.manifest import DraftManifest  # noqa: E402
 from common.serving import process, vllm  # noqa: E402
 from common.serving.agreement import check_answers  # noqa: E402
 from common.serving.vllm import VllmEngine  # noqa: E402
 from common.stage import EXTRACT, MERGE, TRAIN, stage_dir  # noqa: E402
+from common.target.manifests import HiddenStatesManifest  # noqa: E402
 
 
 def pearson(a: list[float], b: list[float]) -> float:
@@ -62,8 +63,8 @@ def drafts_wanted(args) -> list[tuple[str, str, Path | None]]:
             raise SystemExit(f"{c} is not a complete 04 checkpoint (no COMPLETE marker)")
         out.append((f"{c.parents[2].name}@{int(c.name.split('_')[1])}", "checkpoint", c))
     for w in args.work_dirs:
-        m04 = read_json(stage_dir(w, TRAIN) / "manifest.json")
-        out.append((f"{Path(w).name}@{m04['num_steps']} (final)", "export", stage_dir(w, TRAIN) / "export_sglang"))
+        m04 = DraftManifest.read(stage_dir(w, TRAIN))
+        out.append((f"{Path(w).name}@{m04.num_steps} (final)", "export", stage_dir(w, TRAIN) / "export_sglang"))
     return out
 
 
@@ -76,7 +77,7 @@ def logged_eval(kind: str, source: Path | None) -> dict | None:
         hit = [r for r in rows if r["split"] == "eval" and r["step"] == step]
         return {"tau": hit[-1]["tau"], "acc0": hit[-1]["acc"][0], "split": "its run's"} if hit else None
     if kind == "export":
-        ev = read_json(source.parent / "manifest.json").get("final_eval")
+        ev = DraftManifest.read(source.parent).final_eval
         return {"tau": ev["tau"], "acc0": ev["acc"][0], "split": "its run's"} if ev else None
     return None
 
@@ -109,7 +110,7 @@ class Stage04Eval:
         self.initial, self.lm_head, self.cfg, _ = self.m.build_draft(self.args, self.inputs, None, self.device, bf16,
                                                                      False)
         self.plan = self.m.plan_data(self.args, self.inputs.hs_dir, False)
-        self.points = [int(p) for p in self.inputs.m02b["capture_points"]]
+        self.points = list(self.inputs.m02b.capture_points)
 
     def evaluate(self, draft) -> dict:
         from common.training.distributed import Ranks
@@ -141,7 +142,7 @@ def write_export(name: str, kind: str, source: Path | None, s04: Stage04Eval, ou
     return export_sglang(model, dest, s04.points)
 
 
-def serve_and_check(export: Path, held, m02b: dict, points: list[int], prompts: list[list[int]], args,
+def serve_and_check(export: Path, held, m02b: HiddenStatesManifest, points: list[int], prompts: list[list[int]], args,
                     log: Path) -> dict:
     """vLLM serves the target with this draft at k; the first prompts answered one at a time, then
     replayed on the engine's own answers round by round."""
@@ -149,7 +150,8 @@ def serve_and_check(export: Path, held, m02b: dict, points: list[int], prompts: 
 
     k = args.num_draft_tokens
     settings = vllm.VllmSettings(python=args.vllm_python, threads=1)
-    engine = VllmEngine(held.target_dir, export, export, m02b, {"capture_points": points}, settings)
+    engine = VllmEngine(held.target_dir, export, export, m02b, DraftManifest.from_dict({"capture_points": points}),
+                        settings)
     cmd, env = engine.command(args.port, False, (k, 1, k + 1))
     url = f"http://127.0.0.1:{args.port}"
     proc = process.launch_server(cmd, log, env)
@@ -244,7 +246,7 @@ def main(argv=None):
     if todo:
         s04 = Stage04Eval(args.base, args.config)
         held = dr.HeldOut(args.base, args.config, args.threads)
-    m02b = read_json(stage_dir(args.base, EXTRACT) / "manifest.json")
+    m02b = HiddenStatesManifest.read(stage_dir(args.base, EXTRACT))
     for name, kind, source in todo:
         t0 = time.time()
         export = write_export(name, kind, source, s04, args.out)

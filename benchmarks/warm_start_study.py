@@ -188,24 +188,25 @@ def export_candidates(row: Path) -> dict[str, Path]:
     import torch
 
     from common.draft.export_sglang import export_sglang, load_sglang_export
+    from common.draft.manifest import DraftManifest
     from common.target.head import load_target_head
     from common.training.selection import load_candidate
 
     d = stage_dir(row, TRAIN)
-    m = json.loads((d / "manifest.json").read_text())
+    m = DraftManifest.read(d)
     dtype = json.loads((d / "export_sglang" / "config.json").read_text())["torch_dtype"]
     embed = None
     out = {}
-    for c in (m.get("selection") or {}).get("candidates", []):
+    for c in (m.selection or {}).get("candidates", []):
         if c["step"] == 0:
             continue
         dst = row / "candidate_exports" / f"step_{c['step']:06d}"
         if not (dst / "config.json").is_file():   # export_sglang writes config.json last
             if embed is None:
-                embed, _ = load_target_head(m["target"]["path"], dtype=torch.float32, with_head=False)
+                embed, _ = load_target_head(m.target["path"], dtype=torch.float32, with_head=False)
             model = load_sglang_export(d / "export_sglang", embed)
             load_candidate(d / "candidates" / f"step_{c['step']:06d}", model)
-            export_sglang(model, dst, [int(p) for p in m["capture_points"]], torch_dtype=dtype)
+            export_sglang(model, dst, list(m.capture_points), torch_dtype=dtype)
         out[f"{row.name}-step{c['step']}"] = dst
     return out
 
@@ -217,7 +218,9 @@ def pick(metrics: dict) -> dict:
 
 def selection(work: Path) -> dict:
     """The selection record of a row's 04 manifest (candidates with replay tau, the chosen step)."""
-    return json.loads((stage_dir(work, TRAIN) / "manifest.json").read_text()).get("selection") or {}
+    from common.draft.manifest import DraftManifest
+
+    return DraftManifest.read(stage_dir(work, TRAIN)).selection or {}
 
 
 def cell(drafts: dict, name: str, t: str, k: str) -> str:

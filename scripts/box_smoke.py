@@ -220,14 +220,14 @@ def compare_shards(sglang_dir: Path, hf_dir: Path, rel_tol: float) -> dict:
     capture point's slice of aux and the final state within `rel_tol` (relative Frobenius error over
     all tokens; bf16 kernels differ, a wrong layer differs by a whole layer's update). Prints the max
     absolute difference and the relative error of each; stops at the first that disagrees."""
+    from common.target.manifests import HiddenStatesManifest
     from common.target.shards import ShardReader, list_shards
-    from common.stage import read_manifest
 
     layer = "SGLang capture (02b sglang) vs transformers capture (02b hf)"
-    ms, mh = read_manifest(sglang_dir), read_manifest(hf_dir)
-    if ms["capture_points"] != mh["capture_points"] or ms["hidden_size"] != mh["hidden_size"]:
-        raise SmokeMismatch(layer, f"capture points {ms['capture_points']} vs {mh['capture_points']}")
-    points, hidden = ms["capture_points"], ms["hidden_size"]
+    ms, mh = HiddenStatesManifest.read(sglang_dir), HiddenStatesManifest.read(hf_dir)
+    if ms.capture_points != mh.capture_points or ms.hidden_size != mh.hidden_size:
+        raise SmokeMismatch(layer, f"capture points {list(ms.capture_points)} vs {list(mh.capture_points)}")
+    points, hidden = list(ms.capture_points), ms.hidden_size
     names = [p.name for p in list_shards(sglang_dir)]
     if names != [p.name for p in list_shards(hf_dir)] or not names:
         raise SmokeMismatch(layer, f"shard files differ: {names} vs {[p.name for p in list_shards(hf_dir)]}")

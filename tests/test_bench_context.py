@@ -10,13 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from common.draft.manifest import DraftManifest
 from common.io import write_jsonl
 from common.serving import context
 from common.serving.sglang import SGLangEngine
 from common.serving.vllm import VllmEngine
 from common.stage import MERGE, SERVE_BENCH, StageError, stage_dir
+from common.target.manifests import HiddenStatesManifest
 from common.text.chat_format import render_prompt
 from common.text.tokenizer import load_tokenizer
+
+NO_MANIFESTS = (HiddenStatesManifest.from_dict({}), DraftManifest.from_dict({}))  # 02b, 04: none read
 from tests.sglang_server_stub import StubServer, StubState
 from tests.test_sweep import fake_launches, free_ports, make_work, run_05b, sweep_05b  # noqa: F401 (fixture)
 
@@ -178,9 +182,9 @@ def test_a_bucket_the_launched_servers_cannot_hold_is_refused_before_any_launch(
         assert sum(360 <= len(ids) <= 400 for ids in timed) == 2 * 2   # 2 prompts x 2 passes
     m = json.loads((stage_dir(tmp_path, SERVE_BENCH) / "metrics.json").read_text())
     assert m["context_length"] == 4096
-    engine = VllmEngine(Path("t"), Path("e"), Path("d"), {}, {})
+    engine = VllmEngine(Path("t"), Path("e"), Path("d"), *NO_MANIFESTS)
     assert engine.context_length() == (2048, "--vllm-max-model-len (vLLM's --max-model-len)")
-    sglang = SGLangEngine(micro_target, Path("e"), {}, {}, extra_args=["--context-length=8192"])
+    sglang = SGLangEngine(micro_target, Path("e"), *NO_MANIFESTS, extra_args=["--context-length=8192"])
     assert sglang.context_length()[0] == 8192
 
 

@@ -8,17 +8,29 @@ import pytest
 
 from common.draft.export_sglang import export_sglang
 
+from common.draft.manifest import DraftManifest
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.serving.drafts import check_draft_files
 from common.serving.sglang import get_server_info, preflight
 from common.serving.sweep import warmup
 from common.stage import StageError
+from common.target.manifests import HiddenStatesManifest
 from tests.sglang_server_stub import StubServer, StubState
 
 POINTS = [2, 4, 5]
 TARGET = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 600}
-M02B = {"capture_points": POINTS, "hidden_size": 32, "vocab_size": 600, "target_architecture": "DeepseekV3ForCausalLM"}
-M04 = {"capture_points": POINTS, "draft_vocab_size": 64}
+M02B_DICT = {"capture_points": POINTS, "hidden_size": 32, "vocab_size": 600,
+             "target_architecture": "DeepseekV3ForCausalLM"}
+M04_DICT = {"capture_points": POINTS, "draft_vocab_size": 64}
+M02B, M04 = HiddenStatesManifest.from_dict(M02B_DICT), DraftManifest.from_dict(M04_DICT)
+
+
+def m02b(**fields) -> HiddenStatesManifest:
+    return HiddenStatesManifest.from_dict({**M02B_DICT, **fields})
+
+
+def m04(**fields) -> DraftManifest:
+    return DraftManifest.from_dict({**M04_DICT, **fields})
 PROMPTS = [[5, 6, 7], [8, 9]]
 
 
@@ -68,17 +80,17 @@ def test_chance_acceptance_is_refused(export):
 
 def test_draft_config_against_manifests(export, tmp_path):
     check_draft_files(export, M02B, M04)  # the right one passes
-    llama = {**M02B, "capture_points": [3, 5, 7], "target_architecture": "LlamaForCausalLM"}
+    llama = {"capture_points": [3, 5, 7], "target_architecture": "LlamaForCausalLM"}
     with pytest.raises(StageError, match=r"must be \[2, 4, 6\]: SGLang captures h\[3, 5, 7\]"):
-        check_draft_files(export, llama, {**M04, "capture_points": [3, 5, 7]})
+        check_draft_files(export, m02b(**llama), m04(capture_points=[3, 5, 7]))
     # On a DeepSeek/Kimi target SGLang would read ids [2, 4, 6] as given (h2/h4/h6): refused outright
     with pytest.raises(StageError, match=r"would capture h\[2, 4, 6\] instead"):
-        check_draft_files(export, {**llama, "target_architecture": "KimiK25ForConditionalGeneration"},
-                          {**M04, "capture_points": [3, 5, 7]})
+        check_draft_files(export, m02b(**{**llama, "target_architecture": "KimiK25ForConditionalGeneration"}),
+                          m04(capture_points=[3, 5, 7]))
     with pytest.raises(StageError, match="3 x target hidden = 192"):
-        check_draft_files(export, {**M02B, "hidden_size": 64}, M04)
+        check_draft_files(export, m02b(hidden_size=64), M04)
     with pytest.raises(StageError, match="draft_vocab_size 64 != 04's 32"):
-        check_draft_files(export, M02B, {**M04, "draft_vocab_size": 32})
+        check_draft_files(export, M02B, m04(draft_vocab_size=32))
     # a folder without d2t (the key SGLang needs to map draft ids) is refused
     from safetensors.torch import load_file, save_file
     bad = tmp_path / "bad"

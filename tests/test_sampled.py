@@ -289,6 +289,7 @@ def test_sampled_gate_fails_an_engine_verifying_at_another_temperature(target, t
     accepts far fewer drafts than p(d) at the requested T / top-p predicts: 05 stops in one line naming the
     draft positions with their observed and expected counts. The engine that verifies as asked passes (on
     8 prompts x 16 tokens, 20 seeds gave |z| <= 2.0 for it and z from -11 to -17 for the 3x one)."""
+    from common.draft.manifest import DraftManifest
     from common.serving.agreement import AgreementCheck
     from common.stage import StageError
 
@@ -296,7 +297,8 @@ def test_sampled_gate_fails_an_engine_verifying_at_another_temperature(target, t
     prompts = random_prompts(8, target.config.vocab_size, seed=2)
 
     def check(engine, seed):
-        c = AgreementCheck(engine, tmp_path, tmp_path, {}, prompts, 16, 0, 0.0, tmp_path, (asked,), seed)
+        c = AgreementCheck(engine, tmp_path, tmp_path, DraftManifest.from_dict({}), prompts, 16, 0, 0.0, tmp_path,
+                           (asked,), seed)
         c._models = (target, PrefixOracle(target, 0), set(), POINTS)   # the micro target, not loaded from disk
         return c.sampled("u", "3-1-4", 3)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from common.draft.export_sglang import export_sglang
+from common.draft.manifest import DraftManifest
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import write_jsonl
 from common.serving import drafts, http, process, settings
@@ -26,9 +27,11 @@ from common.serving.sweep import run_prompts, summarize
 from common.serving.vllm import VllmEngine
 from common.stage import (BENCH, EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, stage_dir, stage_script,
                           target_identity, tokenizer_identity, write_manifest)
+from common.target.manifests import HiddenStatesManifest
 from tests.sglang_server_stub import StubServer, StubState
 
 REPO = Path(__file__).resolve().parent.parent
+NO_MANIFESTS = (HiddenStatesManifest.from_dict({}), DraftManifest.from_dict({}))  # 02b, 04: none read
 POINTS = [2, 4, 5]
 
 
@@ -103,7 +106,7 @@ def test_adaptive_setting_launched_checked_and_kept_out_of_the_cost_model(tmp_pa
     assert srv.spec_settings_of({**info, "speculative_adaptive": False}) == (3, 1, 4)
     assert srv.spec_settings_of(info) == (3, 1, 4)  # a release without the field
     with pytest.raises(StageError, match="05 does not launch"):
-        VllmEngine(Path("t"), Path("e"), Path("d"), {}, {}).parse_setting("3,1,4,adaptive")
+        VllmEngine(Path("t"), Path("e"), Path("d"), *NO_MANIFESTS).parse_setting("3,1,4,adaptive")
     req = [{"latency_s": 1.0, "ttft_s": 0.1, "completion_tokens": 40, "spec_verify_ct": 20}]
     run = lambda s, t: {"cuda_graph": True, "setting": s, "by_concurrency": {"1": {  # noqa: E731
         "requests": req, "accept_length_pooled": t, "output_tokens_per_s": 40.0}}}
@@ -147,7 +150,7 @@ def test_a_launched_server_that_dropped_adaptive_is_refused(tmp_path):
                               baseline_url=None, eagle3_url=None, baseline_port=ports[0], eagle3_port=ports[1],
                               server_timeout=60, max_retried_requests=0, acceptance_temperatures=[0],
                               acceptance_top_p=1.0, instant_temperature=None, bench_seed=0, bench_repeats=1)
-    engine = StubEngine(Path("t"), Path("e"), {}, {})
+    engine = StubEngine(Path("t"), Path("e"), *NO_MANIFESTS)
     with pytest.raises(StageError, match=r"runs setting 3-1-4/graph, but 05 launched 3-1-4-adaptive/graph "
                                          r"\(its log: WARNING speculative_adaptive disabled: enable_pdmux"):
         run_server_benchmark(args, tmp_path, engine, [[1, 2, 3]], warm=[[4, 5]])
@@ -1010,7 +1013,7 @@ def test_prefix_caching_is_off_on_every_server_alike(tmp_path, micro_target, fak
         with pytest.raises(StageError, match=rf"SGLang server {b} reports disable_radix_cache False: .*start it with "
                                              r"--disable-radix-cache"):
             run_05b(tmp_path, "--baseline-url", b, "--overwrite")
-    engine = VllmEngine(Path("t"), Path("e"), Path("d"), {}, {})
+    engine = VllmEngine(Path("t"), Path("e"), Path("d"), *NO_MANIFESTS)
     assert all("--no-enable-prefix-caching" in engine.command(1, False, s)[0] for s in (None, (3, 1, 4)))
     vllm.check_prefix_caching_off({"cache_config": {"enable_prefix_caching": False}}, "u")
     for info in ({"cache_config": {"enable_prefix_caching": True}}, {}):

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from common.draft.manifest import DraftManifest
 from common.io import iter_jsonl
 from common.serving import process, vllm
 from common.stage import EXTRACT, GENERATE, MERGE, PREPARE, SERVE_BENCH, StageError, TRAIN, VOCAB, stage_dir
+from common.target.manifests import HiddenStatesManifest
 
 pytestmark = pytest.mark.engine   # the real-engine tier: `make test` runs it, `make test-fast` leaves it out
 
@@ -214,8 +216,8 @@ def test_planted_capture_ids_off_by_one_are_caught(world):
     s, work = world["ids"], world["work"]
     with pytest.raises(StageError, match=r"inputs of layers \[1, 14, 26\].*capture points \[2, 15, 27\]"):
         vllm.check_aux_layers(s.log, POINTS, s.url)
-    m02b = json.loads((stage_dir(work, EXTRACT) / "manifest.json").read_text())
-    m04 = json.loads((stage_dir(work, TRAIN) / "manifest.json").read_text())
+    m02b = HiddenStatesManifest.read(stage_dir(work, EXTRACT))
+    m04 = DraftManifest.read(stage_dir(work, TRAIN))
     engine = VllmEngine(TARGET, stage_dir(work, TRAIN) / "export_sglang", world["sglang_ids"], m02b, m04, settings())
     prompts = [r["prompt_ids"] for r in iter_jsonl(stage_dir(work, MERGE) / "benchmark_prompts.jsonl")][:3]
     check = AgreementCheck(engine, TARGET, stage_dir(work, TRAIN) / "export_sglang", m04, prompts, BUDGET, 300, 0.0,

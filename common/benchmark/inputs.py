@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from common.benchmark import compare as cmp
+from common.draft.manifest import DraftManifest
 from common.io import iter_jsonl
 from common.stage import MERGE, StageError, TRAIN, check_same_tokenizer, require_complete, resolve_target, stage_dir
 
@@ -48,7 +49,7 @@ def check_shared_flags(args) -> None:
 
 class Inputs(NamedTuple):
     export_dir: Path     # 04's SGLang export
-    m04: dict            # 04's manifest
+    m04: DraftManifest   # 04's manifest
     rows: list[dict]     # the timed (05b) or measured (05) held-out prompts
     warm: list[dict]     # 05b: held-out prompts never timed, for the warm-up and the agreement check
     pool: list[dict]     # every held-out row but the warm-up ones, in the split's order (05b's --bench-context)
@@ -57,14 +58,14 @@ class Inputs(NamedTuple):
 def load_inputs(work_dir: Path, num_prompts: int | None, num_warm: int = 0) -> Inputs:
     """Check 04 and 01c (the same tokenizer) and split the held-out prompts once (split_prompts)."""
     draft_dir = stage_dir(work_dir, TRAIN)
-    m04 = require_complete(draft_dir, TRAIN)
+    m04 = DraftManifest.require(draft_dir)
     export_dir = draft_dir / "export_sglang"
     if not (export_dir / "config.json").is_file() or not (export_dir / "model.safetensors").is_file():
         raise StageError(f"{export_dir} lacks config.json/model.safetensors: re-run `python 04_train.py "
                          "--overwrite`")
     merged = stage_dir(work_dir, MERGE)
     m01c = require_complete(merged, MERGE)
-    check_same_tokenizer(m01c["tokenizer"], m04["tokenizer"], merged, MERGE)
+    check_same_tokenizer(m01c["tokenizer"], m04.tokenizer, merged, MERGE)
     held_out = list(iter_jsonl(merged / "benchmark_prompts.jsonl"))
     rows, warm = split_prompts(held_out, num_prompts, num_warm, merged / "benchmark_prompts.jsonl")
     if not rows:
@@ -104,11 +105,11 @@ def spread_over_sources(rows: list[dict], n: int) -> list[dict]:
     return [rows[i] for i in sorted(range(len(rows)), key=keys.__getitem__)[:n]]
 
 
-def target_and_drafts(args, m04: dict) -> tuple[Path, dict]:
+def target_and_drafts(args, m04: DraftManifest) -> tuple[Path, dict]:
     """The target (--target-path, which must be 04's, else 04's) and every --draft checked against it
     (compare.check_drafts): a draft that does not fit stops the stage before it writes."""
     specs = cmp.parse_specs(args.draft)
-    target_dir = resolve_target(args.target_path, m04, stage_dir(args.work_dir, TRAIN), TRAIN)
+    target_dir = resolve_target(args.target_path, m04.raw, stage_dir(args.work_dir, TRAIN), TRAIN)
     return target_dir, cmp.check_drafts(specs, target_dir)
 
 

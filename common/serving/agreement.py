@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.benchmark.reference import first_difference
+from common.draft.manifest import DraftManifest
 from common.stage import StageError
 
 
@@ -67,7 +68,7 @@ class AgreementCheck:
     engine: object
     target_dir: Path
     export_dir: Path
-    m04: dict
+    m04: DraftManifest
     prompts: list[list[int]]
     max_new_tokens: int
     timeout: float
@@ -93,7 +94,7 @@ class AgreementCheck:
             target = AutoModelForCausalLM.from_pretrained(str(self.target_dir), dtype=torch.float32).eval()
             draft = load_sglang_export(self.export_dir, target.get_input_embeddings().weight.detach()).eval()
             text_format = load_target_format(self.target_dir, load_tokenizer(self.target_dir))
-            self._models = (target, draft, set(text_format.stop_ids), [int(p) for p in self.m04["capture_points"]])
+            self._models = (target, draft, set(text_format.stop_ids), list(self.m04.capture_points))
         return self._models
 
     def __call__(self, url: str, key: str, setting) -> dict:

@@ -14,7 +14,9 @@ import json
 from pathlib import Path
 
 from common.draft import OURS
+from common.draft.manifest import DraftManifest
 from common.stage import StageError, sha256_file
+from common.target.manifests import HiddenStatesManifest
 
 CHANCE_CAUSES = (
     "the server runs --speculative-algorithm EAGLE instead of EAGLE3 (no aux capture: the draft sees "
@@ -95,7 +97,7 @@ def not_one_of(drafts) -> str:
             "from this machine)")
 
 
-def check_draft_files(export_dir: Path, m02b: dict, m04: dict) -> dict:
+def check_draft_files(export_dir: Path, m02b: HiddenStatesManifest, m04: DraftManifest) -> dict:
     """The exported draft against the target (02b manifest) and 04's manifest. Returns its config."""
     from safetensors import safe_open
 
@@ -104,13 +106,13 @@ def check_draft_files(export_dir: Path, m02b: dict, m04: dict) -> dict:
     cfg = json.loads((Path(export_dir) / "config.json").read_text())
     with safe_open(str(Path(export_dir) / "model.safetensors"), framework="pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    points = [int(p) for p in m02b["capture_points"]]
-    hidden, vocab = int(m02b["hidden_size"]), int(m02b["vocab_size"])
-    dv = int(m04["draft_vocab_size"])
+    points = list(m02b.capture_points)
+    hidden, vocab = m02b.hidden_size, m02b.vocab_size
+    dv = m04.draft_vocab_size
     # The ids SGLang must read to capture exactly the 02b points on this target (its rule per model
     # family; 02b already refused points it cannot express, unless the architecture was accepted as
     # unknown there, in which case the common +1 applies).
-    architecture = m02b.get("target_architecture")
+    architecture = m02b.target_architecture
     if architecture is None:
         raise StageError("the 02b manifest has no target_architecture (made by an older 02b): re-run "
                          "`python 02b_extract_hidden_states_sglang.py --overwrite`")
@@ -122,8 +124,9 @@ def check_draft_files(export_dir: Path, m02b: dict, m04: dict) -> dict:
     if ids != expected:
         problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids {ids} must be {expected}: SGLang "
                         f"captures h{points} (the 02b capture points) from those ids on {architecture}")
-    if [int(p) for p in m04.get("capture_points", [])] != points:
-        problems.append(f"04 trained on capture points {m04.get('capture_points')}, 02b captured {points}")
+    if list(m04.capture_points or []) != points:
+        trained = None if m04.capture_points is None else list(m04.capture_points)
+        problems.append(f"04 trained on capture points {trained}, 02b captured {points}")
     if cfg.get("vocab_size") != vocab:
         problems.append(f"vocab_size {cfg.get('vocab_size')} != target vocab {vocab}")
     if cfg.get("draft_vocab_size") != dv:

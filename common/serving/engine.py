@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.draft import OURS
+from common.draft.manifest import DraftManifest
 from common.serving.drafts import served_draft
 from common.serving.settings import parse_spec_setting
+from common.target.manifests import HiddenStatesManifest
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,8 @@ class Engine:
     server_tau_note = ""  # how report.md says where the server's own tau comes from, and what it may hold
 
     @classmethod
-    def from_args(cls, args, export_dir: Path, m02b: dict, m04: dict, target_dir: Path, work_dir: Path,
-                  foreign: list[ServedDraft]) -> Engine:
+    def from_args(cls, args, export_dir: Path, m02b: HiddenStatesManifest, m04: DraftManifest,
+                  target_dir: Path, work_dir: Path, foreign: list[ServedDraft]) -> Engine:
         """This engine as 05b's flags set it up (registry.engine_from_args): 04's SGLang export and the
         manifests, the target, the work dir, and the declared drafts served next to 04's."""
         raise NotImplementedError
@@ -76,7 +78,7 @@ class Engine:
     @property
     def drafts(self) -> list[ServedDraft]:
         """04's draft (what this engine loads of 04's exports), then the declared ones."""
-        return [ServedDraft(OURS, Path(self.draft_dir), tuple(self.m02b.get("capture_points", ()))),
+        return [ServedDraft(OURS, Path(self.draft_dir), self.m02b.capture_points or ()),
                 *self.foreign]
 
     def identify(self, reported: str | None, drafts: list[ServedDraft]) -> ServedDraft:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.draft.manifest import DraftManifest
 from common.serving.engine import Engine, ServedDraft
 from common.serving.sglang import SGLangEngine
 from common.serving.vllm import VllmEngine
 from common.stage import StageError
 from common.target.head import read_target_text_config
+from common.target.manifests import HiddenStatesManifest
 
 ENGINES: dict[str, type[Engine]] = {"sglang": SGLangEngine, "vllm": VllmEngine}
 
@@ -23,8 +25,8 @@ def engine_class(name: str) -> type[Engine]:
     return ENGINES[name]
 
 
-def engine_from_args(args, export_dir: Path, m02b: dict, m04: dict, target_dir: Path, work_dir: Path,
-                     foreign: list[ServedDraft] = ()) -> Engine:
+def engine_from_args(args, export_dir: Path, m02b: HiddenStatesManifest, m04: DraftManifest, target_dir: Path,
+                     work_dir: Path, foreign: list[ServedDraft] = ()) -> Engine:
     """05b's flags -> the Engine that serves this run (`foreign`: the declared drafts, check_servable's)."""
     return engine_class(args.engine).from_args(args, export_dir, m02b, m04, target_dir, work_dir, list(foreign))
 

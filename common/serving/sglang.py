@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.draft import OURS
+from common.draft.manifest import DraftManifest
 from common.serving.drafts import (check_acceptance, check_draft_files, draft_files, folder_fingerprint, not_one_of,
                                    same_folder, served_draft)
 from common.serving.engine import Engine, ServedDraft
@@ -45,6 +46,7 @@ from common.serving.http import http_json, parse_answer, sse_request
 from common.serving.request_params import pinned
 from common.serving.settings import ADAPTIVE, is_adaptive
 from common.stage import StageError
+from common.target.manifests import HiddenStatesManifest
 
 INFO_PATHS = ("/server_info", "/get_server_info")  # newer name first; older releases only the second
 # launch_server options 05 refuses in --server-extra-args, by ServerArgs field, with every option
@@ -312,8 +314,8 @@ def check_radix_cache_off(info: dict, url: str) -> None:
                          "prompts are fresh prefills on every server alike; start it with --disable-radix-cache")
 
 
-def preflight(base_url: str, export_dir: Path, m02b: dict, m04: dict, warmup_fn, min_accept_length: float,
-              target_dir: Path | None = None, draft: tuple[str, Path] | None = None) -> dict:
+def preflight(base_url: str, export_dir: Path, m02b: HiddenStatesManifest, m04: DraftManifest, warmup_fn,
+              min_accept_length: float, target_dir: Path | None = None, draft: tuple[str, Path] | None = None) -> dict:
     """Run every check against a live server; returns a record for metrics.json.
 
     warmup_fn(base_url) -> per-request tau over a few short requests (common/serving/sweep.warmup).
@@ -412,8 +414,8 @@ class SGLangEngine(Engine):
     calls it); registry.ENGINES names it "sglang"."""
     target_dir: Path
     export_dir: Path
-    m02b: dict
-    m04: dict
+    m02b: HiddenStatesManifest
+    m04: DraftManifest
     tp_size: int = 1
     mem_fraction: float = 0.85
     python: str = "python"

@@ -46,6 +46,7 @@ from common.serving.request_params import request_seed, timed_sampling
 from common.serving.settings import ADAPTIVE_STEPS, is_adaptive
 from common.serving.sglang import adaptive_disabled_line, generate_stream
 from common.stage import StageError
+from common.target.manifests import HiddenStatesManifest
 
 # How far a run's tau may lie above the server's own count over the same requests before the run's
 # counts are not believed. Honest servers stay far inside it: vLLM's counters also count drafts accepted
@@ -620,7 +621,7 @@ def context_buckets(args, pool: list[dict], n: int, target_dir: Path) -> dict[st
     return {b: context.bucket_prompts(pool, int(b), count, encode) for b in names}
 
 
-def server_main(args, out: Path, inputs, m02b: dict, target_dir: Path, foreign=(),
+def server_main(args, out: Path, inputs, m02b: HiddenStatesManifest, target_dir: Path, foreign=(),
                 reference: dict | None = None) -> dict:
     """05b after its input checks: sweep (+ agreement), metrics.json, report.md, plots. Of `inputs`
     (common/benchmark/inputs.load_inputs), the rows are timed, the warm rows (held-out rows never timed)

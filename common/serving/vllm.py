@@ -51,6 +51,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.draft.manifest import DraftManifest
 from common.serving.drafts import (check_acceptance, check_draft_files, draft_files, folder_fingerprint, not_one_of,
                                    same_folder, served_draft)
 from common.serving.engine import Engine, ServedDraft
@@ -58,6 +59,7 @@ from common.serving.http import BadAnswer, http_json, parse_answer, sse_request,
 from common.serving.request_params import pinned
 from common.serving.settings import is_adaptive, parse_spec_setting
 from common.stage import StageError, TRAIN, stage_dir
+from common.target.manifests import HiddenStatesManifest
 
 METHOD = "eagle3"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -469,8 +471,8 @@ class VllmEngine(Engine):
     target_dir: Path
     export_dir: Path      # 04's SGLang export: the files the preflight checks against the manifests
     draft_dir: Path       # what the server loads: export_dir or 04's speculators export
-    m02b: dict
-    m04: dict
+    m02b: HiddenStatesManifest
+    m04: DraftManifest
     settings: VllmSettings = field(default_factory=VllmSettings)
     min_accept_length: float = 1.3
     served: dict = field(default_factory=dict)  # url -> served model name, read from the info document

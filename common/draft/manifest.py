@@ -1,0 +1,54 @@
+"""04's manifest (04_draft/manifest.json) read once into a frozen dataclass, `DraftManifest`, for 05, 05b
+and the benchmarks. 04 still WRITES it as plain JSON (common.stage.write_manifest). A field an older
+manifest lacks reads as None, as the dict reads did with `.get`; `raw` keeps the whole dict.
+Imports only the stage contract."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.stage import MANIFEST, TRAIN, read_manifest, require_complete, stage_dir
+
+
+@dataclass(frozen=True)
+class DraftManifest:
+    draft_config: dict
+    capture_points: tuple[int, ...] | None   # None: made before 04 recorded them
+    draft_vocab_size: int | None
+    vocab_size: int | None
+    tokenizer: dict                          # common.stage.tokenizer_identity (02b's)
+    target: dict                             # common.stage.target_identity (02b's)
+    num_steps: int | None = None
+    num_train_samples: int | None = None
+    num_eval_samples: int | None = None
+    final_eval: dict | None = None
+    export_dir: str | None = None            # export_sglang/
+    export_speculators_dir: str | None = None
+    selection: dict | None = None
+    init: dict | None = None                 # --init-from's identity; None from scratch
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DraftManifest:
+        points, dv, v = d.get("capture_points"), d.get("draft_vocab_size"), d.get("vocab_size")
+        return cls(draft_config=dict(d.get("draft_config") or {}),
+                   capture_points=None if points is None else tuple(int(p) for p in points),
+                   draft_vocab_size=None if dv is None else int(dv), vocab_size=None if v is None else int(v),
+                   tokenizer=d.get("tokenizer") or {}, target=d.get("target") or {},
+                   num_steps=d.get("num_steps"), num_train_samples=d.get("num_train_samples"),
+                   num_eval_samples=d.get("num_eval_samples"), final_eval=d.get("final_eval"),
+                   export_dir=d.get("export_dir"), export_speculators_dir=d.get("export_speculators_dir"),
+                   selection=d.get("selection"), init=d.get("init"), raw=d)
+
+    @classmethod
+    def read(cls, path: str | Path) -> DraftManifest:
+        """From a 04 folder, its manifest.json, or a work dir (its 04_draft/)."""
+        path = Path(path)
+        if path.name == MANIFEST:
+            path = path.parent
+        return cls.from_dict(read_manifest(path if (path / MANIFEST).is_file() else stage_dir(path, TRAIN)))
+
+    @classmethod
+    def require(cls, path: str | Path) -> DraftManifest:
+        """From the 04 folder `path`, or stop with the command that makes it (common.stage.require_complete)."""
+        return cls.from_dict(require_complete(path, TRAIN))
