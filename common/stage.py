@@ -133,6 +133,25 @@ def require_complete(path: str | Path, producer: str) -> dict:
     return read_manifest(path)
 
 
+class TypedManifest:
+    """Base of the typed manifests (common.target.manifests, common.draft.manifest): a frozen dataclass
+    that names its stage in STAGE and builds itself with from_dict; these two read it."""
+    STAGE = ""
+
+    @classmethod
+    def read(cls, path: str | Path):
+        """From the stage's folder, its manifest.json, or a work dir (the stage's folder under it)."""
+        path = Path(path)
+        if path.name == MANIFEST:
+            path = path.parent
+        return cls.from_dict(read_manifest(path if is_complete(path) else stage_dir(path, cls.STAGE)))
+
+    @classmethod
+    def require(cls, path: str | Path):
+        """From the stage folder `path`, or stop with the command that makes it (require_complete)."""
+        return cls.from_dict(require_complete(path, cls.STAGE))
+
+
 def stage_tag(stage: str) -> str:
     """The log tag of a stage: its number, e.g. "04_train" -> "[04]"."""
     return f"[{stage.split('_', 1)[0]}]"

@@ -5,13 +5,14 @@ Imports only the stage contract."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from common.stage import MANIFEST, TRAIN, read_manifest, require_complete, stage_dir
+from common.stage import TRAIN, TypedManifest
 
 
 @dataclass(frozen=True)
-class DraftManifest:
+class DraftManifest(TypedManifest):
+    """04's manifest (04_draft/manifest.json)."""
+    STAGE = TRAIN
     draft_config: dict
     capture_points: tuple[int, ...] | None   # None: made before 04 recorded them
     draft_vocab_size: int | None
@@ -40,15 +41,3 @@ class DraftManifest:
                    export_dir=d.get("export_dir"), export_speculators_dir=d.get("export_speculators_dir"),
                    selection=d.get("selection"), init=d.get("init"), raw=d)
 
-    @classmethod
-    def read(cls, path: str | Path) -> DraftManifest:
-        """From a 04 folder, its manifest.json, or a work dir (its 04_draft/)."""
-        path = Path(path)
-        if path.name == MANIFEST:
-            path = path.parent
-        return cls.from_dict(read_manifest(path if (path / MANIFEST).is_file() else stage_dir(path, TRAIN)))
-
-    @classmethod
-    def require(cls, path: str | Path) -> DraftManifest:
-        """From the 04 folder `path`, or stop with the command that makes it (common.stage.require_complete)."""
-        return cls.from_dict(require_complete(path, TRAIN))

@@ -6,9 +6,8 @@ Imports only the stage contract (and shards' FeatureFormat)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from common.stage import EXTRACT, MANIFEST, VOCAB, read_manifest, require_complete, stage_dir
+from common.stage import EXTRACT, VOCAB, TypedManifest
 from common.target.shards import FeatureFormat
 
 
@@ -20,18 +19,10 @@ def _int(value) -> int | None:
     return None if value is None else int(value)
 
 
-def _folder(path: str | Path, stage: str) -> Path:
-    """The folder of a manifest: `path` itself when it holds one (or is the manifest), else the stage's
-    folder under the work dir `path`."""
-    path = Path(path)
-    if path.name == MANIFEST:
-        return path.parent
-    return path if (path / MANIFEST).is_file() else stage_dir(path, stage)
-
-
 @dataclass(frozen=True)
-class HiddenStatesManifest:
+class HiddenStatesManifest(TypedManifest):
     """02b's manifest (02b_hidden_states/manifest.json)."""
+    STAGE = EXTRACT
     capture_points: tuple[int, ...] | None   # h_i indices, ascending
     hidden_size: int | None
     num_hidden_layers: int | None
@@ -59,20 +50,12 @@ class HiddenStatesManifest:
                    bytes_per_sample_token=d.get("bytes_per_sample_token"), shards=dict(d.get("shards") or {}),
                    raw=d)
 
-    @classmethod
-    def read(cls, path: str | Path) -> HiddenStatesManifest:
-        """From a 02b folder, its manifest.json, or a work dir (its 02b_hidden_states/)."""
-        return cls.from_dict(read_manifest(_folder(path, EXTRACT)))
-
-    @classmethod
-    def require(cls, path: str | Path) -> HiddenStatesManifest:
-        """From the 02b folder `path`, or stop with the command that makes it (common.stage.require_complete)."""
-        return cls.from_dict(require_complete(path, EXTRACT))
 
 
 @dataclass(frozen=True)
-class VocabManifest:
+class VocabManifest(TypedManifest):
     """03's manifest (03_vocab/manifest.json)."""
+    STAGE = VOCAB
     draft_vocab_size: int | None
     vocab_size: int | None
     tokenizer: dict
@@ -87,12 +70,3 @@ class VocabManifest:
                    tokenizer=d.get("tokenizer") or {}, target=d.get("target") or {}, coverage=d.get("coverage"),
                    capture_points=_ints(d.get("capture_points")), raw=d)
 
-    @classmethod
-    def read(cls, path: str | Path) -> VocabManifest:
-        """From a 03 folder, its manifest.json, or a work dir (its 03_vocab/)."""
-        return cls.from_dict(read_manifest(_folder(path, VOCAB)))
-
-    @classmethod
-    def require(cls, path: str | Path) -> VocabManifest:
-        """From the 03 folder `path`, or stop with the command that makes it."""
-        return cls.from_dict(require_complete(path, VOCAB))
