@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from common.serving import deploy, vllm
@@ -407,3 +408,22 @@ def test_the_report_names_the_best_setting_per_cell_or_off_and_where_the_recomme
     assert "It holds (interval above 1) at short c=1, short c=8, 16384 c=1; not at 16384 c=8." in section
     assert "## Predicted, not measured: speed against load" in text and "| setting (predicted) |" in text
     assert "nograph, prompts of ~16384 tokens: a " in text and "**Every number below is a prediction**" in text
+
+
+def test_the_load_model_never_fits_a_negative_cost():
+    """Rounds that get faster with more draft steps (noise, as on the ~1.5K-token prompts of a CPU sweep)
+    make the free least-squares fit a negative draft step; the fit holds that cost at 0 and says so."""
+    from common.serving import load_model
+
+    a, b = 0.07, 0.005
+    points = [(0, c, 1, a + b * c) for c in (1, 4)]
+    points += [(d, c, d + 1, a + b * c * (d + 1) - 0.01 * d) for d in (3, 5, 7) for c in (1, 4)]
+    free, *_ = np.linalg.lstsq(np.array([[s, 1.0, c * n] for s, c, n, _ in points]),
+                               np.array([t for *_, t in points]), rcond=None)
+    assert free[0] == pytest.approx(-0.01)                       # what the free fit would say
+    f = load_model.fit(points)
+    assert min(f["a"], f["b"], f["c_draft"]) >= 0 and f["c_draft"] == 0
+    assert "c_draft held at 0" in f["source"]
+    exact = load_model.fit([(0, c, 1, a + b * c) for c in (1, 4)] + [(d, c, d + 1, a + b * c * (d + 1) + 0.002 * d)
+                                                                     for d in (3, 5) for c in (1, 4)])
+    assert exact["c_draft"] == pytest.approx(0.002) and "held" not in exact["source"]

@@ -13,7 +13,8 @@ The model, per (draft, graph mode, temperature, prompt bucket):
     t_step(c)            = a + b * c                      a plain decode step (the baseline), 1 token a request
     t_round(c, steps, n) = c_draft * steps + a + b * c * n   an EAGLE-3 round: steps draft forwards, n verified
 fitted by least squares on the baseline's decode steps and every fixed setting's rounds at every measured
-concurrency (`fit`). The predicted decode-phase speed ratio of a depth-d chain at concurrency c is
+concurrency (`fit`), every cost >= 0 (a noisy sweep can otherwise fit a negative draft step; the fit says which
+cost it held at 0). The predicted decode-phase speed ratio of a depth-d chain at concurrency c is
     ratio(d, c) = tau(d) * t_step(c) / t_round(c, d, d + 1)
 (prefill is not in it), and speculation pays (ratio > 1) up to
     c* = (a * (tau - 1) - c_draft * d) / (b * (d + 1 - tau)).
@@ -23,6 +24,8 @@ the baseline's decode steps when it ran at two or more concurrencies; otherwise 
 step, and the fit says so (`source`).
 """
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -37,8 +40,9 @@ def fit(points: list[tuple[int, int, int, float]]) -> dict | None:
     x = np.array([[s, 1.0, c * n] for s, c, n, _ in points]) if points else np.zeros((0, 3))
     y = np.array([t for *_, t in points])
     if len(points) >= 3 and np.linalg.matrix_rank(x) == 3:
-        (cd, a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
-        out = {"a": a, "b": b, "c_draft": cd, "source": "fitted on the baseline's steps and the settings' rounds"}
+        (cd, a, b), held = non_negative_lstsq(x, y)
+        out = {"a": a, "b": b, "c_draft": cd, "source": "fitted on the baseline's steps and the settings' rounds"
+               + "".join(f"; {('c_draft', 'a', 'b')[i]} held at 0 (fitted free it was negative)" for i in held)}
     else:
         out = assumed_costs(points)
         if out is None:
@@ -47,6 +51,26 @@ def fit(points: list[tuple[int, int, int, float]]) -> dict | None:
     out["max_relative_residual"] = max(abs(p - t) / t for p, (*_, t) in zip(pred, points))
     out["num_points"] = len(points)
     return {k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in out.items()}
+
+
+def non_negative_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Least squares with every coefficient >= 0 (a time cost is never negative; noisy rounds can make the
+    free fit say so), and the columns held at 0. Exact for these few columns: the best of the free fits on
+    every subset of columns whose coefficients all come out >= 0."""
+    free, *_ = np.linalg.lstsq(x, y, rcond=None)
+    if (free >= 0).all():
+        return free, []
+    best, best_err = np.zeros(x.shape[1]), float(np.sum(y ** 2))
+    subsets = itertools.chain.from_iterable(itertools.combinations(range(x.shape[1]), r) for r in range(1, x.shape[1]))
+    for keep in subsets:
+        sub, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (sub >= 0).all():
+            coef = np.zeros(x.shape[1])
+            coef[list(keep)] = sub
+            err = float(np.sum((x @ coef - y) ** 2))
+            if err < best_err:
+                best, best_err = coef, err
+    return best, [i for i in range(x.shape[1]) if best[i] == 0]
 
 
 def assumed_costs(points: list[tuple[int, int, int, float]]) -> dict | None:
@@ -64,7 +88,7 @@ def assumed_costs(points: list[tuple[int, int, int, float]]) -> dict | None:
         b = t0 / (2 + c0)   # t_step(c0) = a + b c0 with a = 2 b
         a, source = 2 * b, ASSUMED
     spec = [(s, c, n, t) for s, c, n, t in points if s > 0]
-    cd = float(np.mean([(t - a - b * c * n) / s for s, c, n, t in spec])) if spec else 0.0
+    cd = max(0.0, float(np.mean([(t - a - b * c * n) / s for s, c, n, t in spec]))) if spec else 0.0
     return {"a": a, "b": b, "c_draft": cd, "source": source}
 
 
