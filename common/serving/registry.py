@@ -11,6 +11,7 @@ from common.serving.engine import Engine, ServedDraft
 from common.serving.sglang import SGLangEngine
 from common.serving.vllm import VllmEngine
 from common.stage import StageError
+from common.target.capture import default_capture_points
 from common.target.head import read_target_text_config
 from common.target.manifests import HiddenStatesManifest
 
@@ -37,8 +38,7 @@ def check_servable(engine: str, checked: dict, target_dir: Path) -> list[ServedD
     anything launches. Without any declaration of their points both engines use [2, N//2, N-3], which
     check_draft assumes too."""
     cls = engine_class(engine)
-    n = int(read_target_text_config(target_dir)["num_hidden_layers"])
-    default = [2, n // 2, n - 3]
+    default = default_capture_points(int(read_target_text_config(target_dir)["num_hidden_layers"]))
     served = []
     for name, (d, points) in checked.items():
         cls.refuse_unservable(f"--draft {name} ({d.path}): {cls.label}", d, list(points), default)
