@@ -88,7 +88,9 @@ def assumed_costs(points: list[tuple[int, int, int, float]]) -> dict | None:
         b = t0 / (2 + c0)   # t_step(c0) = a + b c0 with a = 2 b
         a, source = 2 * b, ASSUMED
     spec = [(s, c, n, t) for s, c, n, t in points if s > 0]
-    cd = max(0.0, float(np.mean([(t - a - b * c * n) / s for s, c, n, t in spec]))) if spec else 0.0
+    cd = float(np.mean([(t - a - b * c * n) / s for s, c, n, t in spec])) if spec else 0.0
+    if cd < 0:
+        cd, source = 0.0, source + "; c_draft held at 0 (fitted free it was negative)"
     return {"a": a, "b": b, "c_draft": cd, "source": source}
 
 
