@@ -36,7 +36,7 @@ from common.config import base_parser, parse_args
 from common.draft.export_sglang import export_sglang
 from common.draft.export_speculators import export_speculators
 from common.draft.imported import ImportedDraft, check_draft, read_draft
-from common.draft.model import Eagle3DraftModel, draft_config
+from common.draft.model import ATTENTIONS, Eagle3DraftModel, draft_config
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
 from common.stage import (EXTRACT, MERGE, StageError, TRAIN, VOCAB, check_same_tokenizer, input_manifests,
                           resolve_target, stage_dir, start_stage, write_manifest)
@@ -64,6 +64,15 @@ PLAN = "(resume refuses a change)"   # in a group's title: its flags are the pla
 def build_parser():
     p = base_parser(__doc__)
     d = p.add_argument_group(f"draft shape and init {PLAN}")
+    d.add_argument("--draft-attention", choices=ATTENTIONS, default="mha",
+                   help="the draft layer's attention: mha = Llama multi-head attention (LlamaForCausalLMEagle3); "
+                        "mla = DeepSeek-V2 multi-head latent attention (Eagle3DeepseekV2ForCausalLM, the public "
+                        "K2.5 MLA drafts' form: a latent KV cache of kv_lora + qk_rope values per token); its "
+                        "dims are the target's when the target is MLA, else common/draft/model.py mla_dims")
+    d.add_argument("--fc-norm", action="store_true",
+                   help="EAGLE-3.1: an RMSNorm on each captured target state before fc")
+    d.add_argument("--norm-output", action="store_true",
+                   help="EAGLE-3.1: the next draft step reads the post-norm hidden state (default: pre-norm)")
     d.add_argument("--draft-num-attention-heads", type=int, default=None,
                    help="draft attention heads (default: the target's; head_dim = hidden / heads)")
     d.add_argument("--draft-num-key-value-heads", type=int, default=None,
@@ -107,7 +116,8 @@ def build_parser():
     w.add_argument("--init-from", type=Path, default=None,
                    help="fine-tune this EAGLE-3 draft (SGLang layout, e.g. a public Kimi draft or 04's "
                         "export_sglang/, or the speculators layout); checked against the target and the 02b "
-                        "capture points first; the draft's shape is the imported one's (--draft-* flags unused)")
+                        "capture points first; the draft's shape and form are the imported one's (--draft-*, "
+                        "--fc-norm and --norm-output unused)")
     w.add_argument("--init-vocab", choices=VOCAB_MODES, default="keep",
                    help="with --init-from: keep the imported draft vocab (d2t/t2d), or map its lm_head rows "
                         "onto 03's draft vocab by target token id (missing rows start as the mean row)")
@@ -150,6 +160,7 @@ def plan_keys(parser) -> tuple[str, ...]:
 
 
 PLAN_KEYS = plan_keys(build_parser())
+PLAN_DEFAULTS = {k: build_parser().get_default(k) for k in PLAN_KEYS}
 
 
 def cosine_with_warmup(warmup: int, total: int):
@@ -264,7 +275,8 @@ def build_draft(args, inputs: Inputs, imported: ImportedDraft | None, device, bf
         cfg = dict(model.config)
     else:
         cfg = draft_config(tcfg, inputs.m03.draft_vocab_size, args.draft_num_attention_heads,
-                           args.draft_num_key_value_heads, args.draft_intermediate_size)
+                           args.draft_num_key_value_heads, args.draft_intermediate_size,
+                           args.draft_attention, args.fc_norm, args.norm_output)
         torch.manual_seed(args.train_seed)
         model = Eagle3DraftModel(cfg)
         if args.init == "normal":
@@ -362,8 +374,9 @@ def resume(ckpt_root: Path, log_path: Path, plan: dict, model, opt, sched, ranks
     done = complete_checkpoints(ckpt_root)
     if done:
         state = json.loads((done[-1] / "state.json").read_text())
-        if state["plan"] != plan:
-            changed = sorted(k for k in plan if state["plan"].get(k) != plan[k])
+        made = {**PLAN_DEFAULTS, **state["plan"]}   # a flag added since then was at its default
+        if made != plan:
+            changed = sorted(k for k in plan if made.get(k) != plan[k])
             raise StageError(f"{done[-1]} was made with other settings ({', '.join(changed)}); "
                              "use the same flags to resume, or --overwrite to start over")
         state = load_checkpoint(done[-1], model, opt, sched, ranks.device)

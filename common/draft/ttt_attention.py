@@ -23,30 +23,32 @@ def ttt_attention_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
     return torch.cat([causal] + [diag] * step, dim=1)
 
 
-def ttt_attention_masked(q, keys, values):
+def ttt_attention_masked(q, keys, values, scale: float | None = None):
     """The first TTT attention, kept as the reference of ttt_attention (tests, benchmark): one SDPA over
     the keys of all steps so far under ttt_attention_mask. It scores (k+1) T^2 pairs per head at step k
-    where T(T+1)/2 + kT are attended. q [B, nh, T, d]; keys/values: per step j <= k, [B, nkv, T, d]."""
+    where T(T+1)/2 + kT are attended. q [B, nh, T, d]; keys/values: per step j <= k, [B, nkv, T, d];
+    scale: the softmax scale (default d^-0.5; MLA under YaRN multiplies it)."""
     rep = q.shape[1] // keys[0].shape[1]
     k, v = torch.cat(keys, 2), torch.cat(values, 2)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     mask = ttt_attention_mask(q.shape[2], len(keys) - 1, device=q.device)
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
 
 
-def ttt_attention(q, keys, values):
+def ttt_attention(q, keys, values, scale: float | None = None):
     """TTT attention of step k = len(keys) - 1 without masked-out work -> [B, nh, T, d].
 
     q [B, nh, T, d]; keys/values: per step j <= k, [B, nkv, T, d] (post-RoPE; nh a multiple of nkv).
     Query (t, k) attends to the step-0 keys at positions <= t (a causal SDPA, T(T+1)/2 scores) and to
     the step-1..k keys at position t (k dot products per query), one softmax over both sets: same
-    result as ttt_attention_masked, up to float rounding.
+    result as ttt_attention_masked, up to float rounding. scale: the softmax scale (default d^-0.5).
     """
     if len(keys) == 1:
-        return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True,
+        return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=scale,
                                               enable_gqa=q.shape[1] != keys[0].shape[1])
-    return _CausalPlusDiagonal.apply(q, keys[0], values[0], *keys[1:], *values[1:])
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _CausalPlusDiagonal.apply(scale, q, keys[0], values[0], *keys[1:], *values[1:])
 
 
 def _causal_forward(q, k, v, scale: float):
@@ -123,8 +125,8 @@ class _CausalPlusDiagonal(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k0, v0, *diag):
-        n, scale, nkv = len(diag) // 2, q.shape[-1] ** -0.5, k0.shape[1]
+    def forward(ctx, scale, q, k0, v0, *diag):
+        n, nkv = len(diag) // 2, k0.shape[1]
         with torch.autocast(q.device.type, enabled=False):
             out_c, lse_c, extra = _causal_forward(q, k0, v0, scale)
             qg, lse_cg = _grouped(q.float(), nkv), _grouped(lse_c, nkv)               # [B, nkv, rep, T(, d)]
@@ -156,7 +158,7 @@ class _CausalPlusDiagonal(torch.autograd.Function):
                 dq.addcmul_(ds, kf)
                 grads_k.append((ds * qg).sum(2).to(kj.dtype))                        # sum over the group
                 grads_v.append((pj.unsqueeze(-1) * g).sum(2).to(vj.dtype))
-        return (dq.flatten(1, 2).to(q.dtype), dk0, dv0, *grads_k, *grads_v)
+        return (None, dq.flatten(1, 2).to(q.dtype), dk0, dv0, *grads_k, *grads_v)
 
 
 def _grouped(x, nkv: int):
