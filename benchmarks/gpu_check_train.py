@@ -1,8 +1,9 @@
 """The 04 sections of benchmarks/gpu_check.py: 04_train.py measured at Kimi-K2.5's draft shape.
 
   train_04   04 under torchrun (DDP world 1), bf16 autocast, one sample per step, random features in the
-             compact (fp8 + top-32) and bf16 (+ final) formats, and a warm start (--init-from): tokens/s
-             after warm-up, peak memory, loss
+             compact (fp8 + top-32) and bf16 (+ final) formats, a warm start (--init-from), and the MLA +
+             EAGLE-3.1 draft form (--draft-attention mla --fc-norm --norm-output: the public K2.5 MLA draft's
+             shape, the target's MLA dims): tokens/s after warm-up, peak memory, loss
   attention  the TTT attention kernel alone at the same shapes: its share of a step
 The torchrun worker is this file (`--run-04 STATS -- <04 flags>`): 04's main, then the process's peak memory.
 """
@@ -52,12 +53,20 @@ class TrainShape:
     ttt_steps: int = 7
 
 
-def draft_shape(ts: TrainShape) -> dict:
-    """The draft 04 builds for the synthetic target: the preset's heads (or the tiny run's) and MLP."""
+# The draft forms the check trains: 04's flags -> draft_config's arguments. "mha" is the preset's own form.
+FORMS = {"mha": [], "mla": ["--draft-attention", "mla", "--fc-norm", "--norm-output"]}
+
+
+def draft_shape(ts: TrainShape, form: str = "mha") -> dict:
+    """The draft 04 builds for the synthetic target: the preset's heads (or the tiny run's) and MLP; the MLA
+    form keeps the target's heads and MLA dims (04 ignores the head flags' KV count for MLA)."""
     preset = load_config(PRESET)
     heads, kv = ts.draft_heads or (preset["draft-num-attention-heads"], preset["draft-num-key-value-heads"])
-    return draft_config(ts.target_config.get("text_config") or ts.target_config, ts.draft_vocab, heads, kv,
-                        preset.get("draft-intermediate-size"))
+    tcfg = ts.target_config.get("text_config") or ts.target_config
+    if form == "mla":
+        return draft_config(tcfg, ts.draft_vocab, None, None, preset.get("draft-intermediate-size"),
+                            attention="mla", fc_norm=True, norm_output=True)
+    return draft_config(tcfg, ts.draft_vocab, heads, kv, preset.get("draft-intermediate-size"))
 
 
 def train_04(result: dict, device: str, ts: TrainShape, scratch: Path) -> None:
@@ -68,15 +77,18 @@ def train_04(result: dict, device: str, ts: TrainShape, scratch: Path) -> None:
     target = synthetic_target(scratch / "target", ts.target_config, prefix="language_model.", device=device)
     result.update(draft_config=cfg, build_target_s=round(time.time() - t0, 1), runs=[])
     first = ts.seq_lens[0]
-    plan = [("compact", first, False), ("bf16", first, False), ("compact", first, True)]
-    plan += [("compact", t, False) for t in ts.seq_lens[1:]]
+    plan = [("compact", first, False, "mha"), ("bf16", first, False, "mha"), ("compact", first, True, "mha"),
+            ("compact", first, False, "mla")]
+    plan += [("compact", t, False, "mha") for t in ts.seq_lens[1:]]
     works, checks = {}, result.setdefault("checks", {})
-    for fmt, seq_len, warm in plan:
-        name = f"{fmt}_T{seq_len}" + ("_warm_start" if warm else "")
-        run = {"name": name, "format": FORMATS[fmt].as_dict(), "teacher": FORMATS[fmt].teacher, "seq_len": seq_len}
+    for fmt, seq_len, warm, form in plan:
+        name = f"{fmt}_T{seq_len}" + ("_warm_start" if warm else "") + ("" if form == "mha" else f"_{form}")
+        run = {"name": name, "format": FORMATS[fmt].as_dict(), "teacher": FORMATS[fmt].teacher, "seq_len": seq_len,
+               "form": form}
         result["runs"].append(run)
-        if warm and "init-from" not in declared_flags(REPO / stage_script(TRAIN)):
-            run["status"] = "skipped: 04 has no --init-from"
+        flag = "init-from" if warm else ("draft-attention" if form != "mha" else None)
+        if flag and flag not in declared_flags(REPO / stage_script(TRAIN)):
+            run["status"] = f"skipped: 04 has no --{flag}"
             checks[name] = check(True, status=run["status"])
             continue
         try:
@@ -87,8 +99,9 @@ def train_04(result: dict, device: str, ts: TrainShape, scratch: Path) -> None:
                 run["build_inputs_s"] = round(time.time() - t0, 1)
                 free(device)   # the top-k teacher's lm_head: 04 runs in a process of its own
             init_from = warm_export(works[fmt, seq_len], cfg, device, scratch) if warm else None
-            run.update(run_04(works[fmt, seq_len], target, seq_len, ts, device, scratch, init_from))
-            run["flop_per_token"] = flop_per_token(cfg, seq_len, ts.ttt_steps, SUPERVISED_SHARE, run["teacher"])
+            run.update(run_04(works[fmt, seq_len], target, seq_len, ts, device, scratch, init_from, FORMS[form]))
+            run["flop_per_token"] = flop_per_token(draft_shape(ts, form), seq_len, ts.ttt_steps, SUPERVISED_SHARE,
+                                                   run["teacher"])
             checks[name] = check(all(abs(x) < float("inf") for x in run["loss_step0"]),   # finite (NaN fails too)
                                  tokens_per_s=run["tokens_per_s"])
         except Exception as e:
@@ -117,7 +130,7 @@ def warm_export(work: Path, cfg: dict, device: str, scratch: Path) -> Path:
 
 
 def run_04(work: Path, target: Path, seq_len: int, ts: TrainShape, device: str, scratch: Path,
-           init_from: Path | None) -> dict:
+           init_from: Path | None, form_flags: list[str] = ()) -> dict:
     """Run 04 (TRAIN) with the preset under torchrun (world 1) through this file's --run-04 worker; one
     sample of seq_len tokens per step; stops with a checkpoint (never exports: no matplotlib needed)."""
     steps = ts.warmup_steps + ts.measured_steps
@@ -128,9 +141,12 @@ def run_04(work: Path, target: Path, seq_len: int, ts: TrainShape, device: str, 
             "--eval-every", "1000000", "--save-every", "1000000", "--overwrite"]
     if "candidates-per-epoch" in declared_flags(REPO / stage_script(TRAIN)):
         argv += ["--candidates-per-epoch", "0"]   # the preset's checkpoint selection needs an eval split
-    if ts.draft_heads:
+    if ts.draft_heads and not form_flags:
         argv += ["--draft-num-attention-heads", str(ts.draft_heads[0]),
                  "--draft-num-key-value-heads", str(ts.draft_heads[1])]
+    if form_flags:   # the MLA form keeps the target's heads (the preset's 56/8 are the MHA form's)
+        argv += [*form_flags, "--draft-num-attention-heads", str((ts.target_config.get("text_config")
+                                                                   or ts.target_config)["num_attention_heads"])]
     if init_from:
         argv += ["--init-from", str(init_from)]
     stats, log = scratch / "run_04_stats.json", scratch / "run_04.log"
@@ -181,9 +197,16 @@ def flop_per_token(cfg: dict, seq_len: int, ttt_steps: int, share: float, teache
     """Model FLOP per token of a 04 step, counted as train_plan_v4.md section 2.3 counts them: 6 x the
     parameters of the decoder layer (every TTT step) and of fc, the draft head on supervised rows (share u)
     every step, TTT attention (QK and PV over ~T/2 causal keys + k same-position keys; backward ~2x the
-    forward) and the final-state teacher's lm_head on supervised rows."""
+    forward) and the final-state teacher's lm_head on supervised rows. The MLA form: its five projections,
+    and attention at the q/k width qk_nope + qk_rope (v is padded to it in the kernel)."""
     h, nh, nkv, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    layer = 2 * h * nh * d + 2 * 2 * h * nkv * d + nh * d * h + 3 * h * cfg["intermediate_size"]
+    if cfg.get("attention") == "mla":
+        ql, kvl, rope = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+        d, v = cfg["qk_nope_head_dim"] + rope, cfg["v_head_dim"]
+        attn = 2 * h * ql + ql * nh * d + 2 * h * (kvl + rope) + kvl * nh * (d - rope + v) + nh * v * h
+    else:
+        attn = 2 * h * nh * d + 2 * 2 * h * nkv * d + nh * d * h
+    layer = attn + 3 * h * cfg["intermediate_size"]
     attention_flop = 3 * sum(4 * nh * d * (seq_len / 2 + k) for k in range(ttt_steps))
     head = 6 * h * cfg["draft_vocab_size"] * ttt_steps * share
     teach = 2 * cfg["vocab_size"] * h * share if teacher == "final" else 0

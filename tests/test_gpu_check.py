@@ -37,7 +37,9 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         assert name == "projection" or (s["checks"] and all(c["ok"] for c in s["checks"].values())), name
     assert len(secs["step_04"]["checks"]) == 4 and len(secs["ttt_kernel"]["checks"]) == 2
     runs = {r["name"]: r for r in secs["train_04"]["runs"]}
-    assert list(runs) == ["compact_T48", "bf16_T48", "compact_T48_warm_start"]
+    assert list(runs) == ["compact_T48", "bf16_T48", "compact_T48_warm_start", "compact_T48_mla"]
+    assert runs["compact_T48_mla"]["form"] == "mla" and runs["compact_T48"]["form"] == "mha"
+    assert runs["compact_T48_mla"]["flop_per_token"] != runs["compact_T48"]["flop_per_token"]
     for r in runs.values():
         if r["name"].endswith("warm_start") and "init-from" not in declared_flags(REPO / stage_script(TRAIN)):
             assert r["status"] == "skipped: 04 has no --init-from"
