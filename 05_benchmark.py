@@ -131,7 +131,7 @@ def load_models(target_dir: Path, export_dir: Path, device: str, seed: int):
     trained = load_sglang_export(export_dir, embed.cpu()).to(device).eval()
     # Untrained contrast: same shape, same vocab mapping and embedding, seeded random init.
     torch.manual_seed(seed)
-    untrained = Eagle3DraftModel(cfg)
+    untrained = Eagle3DraftModel(trained.config)   # the same form (MHA or MLA, EAGLE-3.1 options) and shape
     untrained.embed_tokens.weight.data.copy_(embed.cpu())
     untrained.set_vocab_mapping(trained.d2t.cpu(), trained.t2d.cpu())
     return target, trained, untrained.to(device).eval()
