@@ -39,8 +39,8 @@ def parser(doc: str, base_help: str) -> argparse.ArgumentParser:
 
 def argv_of(flags: dict) -> list[str]:
     out = []
-    for k, v in flags.items():
-        out += [f"--{k}", *(v if isinstance(v, list) else [str(v)])]
+    for k, v in flags.items():   # True: a switch (--fc-norm)
+        out += [f"--{k}"] if v is True else [f"--{k}", *(v if isinstance(v, list) else [str(v)])]
     return out
 
 
