@@ -190,7 +190,8 @@ def run_batch(model, lm_head, batch: dict, args, ranks, autocast):
     with autocast():
         hidden = model(batch["aux"], batch["input_ids"], k, start=batch.get("start"))
         loss, stats = ttt_loss(hidden, core.logits, teach, mask, denominators.float(),
-                               objective=getattr(args, "loss", "kl"))  # hand-built namespaces: kl
+                               objective=getattr(args, "loss", "kl"),  # hand-built namespaces: kl
+                               reduce=lambda x: all_sum(x, ranks))     # lk_lambda's lam: the global batch's
     return loss * ranks.world, stats
 
 

@@ -198,6 +198,52 @@ def test_run_batch_passes_the_loss_flag():
     assert abs(kl_loss - lk_loss) > 1e-3 and abs(lk_loss - lam_loss) > 1e-3 and lk_loss > 0
 
 
+RANK_SAMPLES = ([0, 1], [2])   # micro_batch's 3 samples over 2 ranks: their mean acceptances differ
+
+
+def lk_lambda_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One rank of test_lk_lambda_objective_does_not_depend_on_world_size: its samples of micro_batch through
+    04's run_batch in a gloo group; saves its loss and gradients."""
+    import torch.distributed as dist
+
+    from common.training.distributed import Ranks
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model, batch, lm_head = micro_batch()
+        part = RANK_SAMPLES[rank]
+        mine = {k: (v[part] if torch.is_tensor(v) else len(part)) for k, v in batch.items()}
+        args = SimpleNamespace(ttt_steps=3, loss_normalization="supervised", loss="lk_lambda")
+        loss, _ = train.run_batch(model, lm_head, mine, args, Ranks(rank=rank, world=world), contextlib.nullcontext)
+        loss.backward()
+        torch.save({"loss": loss.detach(), "grads": [p.grad for p in model.parameters() if p.requires_grad]},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lk_lambda_objective_does_not_depend_on_world_size(tmp_path):
+    """lk_lambda's lam comes from the global batch's mean acceptance (all ranks' rows, as SpecForge's
+    reduce_fn), so two gloo ranks holding parts of a batch train the objective one process trains on all
+    of it: the DDP-averaged gradient and the summed loss are one process's. A per-rank mean gives each rank
+    its own lam, and the sum is another objective."""
+    import torch.multiprocessing as mp
+
+    from common.training.distributed import Ranks
+    world = len(RANK_SAMPLES)
+    mp.spawn(lk_lambda_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    model, batch, lm_head = micro_batch()
+    args = SimpleNamespace(ttt_steps=3, loss_normalization="supervised", loss="lk_lambda")
+    loss, _ = train.run_batch(model, lm_head, batch, args, Ranks(), contextlib.nullcontext)
+    loss.backward()
+    assert abs(sum(float(p["loss"]) for p in parts) / world - float(loss.detach())) < 1e-6 * abs(float(loss.detach()))
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    for i, g in enumerate(grads):      # DDP: the mean over ranks of each rank's gradient of loss * world
+        ddp = sum(p["grads"][i] for p in parts) / world
+        assert torch.allclose(ddp, g, rtol=1e-5, atol=1e-7), (i, float((ddp - g).abs().max()))
+
+
 @pytest.mark.parametrize("objective", ["lk_alpha", "lk_lambda"])
 def test_train_end_to_end_with_lk_loss(upstream, tmp_path, micro_target, objective):
     work = fresh_work(upstream, tmp_path)

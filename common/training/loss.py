@@ -12,13 +12,18 @@ speculative-sampling acceptance rate of a position directly: alpha = sum_v min(p
 (p the teacher's distribution over the draft vocab, q the draft's softmax).
   lk_alpha:  -log(alpha) per supervised position (the paper's LK^alpha)
   lk_lambda: lam * KL + (1 - lam) * (1 - alpha) per position, lam = exp(-LK_ETA * mean alpha) with the
-             mean taken over the step's supervised rows on this rank and detached (the paper's LK^lambda:
-             KL while the draft is poor, the acceptance itself as it improves).
+             mean taken over the step's supervised rows of the whole global batch (every data-parallel
+             rank's) and detached (the paper's LK^lambda: KL while the draft is poor, the acceptance itself
+             as it improves).
 Both use the same per-step decay, valid rows and denominators as "kl". Form and defaults as in the
 authors' SpecForge implementation (sgl-project/SpecForge PR #492, specforge/core/lk_loss.py: the mean of
--log alpha over positions; kl_weight = exp(-decay * batch-mean alpha), detached) and NVIDIA Model-Optimizer's
-masked_lk_lambda_loss (eta = 3, "sections 4.2 and 4.4"). The KL term here is the soft-CE, whose gradient
-is the KL's. The logged loss_sum stays the soft-CE under every objective, so logs remain comparable.
+-log alpha over positions; kl_weight = exp(-decay * batch-mean alpha), detached; compute_acceptance_rate
+passes the masked sum and count through its reduce_fn, the data-parallel all-reduce, before dividing) and
+NVIDIA Model-Optimizer's masked_lk_lambda_loss (eta = 3, "sections 4.2 and 4.4"). Why the reduction: a
+per-rank mean gives each rank its own lam, so 8 GPUs would train another objective than 1 on the same
+global batches, and a resume on another world size would change the run. The KL term here is the soft-CE,
+whose gradient is the KL's. The logged loss_sum stays the soft-CE under every objective, so logs remain
+comparable.
 """
 from __future__ import annotations
 
@@ -153,7 +158,7 @@ def soft_cross_entropy_acceptance(logits, target_p, rows):
 
 
 def ttt_loss(step_hidden: list, head, teacher: dict, loss_mask, denominators, decay: float = STEP_DECAY,
-             objective: str = "kl"):
+             objective: str = "kl", reduce=None):
     """Total loss and per-step counts of a TTT unroll.
 
     step_hidden: per step k, the draft's pre-norm output [B, T, H]; head: pre-norm output [N, H] ->
@@ -168,6 +173,8 @@ def ttt_loss(step_hidden: list, head, teacher: dict, loss_mask, denominators, de
     objective (OBJECTIVES): "kl" as above; "lk_alpha" / "lk_lambda" replace the per-position soft-CE in
     loss_k by the LK losses (module docstring: -log alpha, or lam * soft-CE + (1 - lam) * (1 - alpha)),
     same rows, decay and denominators. stats' loss_sum is the summed soft-CE under every objective.
+    reduce: a tensor -> its sum over the data-parallel ranks (common/training/distributed.all_sum; None =
+    this process alone); lk_lambda's mean alpha goes through it, one call per unroll, on every rank alike.
     Returns (total = sum_k decay^k loss_k, stats dict of per-step lists of scalar tensors:
     loss_sum, num_loss, correct, num_acc).
     """
@@ -175,6 +182,7 @@ def ttt_loss(step_hidden: list, head, teacher: dict, loss_mask, denominators, de
         raise ValueError(f"objective {objective!r} is not one of {OBJECTIVES}")
     total = 0.0
     stats = {"loss_sum": [], "num_loss": [], "correct": [], "num_acc": []}
+    lam_terms = []   # lk_lambda: (k, soft-CE sum, alpha, valid) per step, combined once lam is known
     for k, hidden in enumerate(step_hidden):
         s = 1 + k
         bi, ti = loss_mask[:, s:].nonzero(as_tuple=True)                     # queries with a label
@@ -183,23 +191,37 @@ def ttt_loss(step_hidden: list, head, teacher: dict, loss_mask, denominators, de
         if objective == "kl":
             ce, arg = soft_cross_entropy(head(hidden[bi, ti]), teacher["target_p"], teacher["row"][label])
             loss_sum = (ce * valid).sum()
-            objective_sum = loss_sum
+            total = total + decay ** k * loss_sum / denominators[k]
         else:
             ce, alpha, arg = soft_cross_entropy_acceptance(head(hidden[bi, ti]), teacher["target_p"],
                                                            teacher["row"][label])
             loss_sum = (ce * valid).sum()
             if objective == "lk_alpha":
                 objective_sum = torch.where(valid, -alpha.clamp_min(LK_ALPHA_FLOOR).log(), 0.0).sum()
-            else:  # lk_lambda; lam from this step's mean acceptance on this rank, detached
-                mean_alpha = (alpha.detach() * valid).sum() / valid.sum().clamp(min=1)
-                lam = torch.exp(-LK_ETA * mean_alpha)
-                objective_sum = lam * loss_sum + (1 - lam) * ((1 - alpha) * valid).sum()
-        total = total + decay ** k * objective_sum / denominators[k]
+                total = total + decay ** k * objective_sum / denominators[k]
+            else:
+                lam_terms.append((k, loss_sum, alpha, valid))
         stats["loss_sum"].append(loss_sum.detach())
         stats["num_loss"].append(valid.sum())
         stats["correct"].append(((arg == teacher["target_arg"][label]) & valid).sum())
         stats["num_acc"].append(torch.tensor(len(bi), device=bi.device))
+    if lam_terms:
+        total = total + _lk_lambda(lam_terms, denominators, decay, reduce)
     return total, stats
+
+
+def _lk_lambda(terms: list, denominators, decay: float, reduce):
+    """sum_k decay^k (lam_k soft-CE_k + (1 - lam_k) sum_rows (1 - alpha)) / denominators[k], lam_k =
+    exp(-LK_ETA * mean alpha of step k), detached: the masked sums and counts of all steps [K, 2] summed
+    over the ranks by `reduce` in one call, so every rank weighs its rows by the global batch's lam."""
+    sums = torch.stack([torch.stack([(alpha.detach() * valid).sum(), valid.sum().to(alpha.dtype)])
+                        for _, _, alpha, valid in terms])
+    sums = sums if reduce is None else reduce(sums)
+    total = 0.0
+    for (k, loss_sum, alpha, valid), (num, count) in zip(terms, sums):
+        lam = torch.exp(-LK_ETA * num / count.clamp(min=1))
+        total = total + decay ** k * (lam * loss_sum + (1 - lam) * ((1 - alpha) * valid).sum()) / denominators[k]
+    return total
 
 
 def simulated_tau(accs: list[float]) -> float:
