@@ -15,7 +15,8 @@ logits (the Kimi preset) or the target's lm_head over the stored final state. Sa
 shard in a seeded order, packed into batches by a token budget (common/training/data.py). Under torchrun
 each rank reads a disjoint slice of every batch (DDP, optionally ZeRO-1) and rank 0 alone writes.
 Checkpoints hold weights, optimizer, schedule, RNG and the data cursor: a re-run resumes from the newest
-complete one, on any number of processes (common/training/checkpoints.py).
+complete one whose files match its marker's sizes and sha256, on any number of processes
+(common/training/checkpoints.py).
 """
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ from common.draft.export_speculators import export_speculators
 from common.draft.imported import ImportedDraft, check_draft, read_draft
 from common.draft.model import ATTENTIONS, Eagle3DraftModel, draft_config
 from common.io import JsonlAppender, iter_jsonl, write_jsonl
-from common.stage import (EXTRACT, MERGE, StageError, TRAIN, VOCAB, check_same_tokenizer, input_manifests,
-                          resolve_target, stage_dir, start_stage, write_manifest)
+from common.stage import (EXTRACT, MERGE, StageError, TRAIN, VOCAB, check_same_tokenizer, file_digests,
+                          input_manifests, resolve_target, stage_dir, start_stage, write_manifest)
 from common.target.capture import sglang_points_reader, target_architecture
 from common.target.head import load_target_head, read_target_text_config
 from common.target.manifests import HiddenStatesManifest, VocabManifest
 from common.target.shards import list_shards
-from common.training.checkpoints import complete_checkpoints, load_checkpoint, save_checkpoint
+from common.training.checkpoints import complete_checkpoints, load_checkpoint, newest_verified, save_checkpoint
 from common.training.data import (Prefetcher, ShardData, epoch_order, is_eval, load_batch, local_batches,
                                   make_batches, schedule, to_device)
 from common.training.distributed import (Ranks, all_max, all_sum, barrier, broadcast_flag, make_optimizer,
@@ -52,8 +53,8 @@ from common.training.distributed import (Ranks, all_max, all_sum, barrier, broad
 from common.training.loss import TTTMeter, ttt_loss
 from common.training.plot import plot_training_curves
 from common.training.precision import choose_bf16
-from common.training.selection import (candidate_steps, choose_candidate, drop_candidates_after, save_candidate,
-                                       selection_tau)
+from common.training.selection import (candidate_steps, choose_candidate, drop_candidates, save_candidate,
+                                       selection_tau, step0_candidate)
 from common.training.teacher import step_counts, teacher_from_topk, teacher_targets
 from common.training.warm_start import VOCAB_MODES, WarmStart, anchors, init_from, l2sp_penalty
 
@@ -220,7 +221,7 @@ def take_candidate(tr, data, dp, args, step: int, out: Path, log) -> None:
         row = {"step": step, "split": "select", "replay_tau": tau, "sim_tau": ev["tau"] if ev else None,
                "num_draft_tokens": args.select_num_draft_tokens}
         log.write(row)
-        save_candidate(out, step, unwrap(tr.model), getattr(torch, tr.export_dtype), row)
+        save_candidate(out, step, unwrap(tr.model), getattr(torch, tr.export_dtype), {**row, "eval": ev})
         tqdm.write(f"candidate step {step} | replay tau (k={args.select_num_draft_tokens}) {tau:.3f} | "
                    f"simulated tau {row['sim_tau']:.3f}")
 
@@ -364,29 +365,42 @@ def plan_data(args, hs_dir: Path, verbose: bool, reported_ids: set[str] = frozen
               + (f", <= {args.max_samples_per_batch} samples" if args.max_samples_per_batch else "") + ")")
     if verbose and candidates:
         print(f"[04] selection: a candidate at steps {candidates}, judged by replay tau at k = "
-              f"{args.select_num_draft_tokens} on the {len(eval_idx)} held-out samples")
+              f"{args.select_num_draft_tokens} on the {len(eval_idx)} held-out samples"
+              + ("; step 0 is the imported draft remapped onto 03's vocab, not the download itself (05 --draft "
+                 "measures that)" if 0 in candidates and args.init_vocab == "map" else ""))
     return DataPlan(data, lengths, epochs, total, eval_batches, len(train_idx), len(eval_idx), candidates)
 
 
-def resume(ckpt_root: Path, log_path: Path, plan: dict, model, opt, sched, ranks) -> tuple[int, dict]:
-    """(step, data cursor) of the newest complete checkpoint, its state loaded, or a fresh start.
-    Refuses a checkpoint made with other PLAN_KEYS; drops log rows written after it."""
+def resume(ckpt_root: Path, log_path: Path, plan: dict, model, opt, sched, ranks) -> tuple[int, dict, bool]:
+    """(step, data cursor, resumed?) of the newest checkpoint whose files match its marker, its state
+    loaded, or a fresh start. A newer one that does not verify (cut short by a full disk or a power loss)
+    is set aside with one line and the one before it taken. Refuses a checkpoint made with other
+    PLAN_KEYS; drops log rows written after it (all of them on a fresh start)."""
     step, cursor = 0, {"epoch": 0, "batch": 0, "position": 0}
-    done = complete_checkpoints(ckpt_root)
-    if done:
-        state = json.loads((done[-1] / "state.json").read_text())
+    found = -1
+    if ranks.main:    # rank 0 alone reads the bytes (one read of a shared folder, not one per rank)
+        path, failed = newest_verified(ckpt_root)
+        if failed:
+            print(f"[04] checkpoint {'; '.join(failed)}; "
+                  + (f"resuming from {path.name} instead" if path else "no checkpoint verifies: starting at step 0"))
+        found = -1 if path is None else int(path.name.split("_")[1])
+    # rank 0's pick on every rank: the others send -1 into the maximum
+    found = int(all_max(torch.tensor([found], device=ranks.device), ranks)[0])
+    if found >= 0:
+        path = ckpt_root / f"step_{found:06d}"
+        state = json.loads((path / "state.json").read_text())
         made = {**PLAN_DEFAULTS, **state["plan"]}   # a flag added since then was at its default
         if made != plan:
             changed = sorted(k for k in plan if made.get(k) != plan[k])
-            raise StageError(f"{done[-1]} was made with other settings ({', '.join(changed)}); "
+            raise StageError(f"{path} was made with other settings ({', '.join(changed)}); "
                              "use the same flags to resume, or --overwrite to start over")
-        state = load_checkpoint(done[-1], model, opt, sched, ranks.device)
+        state = load_checkpoint(path, model, opt, sched, ranks.device)
         step, cursor = state["step"], state["cursor"]
         if ranks.main:
-            print(f"[04] resumed from {done[-1]} (step {step}, epoch {cursor['epoch']}, batch {cursor['batch']})")
-    if log_path.exists() and ranks.main:
-        write_jsonl(log_path, [r for r in iter_jsonl(log_path) if r["step"] <= step])
-    return step, cursor
+            print(f"[04] resumed from {path} (step {step}, epoch {cursor['epoch']}, batch {cursor['batch']})")
+    if log_path.exists() and ranks.main:   # a fresh start keeps no row: they were an earlier attempt's
+        write_jsonl(log_path, [r for r in iter_jsonl(log_path) if found >= 0 and r["step"] <= step])
+    return step, cursor, found >= 0
 
 
 @dataclass
@@ -478,11 +492,19 @@ def train_loop(args, tr: Trainer, dp: DataPlan, step: int, cursor: dict, plan: d
 
 def export(args, model, cfg: dict, inputs: Inputs, dp: DataPlan, final_eval: dict | None, out: Path,
            run: dict, warm: WarmStart | None, export_dtype: str) -> None:
-    """The best candidate (when selecting), the SGLang and speculators folders and the training curves,
-    then the manifest (last: it marks the stage complete)."""
+    """The best candidate (when this run selects), the SGLang and speculators folders with the size and
+    sha256 of every file (05 and 05b check them before use), the training curves, then the manifest (last:
+    it marks the stage complete). final_eval describes the exported weights: under selection the chosen
+    candidate's held-out eval (the last step's moves to selection.last_step_eval); final_eval_step says
+    which step's weights it measured."""
     m02b, target_path = inputs.m02b, inputs.target_path
     points = list(m02b.capture_points)
-    selection = choose_candidate(out, model)
+    selection, eval_step = None, dp.total
+    if dp.candidates:   # a run that does not select exports its last step, whatever candidates lie about
+        selection, chosen_eval = choose_candidate(out, model, None if warm is None else step0_candidate(warm.vocab))
+        selection["last_step_eval"] = final_eval
+        if chosen_eval is not None:
+            final_eval, eval_step = chosen_eval, selection["chosen_step"]
     export_dir = export_sglang(model, out / "export_sglang", points, torch_dtype=export_dtype)
     spec_dir = export_speculators(export_dir, out / "export_speculators", points, target_path,
                                   json.loads((Path(target_path) / "config.json").read_text()).get("architectures", []))
@@ -493,7 +515,9 @@ def export(args, model, cfg: dict, inputs: Inputs, dp: DataPlan, final_eval: dic
     write_manifest(out, STAGE, args, draft_config=cfg, capture_points=points,
                    draft_vocab_size=cfg["draft_vocab_size"], vocab_size=cfg["vocab_size"],
                    num_steps=dp.total, num_train_samples=dp.num_train, num_eval_samples=dp.num_eval,
-                   final_eval=final_eval, export_dir=str(export_dir), export_speculators_dir=str(spec_dir),
+                   final_eval=final_eval, final_eval_step=eval_step, export_dir=str(export_dir),
+                   export_speculators_dir=str(spec_dir),
+                   export_files={d.name: file_digests(d) for d in (export_dir, spec_dir)},
                    train_curves=None if curves is None else str(curves), **run, selection=selection,
                    init=None if warm is None else warm.identity(), tokenizer=m02b.tokenizer, target=m02b.target,
                    inputs=input_manifests(args.work_dir, inputs.hs_dir, inputs.vocab_dir))
@@ -553,9 +577,9 @@ def train(args, ranks) -> None:
                  "raise --batch-tokens or --max-samples-per-batch" if small else "every batch feeds every rank"))
 
     anchor = anchors(params) if warm is not None and args.l2sp_weight > 0 else None
-    step, cursor = resume(out / "checkpoints", out / "train_log.jsonl", plan, core, opt, sched, ranks)
-    if ranks.main:
-        drop_candidates_after(out, step)
+    step, cursor, resumed = resume(out / "checkpoints", out / "train_log.jsonl", plan, core, opt, sched, ranks)
+    if ranks.main:   # candidates belong to the plan of the checkpoint resumed; a fresh start keeps none
+        drop_candidates(out, after=step if resumed else None)
     export_dtype = warm.draft.dtype if warm is not None else "bfloat16"   # zero steps = the imported bytes
     trainer = Trainer(model, lm_head, opt, sched, params, ranks, autocast, anchor, export_dtype)
     step, final_eval = train_loop(args, trainer, dp, step, cursor, plan, out)

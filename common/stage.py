@@ -183,6 +183,35 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def file_digests(folder: str | Path) -> dict[str, dict]:
+    """{name: {"size": bytes, "sha256"}} of every file directly in `folder`, by name: what a writer
+    records (04's checkpoint markers, its manifest's exports) so that a reader can tell the bytes it finds
+    from the bytes that were written (a file cut short by a full disk, edited or swapped since)."""
+    return {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(Path(folder).iterdir()) if p.is_file()}
+
+
+def changed_file(folder: str | Path, recorded: dict[str, dict]) -> str | None:
+    """The first file of `recorded` (file_digests) whose bytes in `folder` differ, as a phrase naming it
+    ("<path> is 12 bytes where 34 were written"), or None when every one matches. Sizes first: a torn
+    file costs no hashing."""
+    folder = Path(folder)
+    for name, want in recorded.items():
+        f = folder / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{f} is {f.stat().st_size:,} bytes where {want['size']:,} were written"
+    for name, want in recorded.items():
+        try:
+            got = sha256_file(folder / name)
+        except OSError as e:   # an unreadable sector reads as a changed file, not as a traceback
+            return f"{folder / name} cannot be read ({e.strerror or e})"
+        if got != want["sha256"]:
+            return f"{folder / name} has sha256 {got[:12]} where {want['sha256'][:12]} was written"
+    return None
+
+
 def tokenizer_identity(model_dir: str | Path) -> dict:
     """Identity of the tokenizer in a model folder: path plus a hash over its defining files."""
     model_dir = Path(model_dir)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common.training import data as train_data
-from common.stage import EXTRACT, StageError, TRAIN, VOCAB, is_complete, stage_dir
+from common.stage import EXTRACT, StageError, TRAIN, VOCAB, file_digests, is_complete, stage_dir
 from tests.train_helpers import DV, FLAGS, POINTS, fresh_work, make_upstream, micro_batch
 
 train = importlib.import_module(TRAIN)
@@ -53,6 +53,9 @@ def test_train_end_to_end_improves_and_exports(upstream, tmp_path, micro_target)
     assert (out / "export_speculators" / "model.safetensors").is_file()
     assert man["export_speculators_dir"] == str(out / "export_speculators")
     assert man["train_curves"] == str(out / "train_curves.png") and man["world_size"] == 1
+    assert man["export_files"] == {d: file_digests(out / d) for d in ("export_sglang", "export_speculators")}
+    assert set(man["export_files"]["export_sglang"]) == {"config.json", "model.safetensors"}
+    assert man["final_eval_step"] == man["num_steps"]      # no selection: the last step is exported
     assert (out / "train_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a complete stage re-run is a no-op
     mtime = (out / "manifest.json").stat().st_mtime_ns
@@ -93,6 +96,48 @@ def test_resume_equals_uninterrupted(upstream, tmp_path):
         assert ra["split"] == rb["split"] and abs(ra["loss"][0] - rb["loss"][0]) < 1e-5
         assert abs(ra["tau"] - rb["tau"]) < 1e-6
     assert not (stage_dir(b, TRAIN) / "checkpoints" / "step_000009").exists()
+
+
+def test_a_torn_checkpoint_falls_back_to_the_newest_that_verifies(upstream, tmp_path, capsys):
+    """A checkpoint whose marker landed but whose model.pt was cut short (a full disk, a power loss): resume
+    says so in one line, sets it aside and goes on from the one before, ending where an uninterrupted run
+    ends; a byte changed in place (same size) is caught by its sha256, and with none left that verifies
+    the run starts over at step 0."""
+    flags = [*FLAGS, "--num-epochs", "3", "--max-steps", "12", "--save-every", "3", "--eval-every", "100"]
+    a = fresh_work(upstream, tmp_path / "a")
+    train.main(["--work-dir", str(a), *flags])
+    b = fresh_work(upstream, tmp_path / "b")
+    train.main(["--work-dir", str(b), *flags, "--stop-at-step", "6"])
+    ckpts = stage_dir(b, TRAIN) / "checkpoints"
+    torn = ckpts / "step_000006" / "model.pt"
+    size = torn.stat().st_size
+    with open(torn, "r+b") as f:
+        f.truncate(size // 2)
+    capsys.readouterr()
+    train.main(["--work-dir", str(b), *flags])
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "does not verify" in line]
+    assert said == [f"[04] checkpoint step_000006 does not verify ({torn} is {size // 2:,} bytes where {size:,} were "
+                    "written): set aside; resuming from step_000003 instead"], out
+    assert f"resumed from {ckpts / 'step_000003'} (step 3," in out
+    sa = torch.load(stage_dir(a, TRAIN) / "checkpoints" / "step_000012" / "model.pt")
+    sb = torch.load(ckpts / "step_000012" / "model.pt")
+    assert all(torch.allclose(sa[k].float(), sb[k].float(), atol=1e-6) for k in sa)
+    assert [p.name for p in train.complete_checkpoints(ckpts)] == ["step_000009", "step_000012"]
+
+    c = fresh_work(upstream, tmp_path / "c")
+    train.main(["--work-dir", str(c), *flags, "--stop-at-step", "3"])
+    opt = stage_dir(c, TRAIN) / "checkpoints" / "step_000003" / "optimizer.pt"
+    data = bytearray(opt.read_bytes())
+    data[-100] ^= 0xFF
+    opt.write_bytes(bytes(data))
+    capsys.readouterr()
+    train.main(["--work-dir", str(c), *flags])
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "does not verify" in line]
+    assert len(said) == 1 and f"{opt} has sha256" in said[0] and said[0].endswith(
+        "set aside; no checkpoint verifies: starting at step 0"), out
+    assert "resumed from" not in out and json.loads((stage_dir(c, TRAIN) / "manifest.json").read_text())["num_steps"] == 12
 
 
 def test_the_plan_is_every_flag_of_the_marked_groups():

@@ -182,3 +182,74 @@ def test_selection_never_holds_the_reported_prompts(upstream, tmp_path):
     write_jsonl(stage_dir(work, MERGE) / "benchmark_prompts.jsonl", [{"id": sorted(selection)[0]}])
     with pytest.raises(StageError, match="selection split holds 1 of 05's benchmark prompts"):
         run(work, "--candidates-per-epoch", "1")
+
+
+def test_a_run_killed_before_its_first_checkpoint_leaves_no_candidate_behind(upstream, trained, tmp_path, monkeypatch):
+    """Issue 34 item 1: a warm start with selection, killed in its first save, leaves candidates/step_000000
+    (the imported draft) and no checkpoint. A next run without --init-from and without selection exports
+    what it trained (init None, selection None); a next run that selects never lets the leftover compete."""
+    import shutil
+
+    killed = fresh_work(upstream, tmp_path / "killed")
+
+    def kill(*a, **kw):
+        raise KeyboardInterrupt   # the process dies in its first save, before anything of it is written
+    monkeypatch.setattr(train, "save_checkpoint", kill)
+    with pytest.raises(KeyboardInterrupt):
+        run(killed, "--init-from", str(trained), "--candidates-per-epoch", "1", "--num-epochs", "2", "--save-every", "2")
+    monkeypatch.undo()
+    leftover = stage_dir(killed, TRAIN) / "candidates" / "step_000000"
+    assert (leftover / "COMPLETE").is_file() and not list((stage_dir(killed, TRAIN) / "checkpoints").glob("step_*"))
+    for name in ("plain", "selecting"):
+        shutil.copytree(killed, tmp_path / name / "w")
+    meta = json.loads((leftover / "meta.json").read_text())
+    sel_leftover = stage_dir(tmp_path / "selecting" / "w", TRAIN) / "candidates" / "step_000000" / "meta.json"
+    sel_leftover.write_text(json.dumps({**meta, "replay_tau": 99.0}))   # it would win any contest it entered
+
+    plain = stage_dir(tmp_path / "plain" / "w", TRAIN)
+    man = run(tmp_path / "plain" / "w", "--num-epochs", "1")   # not the `trained` fixture's run: 2 epochs
+    assert man["init"] is None and man["selection"] is None and not list((plain / "candidates").glob("step_*"))
+    assert not [r for r in map(json.loads, (plain / "train_log.jsonl").read_text().splitlines()) if r["split"] == "select"]
+    got = load_file(str(plain / "export_sglang" / "model.safetensors"))
+    last = torch.load(plain / "checkpoints" / f"step_{man['num_steps']:06d}" / "model.pt")
+    assert all(torch.equal(got[k], last[k].to(got[k].dtype)) for k in last)       # what it trained
+    imported = load_file(str(trained / "model.safetensors"))
+    assert not torch.equal(got["fc.weight"].float(), imported["fc.weight"].float())
+
+    man = run(tmp_path / "selecting" / "w", "--num-epochs", "1", "--candidates-per-epoch", "1")
+    steps = [c["step"] for c in man["selection"]["candidates"]]
+    assert 0 not in steps and man["selection"]["chosen_step"] in steps and man["init"] is None
+
+
+def test_final_eval_describes_the_exported_candidate(upstream, tmp_path, monkeypatch):
+    """With selection on, the manifest's final_eval is the held-out eval of the exported weights (the chosen
+    candidate's, the `sim_tau` of its select row), final_eval_step names their step, and the last step's
+    eval moves to selection.last_step_eval."""
+    taus = iter([3.0, 2.0, 1.5])      # the first candidate wins, so the export is not the last step
+    monkeypatch.setattr(train, "selection_tau", lambda *a, **kw: next(taus))
+    work = fresh_work(upstream, tmp_path)
+    man = run(work, "--num-epochs", "3", "--candidates-per-epoch", "1", "--eval-every", "1000")
+    rows = [json.loads(r) for r in (stage_dir(work, TRAIN) / "train_log.jsonl").read_text().splitlines()]
+    first = min(c["step"] for c in man["selection"]["candidates"])
+    assert man["selection"]["chosen_step"] == first == man["final_eval_step"] < man["num_steps"]
+    picked = next(r for r in rows if r["split"] == "select" and r["step"] == first)
+    last = next(r for r in rows if r["split"] == "eval" and r["step"] == man["num_steps"])
+    assert man["final_eval"]["tau"] == picked["sim_tau"] and man["selection"]["last_step_eval"]["tau"] == last["tau"]
+    assert man["final_eval"]["acc"] != last["acc"]                 # the run moved on after the chosen step
+
+
+def test_step_0_says_which_draft_competed(upstream, trained, tmp_path, capsys):
+    """Candidate 0 is the download as given under --init-vocab keep, the download remapped onto 03's vocab
+    under map: the manifest (selection.step_0) and the plan line say which, so "never worse than the
+    start" is not read as "never worse than the download" under map."""
+    keep = run(fresh_work(upstream, tmp_path / "keep"), "--init-from", str(trained), "--max-steps", "0",
+               "--candidates-per-epoch", "1")
+    assert keep["selection"]["step_0"].startswith("the imported draft as given")
+    capsys.readouterr()
+    mapped = run(fresh_work(upstream, tmp_path / "map"), "--init-from", str(trained), "--max-steps", "0",
+                 "--candidates-per-epoch", "1", "--init-vocab", "map")
+    assert "remapped onto 03's draft vocab" in mapped["selection"]["step_0"]
+    assert "not the download itself" in mapped["selection"]["step_0"]
+    assert "step 0 is the imported draft remapped onto 03's vocab, not the download itself" in capsys.readouterr().out
+    scratch = run(fresh_work(upstream, tmp_path / "scratch"), "--max-steps", "2", "--candidates-per-epoch", "1")
+    assert scratch["selection"]["step_0"] is None

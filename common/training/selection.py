@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from common.io import read_json, write_json
-from common.training.checkpoints import CKPT_MARKER, complete_checkpoints
+from common.stage import StageError
+from common.training.checkpoints import CKPT_MARKER, complete_checkpoints, marker_problem, set_aside, write_marker
 from common.training.data import local_batches
 from common.training.distributed import all_sum
 
@@ -36,8 +37,9 @@ CANDIDATE_DIR = "candidates"   # step_NNNNNN folders that count once CKPT_MARKER
 def candidate_steps(epoch_lengths: list[int], per_epoch: int, total: int, with_init: bool = False) -> list[int]:
     """Optimizer steps at which a candidate is taken: per_epoch evenly spaced points of every epoch
     (the last at the epoch's end) and the run's last step; none past `total`. with_init: step 0 too (a
-    warm start's imported draft competes, so the export is never worse on the selection split than
-    the draft it started from, and a zero-step run measures the imported draft on the user's data)."""
+    warm start's weights before any update compete, so the export is never worse on the selection split
+    than the draft it started from: the download under --init-vocab keep, the download remapped onto
+    03's vocab under map (step0_candidate); a zero-step run measures it on the user's data)."""
     steps, start = {total}, 0
     for n in epoch_lengths:
         steps |= {start + round(i * n / per_epoch) for i in range(1, per_epoch + 1)}
@@ -106,7 +108,7 @@ def selection_tau(core, data, batches: list[list[int]], max_seq_len: int, k: int
 
 def save_candidate(root: Path, step: int, model, dtype: torch.dtype, meta: dict) -> Path:
     """root/candidates/step_NNNNNN/{model.pt, meta.json, COMPLETE}: the trainable weights in the export
-    dtype (what the export would write anyway)."""
+    dtype (what the export would write anyway); the marker records the files' bytes, as a checkpoint's."""
     path = root / CANDIDATE_DIR / f"step_{step:06d}"
     if path.exists():
         shutil.rmtree(path)
@@ -115,14 +117,17 @@ def save_candidate(root: Path, step: int, model, dtype: torch.dtype, meta: dict)
              for n, t in model.trainable_state_dict().items()}
     torch.save(state, path / "model.pt")
     write_json(path / "meta.json", {"step": step, **meta})
-    (path / CKPT_MARKER).write_text("ok\n")
+    write_marker(path)
     return path
 
 
-def drop_candidates_after(root: Path, step: int) -> None:
-    """A resumed run redoes the steps after its checkpoint: their candidates (and half-written ones) go."""
+def drop_candidates(root: Path, after: int | None) -> None:
+    """A resumed run redoes the steps after its checkpoint (`after`): their candidates (and half-written
+    ones) go. A fresh start (after None) drops them all, step 0's too: they were taken under a plan no
+    checkpoint vouches for (a run killed before its first checkpoint, maybe with another --init-from or
+    none), and a kept one would compete in, or be exported by, a run that never made it."""
     for p in (root / CANDIDATE_DIR).glob("step_*"):
-        if int(p.name.split("_")[1]) > step or not (p / CKPT_MARKER).is_file():
+        if after is None or int(p.name.split("_")[1]) > after or not (p / CKPT_MARKER).is_file():
             shutil.rmtree(p)
 
 
@@ -131,17 +136,41 @@ def load_candidate(path: Path, model) -> None:
     assert missing == ["embed_tokens.weight"] and not unexpected, (missing, unexpected)
 
 
-def choose_candidate(root: Path, model) -> dict | None:
-    """Load the candidate with the best replay tau into `model` (the latest on a tie); returns the
-    selection record for the manifest, or None when no candidate was kept (selection off)."""
-    cands = complete_checkpoints(root / CANDIDATE_DIR)
+def choose_candidate(root: Path, model, step0: str | None = None) -> tuple[dict, dict | None]:
+    """Load the candidate with the best replay tau into `model` (the latest on a tie). Called only when
+    this run selects. Every candidate's files are checked against its marker first: one that does not
+    verify is set aside with one line and does not compete. Returns (the selection record for the
+    manifest, the held-out TTT eval of the chosen weights: None for a candidate saved before candidates
+    kept it). step0: what candidate 0 is (step0_candidate), when there is one."""
+    cands, metas = [], []
+    for c in complete_checkpoints(root / CANDIDATE_DIR):
+        problem = marker_problem(c)
+        if problem is not None:
+            set_aside(c)
+            print(f"[04] selection: candidate {c.name} does not verify ({problem}): set aside, not judged")
+            continue
+        cands.append(c)
+        metas.append(read_json(c / "meta.json"))
     if not cands:
-        return None
-    metas = [read_json(c / "meta.json") for c in cands]
+        raise StageError(f"no selection candidate in {root / CANDIDATE_DIR} verifies: re-run 04 with --overwrite")
     best = max(range(len(cands)), key=lambda i: (metas[i]["replay_tau"], metas[i]["step"]))
     load_candidate(cands[best], model)
     chosen = metas[best]
     print(f"[04] selection: step {chosen['step']} exported (replay tau {chosen['replay_tau']:.3f} at "
           f"k={chosen['num_draft_tokens']}; last candidate, step {metas[-1]['step']}: {metas[-1]['replay_tau']:.3f})")
-    return {"num_draft_tokens": chosen["num_draft_tokens"], "chosen_step": chosen["step"],
-            "chosen_replay_tau": chosen["replay_tau"], "candidates": metas}
+    record = {"num_draft_tokens": chosen["num_draft_tokens"], "chosen_step": chosen["step"],
+              "chosen_replay_tau": chosen["replay_tau"], "step_0": step0 if metas[0]["step"] == 0 else None,
+              "candidates": [{k: v for k, v in m.items() if k != "eval"} for m in metas]}
+    return record, chosen.get("eval")
+
+
+def step0_candidate(vocab: str) -> str:
+    """What candidate 0 of a warm start is (the manifest's selection.step_0), so that "never worse than the
+    start" says which start. Under --init-vocab map the imported lm_head has been moved onto 03's draft
+    vocab, rows it lacked started as the mean row: that remapped draft competes, not the download itself,
+    whose own vocab would need its own export (05 --draft replays the download as given)."""
+    if vocab == "keep":
+        return "the imported draft as given (--init-vocab keep): its own weights and vocab"
+    return ("the imported draft remapped onto 03's draft vocab (--init-vocab map), not the download itself: "
+            "the export is never worse on the selection split than this remapped draft; 05 --draft measures "
+            "the download as given")
