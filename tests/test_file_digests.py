@@ -1,10 +1,20 @@
 """Checkpoints and exports carry their bytes (issue 34 item 3): the COMPLETE marker records each file's size
-and sha256 and tells a torn, edited or unreadable folder from a good one."""
+and sha256 and tells a torn, edited or unreadable folder from a good one; 04's manifest records its
+exports' files, and 05 and 05b refuse an export changed since, in one line naming the file."""
+import argparse
+import importlib
 import json
 
-from common.stage import file_digests
+import pytest
+
+from common.benchmark.inputs import load_inputs
+from common.draft.export_speculators import export_speculators
+from common.stage import BENCH, SERVE_BENCH, StageError, TRAIN, file_digests, stage_dir, target_identity, \
+    tokenizer_identity, write_manifest
 from common.training.checkpoints import (CKPT_MARKER, LEGACY_MARKER, SET_ASIDE, complete_checkpoints, marker_problem,
                                          newest_verified, write_marker)
+from tests.test_sweep import make_work
+from tests.train_helpers import POINTS
 
 
 def marked(folder, files: dict):
@@ -44,6 +54,55 @@ def test_newest_verified_sets_aside_every_newer_one_that_fails(tmp_path):
     (good / "model.pt").write_bytes(b"")
     assert newest_verified(tmp_path) == (None, [f"step_000002 does not verify ({good / 'model.pt'} is 0 bytes where "
                                                 "10 were written): set aside"])
+
+
+@pytest.fixture
+def work(tmp_path, micro_target):
+    """05's and 05b's inputs (tests.test_sweep.make_work) with both of 04's exports and a manifest that
+    records their files, as 04 writes it."""
+    export = make_work(tmp_path, micro_target)
+    spec = export_speculators(export, stage_dir(tmp_path, TRAIN) / "export_speculators", POINTS, micro_target,
+                              ["DeepseekV3ForCausalLM"])
+    ident = {"tokenizer": tokenizer_identity(micro_target), "target": target_identity(micro_target)}
+    write_manifest(stage_dir(tmp_path, TRAIN), TRAIN, argparse.Namespace(), capture_points=POINTS,
+                   draft_vocab_size=64, export_files={d.name: file_digests(d) for d in (export, spec)}, **ident)
+    return tmp_path
+
+
+def flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_05_and_05b_refuse_an_export_edited_after_04(work, micro_target):
+    assert load_inputs(work, None).export_dir == stage_dir(work, TRAIN) / "export_sglang"   # untouched: used
+    weights = stage_dir(work, TRAIN) / "export_sglang" / "model.safetensors"
+    flip_last_byte(weights)
+    said = rf"^{weights} has sha256 \w{{12}} where \w{{12}} was written \(04's manifest records"
+    with pytest.raises(StageError, match=said):
+        importlib.import_module(BENCH).main(["--work-dir", str(work), "--device", "cpu"])
+    with pytest.raises(StageError, match=said):
+        importlib.import_module(SERVE_BENCH).main(["--work-dir", str(work), "--baseline-url", "http://127.0.0.1:9",
+                                                   "--eagle3-url", "http://127.0.0.1:9", "--warmup-requests", "1"])
+    assert not stage_dir(work, BENCH).exists() and not stage_dir(work, SERVE_BENCH).exists()
+    flip_last_byte(weights)                                           # restored: 05's inputs pass again
+    load_inputs(work, None)
+    # vLLM serving the speculators export: that folder is checked too, before any server is asked anything
+    spec_cfg = stage_dir(work, TRAIN) / "export_speculators" / "config.json"
+    size = spec_cfg.stat().st_size
+    spec_cfg.write_text(spec_cfg.read_text().replace('"norm_before_residual": false', '"norm_before_residual": true'))
+    with pytest.raises(StageError, match=rf"^{spec_cfg} is {size - 1:,} bytes where {size:,} were written \("):
+        importlib.import_module(SERVE_BENCH).main([
+            "--work-dir", str(work), "--engine", "vllm", "--draft-format", "speculators", "--warmup-requests", "1",
+            "--baseline-url", "http://127.0.0.1:9", "--eagle3-url", "http://127.0.0.1:9"])
+
+
+def test_a_manifest_from_before_export_files_is_not_checked(tmp_path, micro_target):
+    make_work(tmp_path, micro_target)       # its 04 manifest records no export_files
+    assert "export_files" not in json.loads((stage_dir(tmp_path, TRAIN) / "manifest.json").read_text())
+    flip_last_byte(stage_dir(tmp_path, TRAIN) / "export_sglang" / "model.safetensors")
+    assert load_inputs(tmp_path, None).m04.raw.get("export_files") is None
 
 
 def test_a_torn_candidate_is_set_aside_and_the_best_that_verifies_is_exported(tmp_path, capsys):

@@ -11,7 +11,8 @@ from typing import NamedTuple
 from common.benchmark import compare as cmp
 from common.draft.manifest import DraftManifest
 from common.io import iter_jsonl
-from common.stage import MERGE, StageError, TRAIN, check_same_tokenizer, require_complete, resolve_target, stage_dir
+from common.stage import (MERGE, StageError, TRAIN, changed_file, check_same_tokenizer, require_complete, resolve_target,
+                          stage_dir)
 
 
 class Repeated(argparse.Action):
@@ -63,6 +64,7 @@ def load_inputs(work_dir: Path, num_prompts: int | None, num_warm: int = 0) -> I
     if not (export_dir / "config.json").is_file() or not (export_dir / "model.safetensors").is_file():
         raise StageError(f"{export_dir} lacks config.json/model.safetensors: re-run `python 04_train.py "
                          "--overwrite`")
+    check_export(export_dir, m04)
     merged = stage_dir(work_dir, MERGE)
     m01c = require_complete(merged, MERGE)
     check_same_tokenizer(m01c["tokenizer"], m04.tokenizer, merged, MERGE)
@@ -73,6 +75,17 @@ def load_inputs(work_dir: Path, num_prompts: int | None, num_warm: int = 0) -> I
                          "--benchmark-size > 0")
     pool = [r for r in spread_over_sources(held_out, len(held_out)) if all(r is not w for w in warm)]
     return Inputs(export_dir, m04, rows, warm, pool)
+
+
+def check_export(folder: Path, m04: DraftManifest) -> None:
+    """One of 04's export folders holds the bytes 04's manifest recorded for it (`export_files`): an export
+    edited, cut short or swapped since 04 stops the stage in one line naming the file, before any use (a
+    corrupted copy can still hold finite values). A manifest from before 04 recorded them is not checked."""
+    recorded = (m04.raw.get("export_files") or {}).get(folder.name)
+    problem = None if recorded is None else changed_file(folder, recorded)
+    if problem:
+        raise StageError(f"{problem} (04's manifest records each exported file's size and sha256): restore "
+                         "04's export or re-run `python 04_train.py --overwrite`")
 
 
 def split_prompts(rows: list[dict], num_timed: int | None, num_warm: int, where: Path) -> tuple[list, list]:

@@ -51,6 +51,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.benchmark.inputs import check_export
 from common.draft.manifest import DraftManifest
 from common.serving.drafts import (check_acceptance, check_draft_files, draft_files, folder_fingerprint, not_one_of,
                                    same_folder, served_draft)
@@ -491,6 +492,7 @@ class VllmEngine(Engine):
                      else stage_dir(work_dir, TRAIN) / "export_speculators")
         if not (draft_dir / "config.json").is_file():
             raise StageError(f"{draft_dir} has no config.json: re-run `python 04_train.py --overwrite`")
+        check_export(draft_dir, m04)   # export_sglang/ was checked with 05b's inputs; this is what vLLM loads
         settings = VllmSettings(python=args.vllm_python, dtype=args.vllm_dtype,
                                 kv_cache_space_gib=args.vllm_kv_cache_space, threads=args.vllm_threads,
                                 thread_binding=args.vllm_thread_binding, max_model_len=args.vllm_max_model_len,
