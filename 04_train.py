@@ -3,7 +3,7 @@
 Reads:  <work-dir>/02b_hidden_states/shard_*.safetensors (+ manifest.json),
         <work-dir>/03_vocab/vocab_mapping.safetensors (+ manifest.json), the target (02b manifest)
 Writes: <work-dir>/04_draft/checkpoints/step_NNNNNN/, train_log.jsonl, train_curves.png, export_sglang/,
-        export_speculators/ (vLLM speculators layout), manifest.json
+        export_speculators/ (vLLM speculators layout; none for an MLA draft), manifest.json
 Real:   torchrun --nproc_per_node 8 04_train.py --config configs/kimi-k2.5.yaml --config configs/datasets_v4.yaml
             --work-dir /data/eagle3
 Tiny:   python 04_train.py --config configs/tiny.yaml --work-dir runs/tiny
@@ -505,9 +505,15 @@ def export(args, model, cfg: dict, inputs: Inputs, dp: DataPlan, final_eval: dic
         selection["last_step_eval"] = final_eval
         if chosen_eval is not None:
             final_eval, eval_step = chosen_eval, selection["chosen_step"]
-    export_dir = export_sglang(model, out / "export_sglang", points, torch_dtype=export_dtype)
-    spec_dir = export_speculators(export_dir, out / "export_speculators", points, target_path,
-                                  json.loads((Path(target_path) / "config.json").read_text()).get("architectures", []))
+    export_dir = export_sglang(model, out / "export_sglang", points, torch_dtype=export_dtype,
+                               extra_config=None if warm is None else warm.export_config())
+    spec_dir = out / "export_speculators"
+    if cfg.get("attention", "mha") == "mha":
+        export_speculators(export_dir, spec_dir, points, target_path,
+                           json.loads((Path(target_path) / "config.json").read_text()).get("architectures", []))
+    else:   # no speculators form of an MLA draft in vLLM 0.32 (export_speculators.py): vLLM loads export_sglang/
+        shutil.rmtree(spec_dir, ignore_errors=True)
+        spec_dir = None
     trained = any(r["split"] == "train" for r in iter_jsonl(out / "train_log.jsonl")) \
         if (out / "train_log.jsonl").exists() else False
     curves = plot_training_curves(out / "train_log.jsonl", out / "train_curves.png",
@@ -516,8 +522,8 @@ def export(args, model, cfg: dict, inputs: Inputs, dp: DataPlan, final_eval: dic
                    draft_vocab_size=cfg["draft_vocab_size"], vocab_size=cfg["vocab_size"],
                    num_steps=dp.total, num_train_samples=dp.num_train, num_eval_samples=dp.num_eval,
                    final_eval=final_eval, final_eval_step=eval_step, export_dir=str(export_dir),
-                   export_speculators_dir=str(spec_dir),
-                   export_files={d.name: file_digests(d) for d in (export_dir, spec_dir)},
+                   export_speculators_dir=None if spec_dir is None else str(spec_dir),
+                   export_files={d.name: file_digests(d) for d in (export_dir, spec_dir) if d is not None},
                    train_curves=None if curves is None else str(curves), **run, selection=selection,
                    init=None if warm is None else warm.identity(), tokenizer=m02b.tokenizer, target=m02b.target,
                    inputs=input_manifests(args.work_dir, inputs.hs_dir, inputs.vocab_dir))

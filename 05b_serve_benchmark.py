@@ -169,7 +169,7 @@ def main(argv=None):
     m02b = HiddenStatesManifest.require(hidden)
     target_dir, checked = target_and_drafts(args, inputs.m04)
     # a draft the engine cannot serve as checked stops 05b before any server launches
-    served = check_servable(args.engine, checked, target_dir)
+    served = check_servable(args.engine, checked, target_dir, inputs.export_dir)
     reference = same_draft_reference(args.work_dir)
     if not start_stage(out, args.overwrite, STAGE):
         return

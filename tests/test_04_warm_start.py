@@ -253,3 +253,30 @@ def test_step_0_says_which_draft_competed(upstream, trained, tmp_path, capsys):
     assert "step 0 is the imported draft remapped onto 03's vocab, not the download itself" in capsys.readouterr().out
     scratch = run(fresh_work(upstream, tmp_path / "scratch"), "--max-steps", "2", "--candidates-per-epoch", "1")
     assert scratch["selection"]["step_0"] is None
+
+
+def test_resume_refuses_the_same_weights_under_a_changed_config(upstream, trained, tmp_path):
+    """The init's identity (the sha256 in the plan that resume compares) covers config.json: a draft folder
+    whose config changed in place (another RoPE base: another network) is refused on resume."""
+    import shutil
+    src = tmp_path / "draft"
+    shutil.copytree(trained, src)
+    work = fresh_work(upstream, tmp_path)
+    argv = ["--init-from", str(src), "--num-epochs", "2"]
+    train.main(["--work-dir", str(work), *FLAGS, "--save-every", "4", "--stop-at-step", "4", *argv])
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rope_theta"] = cfg["rope_theta"] * 2
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(StageError, match="other settings .*init_from"):
+        train.main(["--work-dir", str(work), *FLAGS, "--save-every", "4", *argv])
+
+
+def test_an_unreadable_init_ends_in_one_line(upstream, trained, tmp_path):
+    import shutil
+    src = tmp_path / "draft"
+    shutil.copytree(trained, src)
+    (src / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(StageError) as e:
+        run(fresh_work(upstream, tmp_path), "--init-from", str(src), "--max-steps", "0")
+    assert "\n" not in str(e.value) and "weights file model.safetensors is unreadable" in str(e.value)
+    assert not stage_dir(tmp_path / "w", TRAIN).exists()   # refused before anything was written

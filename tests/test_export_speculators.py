@@ -123,3 +123,18 @@ def test_refuses_points_that_disagree(exported, tmp_path):
     cfgp.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="norm_before_residual"):
         speculators_to_sglang(tmp_path / "export_speculators")
+
+
+def test_the_layer_config_carries_the_rope_as_read(tmp_path):
+    """An imported MHA draft's YaRN goes into transformer_layer_config (vLLM builds the layer from it)."""
+    torch.manual_seed(0)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    model = Eagle3DraftModel({**draft_config(TARGET, draft_vocab_size=64), "rope_scaling": yarn})
+    d2t = torch.arange(64)
+    t2d = torch.zeros(600, dtype=torch.bool)
+    t2d[torch.arange(64) + d2t] = True
+    model.set_vocab_mapping(d2t, t2d)
+    sg = export_sglang(model, tmp_path / "sg", POINTS, torch_dtype="float32")
+    spec = export_speculators(sg, tmp_path / "spec", POINTS, "/t", [])
+    layer = json.loads((spec / "config.json").read_text())["transformer_layer_config"]
+    assert layer["rope_scaling"] == yarn and layer["rope_theta"] == 50000.0

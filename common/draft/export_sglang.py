@@ -9,6 +9,10 @@ read, with the exact key set checked both ways.
        vLLM rewrites `deepseek_v3` into its MTP model (speculative.py), so the export never says that.
   EAGLE-3.1 options, either form: `fc_norm.{0,1,2}.weight` with `fc_norm: true`, and `norm_output: true`.
   SGLang skips unknown names silently and leaves missing ones random: the key set is asserted exactly.
+  A draft vocab that is the whole target vocab in target order (an imported full-vocab draft) is written
+  without d2t/t2d (identity_vocab: vLLM cannot load a d2t there).
+  An imported draft's fields (04 --init-from) come through `extra_config` (imported.export_config: its model
+  type and the keys both engines ignore, as read); its RoPE, YaRN included, is in its config already.
 """
 from __future__ import annotations
 
@@ -53,6 +57,14 @@ def export_shapes(cfg: dict) -> dict[str, tuple]:
             "t2d": (cfg["vocab_size"],)}
 
 
+def identity_vocab(cfg: dict, d2t: torch.Tensor) -> bool:
+    """A draft vocab that is the whole target vocab in target order: the export stores no d2t/t2d (as the
+    public full-vocab Kimi drafts do). vLLM 0.32 registers no draft_id_to_target_id when the draft vocab
+    equals the target's and then fails on a stored d2t (llama_eagle3.py:339-345, deepseek_eagle3.py:308-314,
+    its weight loader refuses unknown names); SGLang reads the lm_head rows as target ids without it."""
+    return cfg["draft_vocab_size"] == cfg["vocab_size"] and not bool(d2t.any())
+
+
 def export_name(name: str, cfg: dict) -> str:
     """Our tensor name -> the export's: `midlayer.` becomes `layers.0.` in the MLA form (its checkpoints'
     names); the MHA form keeps `midlayer.` (what SGLang's LlamaForCausalLMEagle3 was written for)."""
@@ -73,7 +85,9 @@ def sglang_config(cfg: dict, capture_points: list[int], torch_dtype: str = "bflo
         "num_key_value_heads": cfg["num_key_value_heads"],
         **({k: cfg[k] for k in MLA_KEYS} if mla else {"head_dim": cfg["head_dim"]}),
         "intermediate_size": cfg["intermediate_size"], "rms_norm_eps": cfg["rms_norm_eps"],
-        "rope_theta": cfg["rope_theta"], "max_position_embeddings": cfg["max_position_embeddings"],
+        "rope_theta": cfg["rope_theta"],
+        **({} if cfg.get("max_position_embeddings") is None else
+           {"max_position_embeddings": cfg["max_position_embeddings"]}),   # an imported draft may have none
         "num_hidden_layers": 1, "vocab_size": cfg["vocab_size"],
         "draft_vocab_size": cfg["draft_vocab_size"], "tie_word_embeddings": False,
         "torch_dtype": torch_dtype, "hidden_act": "silu",
@@ -106,12 +120,23 @@ def export_sglang(model: Eagle3DraftModel, out_dir, capture_points: list[int],
     want = export_shapes(model.config)
     got = {k: tuple(v.shape) for k, v in tensors.items()}
     assert got == want, f"export keys/shapes differ: {sorted(set(got) ^ set(want))} {got} {want}"
+    if identity_vocab(model.config, tensors["d2t"]):
+        del tensors["d2t"], tensors["t2d"]   # vLLM fails on a d2t next to a full draft vocab (module docstring)
     tensors = {export_name(k, model.config): v for k, v in tensors.items()}
     with atomic_path(out_dir / "model.safetensors") as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
-    write_json(out_dir / "config.json", {**sglang_config(model.config, capture_points, torch_dtype),
-                                         **(extra_config or {})})
+    write_json(out_dir / "config.json", merge_config(sglang_config(model.config, capture_points, torch_dtype),
+                                                     extra_config or {}))
     return out_dir
+
+
+def merge_config(ours: dict, extra: dict) -> dict:
+    """The export's config with `extra` (an imported draft's fields, imported.export_config) added; inside
+    eagle_config ours win (the capture ids), its other keys are kept."""
+    out = {**ours, **{k: v for k, v in extra.items() if k != "eagle_config"}}
+    if "eagle_config" in extra:
+        out["eagle_config"] = {**extra["eagle_config"], **ours["eagle_config"]}
+    return out
 
 
 def our_name(name: str) -> str:
@@ -121,12 +146,17 @@ def our_name(name: str) -> str:
 
 def load_sglang_export(export_dir, embed_weight: torch.Tensor) -> Eagle3DraftModel:
     """Rebuild the draft from an export (strict: the file must hold exactly the export key set)."""
+    from common.draft.config import read_config   # the importer's reading of a config (its refusal table)
+
     export_dir = Path(export_dir)
     cfg = json.loads((export_dir / "config.json").read_text())
-    mla = "Eagle3DeepseekV2ForCausalLM" in (cfg.get("architectures") or [])
-    model = Eagle3DraftModel({**cfg, "attention": "mla" if mla else "mha"})
+    model = Eagle3DraftModel(read_config(export_dir, cfg).config)
     with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
         tensors = {our_name(k): f.get_tensor(k) for k in f.keys()}
+    c = model.config
+    if "d2t" not in tensors and "t2d" not in tensors and c["draft_vocab_size"] == c["vocab_size"]:
+        tensors["d2t"] = torch.zeros(c["vocab_size"], dtype=torch.int64)      # a full draft vocab (identity_vocab)
+        tensors["t2d"] = torch.ones(c["vocab_size"], dtype=torch.bool)
     want = export_shapes(model.config)
     got = {k: tuple(v.shape) for k, v in tensors.items()}
     if got != want:

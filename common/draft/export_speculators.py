@@ -7,7 +7,12 @@ eagle3_converter.py`; docs/design.md section 4): `architectures ["Eagle3Speculat
 `eagle_aux_hidden_state_layer_ids` in the vLLM convention = the capture points themselves (INPUT of
 layer i, no +1), and `norm_before_residual: false` written explicitly because vLLM's speculators
 ingestion defaults it to True when the key is missing (our draft's residual is the un-normed hidden).
+EAGLE-3.1's `fc_norm` and `norm_output` go at the top level too: vLLM 0.32's update_eagle3
+(transformers_utils/configs/speculators/algos.py:37-38) reads them there and overwrites the layer's.
+The layer config carries the RoPE as read (`rope_theta`, `rope_scaling`).
 Weights: `midlayer.*` -> `layers.0.*`; everything else keeps its name; no embed_tokens.
+Only the MHA form has a speculators form: algos.py's eagle3_arch_map (llama, qwen3) has no MLA class, so
+an MLA draft is refused here (04 writes no export_speculators/ for it; vLLM loads export_sglang/ directly).
 """
 from __future__ import annotations
 
@@ -20,8 +25,9 @@ from safetensors.torch import save_file
 from common.io import atomic_path, write_json
 
 LAYER_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-              "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size", "hidden_act",
+              "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "hidden_act",
               "tie_word_embeddings", "torch_dtype")
+EAGLE31_KEYS = ("fc_norm", "norm_output")   # top level: algos.py update_eagle3 reads them there
 
 
 def to_speculators_name(name: str) -> str:
@@ -40,6 +46,7 @@ def speculators_config(sglang_cfg: dict, capture_points: list[int], verifier: di
         "draft_vocab_size": sglang_cfg["draft_vocab_size"],
         "target_hidden_size": sglang_cfg.get("target_hidden_size", sglang_cfg["hidden_size"]),
         "norm_before_residual": False,
+        **{k: True for k in EAGLE31_KEYS if sglang_cfg.get(k)},
         "eagle_aux_hidden_state_layer_ids": points,
         "embed_requires_grad": False,
         "speculators_config": {
@@ -58,6 +65,9 @@ def export_speculators(sglang_dir: str | Path, out_dir: str | Path, capture_poin
     """Write out_dir/{config.json, model.safetensors} from an SGLang export (weights renamed only)."""
     sglang_dir, out_dir = Path(sglang_dir), Path(out_dir)
     cfg = json.loads((sglang_dir / "config.json").read_text())
+    if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        raise ValueError(f"{sglang_dir}: {cfg.get('architectures')} has no speculators form in vLLM 0.32 (algos.py "
+                         "eagle3_arch_map: llama and qwen3 only); vLLM loads the SGLang-layout folder itself")
     sg_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     points = sorted(int(p) for p in capture_points)
     # SGLang ids mean OUTPUT of layer j = points - 1; refuse a folder that disagrees with the points.

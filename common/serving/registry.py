@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.draft.config import read_config
+from common.draft.imported import serving_differences
 from common.draft.manifest import DraftManifest
 from common.serving.engine import Engine, ServedDraft
 from common.serving.sglang import SGLangEngine
 from common.serving.vllm import VllmEngine
+from common.io import read_json
 from common.stage import StageError
 from common.target.capture import default_capture_points
-from common.target.head import read_target_text_config
+from common.target.head import load_target_head, read_target_text_config
 from common.target.manifests import HiddenStatesManifest
 
 ENGINES: dict[str, type[Engine]] = {"sglang": SGLangEngine, "vllm": VllmEngine}
@@ -32,13 +35,24 @@ def engine_from_args(args, export_dir: Path, m02b: HiddenStatesManifest, m04: Dr
     return engine_class(args.engine).from_args(args, export_dir, m02b, m04, target_dir, work_dir, list(foreign))
 
 
-def check_servable(engine: str, checked: dict, target_dir: Path) -> list[ServedDraft]:
+def check_servable(engine: str, checked: dict, target_dir: Path, ours: Path | None = None) -> list[ServedDraft]:
     """The declared drafts (compare.check_drafts: {name: (ImportedDraft, capture points)}) as `engine` will
-    serve them; one line refusing a draft it cannot serve as checked (the engine's refuse_unservable), before
-    anything launches. Without any declaration of their points both engines use [2, N//2, N-3], which
-    check_draft assumes too."""
+    serve them; one line refusing a draft it cannot serve as checked (the engine's refuse_unservable), or
+    that it would serve as another network than the one imported and replayed (imported.serving_differences:
+    an MHA YaRN vLLM computes otherwise, a shipped embedding vLLM keeps, names an engine cannot load), before
+    anything launches; `ours` (04's export) is held to the latter too. Without any declaration of their
+    points both engines use [2, N//2, N-3], which check_draft assumes too."""
     cls = engine_class(engine)
     default = default_capture_points(int(read_target_text_config(target_dir)["num_hidden_layers"]))
+    embed = lambda: load_target_head(target_dir, dtype=None, with_head=False)[0]  # noqa: E731 (only if asked)
+    named = [(f"--draft {name} ({d.path})", serving_differences(d, cls.name, embed)) for name, (d, _) in checked.items()]
+    if ours is not None:   # 04's export: its config (an imported draft's RoPE); its names and embedding are 04's
+        named.insert(0, (f"04's export ({ours})",
+                         read_config(ours, read_json(Path(ours) / "config.json")).unservable.get(cls.name)))
+    for where, why in named:
+        if why:
+            raise StageError(f"{where}: {cls.label} would serve another network than the one imported and "
+                             f"replayed: {why[0]}")
     served = []
     for name, (d, points) in checked.items():
         cls.refuse_unservable(f"--draft {name} ({d.path}): {cls.label}", d, list(points), default)

@@ -490,6 +490,12 @@ class VllmEngine(Engine):
     def from_args(cls, args, export_dir, m02b, m04, target_dir, work_dir, foreign):
         draft_dir = (export_dir if args.draft_format == "sglang"
                      else stage_dir(work_dir, TRAIN) / "export_speculators")
+        if args.draft_format == "speculators" and m04.export_speculators_dir is None \
+                and m04.draft_config.get("attention") == "mla":
+            # 04 wrote no speculators form (an MLA draft: vLLM 0.32's algos.py maps llama/qwen3 only)
+            print(f"[05b] 04's draft has no speculators form (MLA): vLLM serves {export_dir} (--draft-format "
+                  "speculators does not apply)")
+            draft_dir = export_dir
         if not (draft_dir / "config.json").is_file():
             raise StageError(f"{draft_dir} has no config.json: re-run `python 04_train.py --overwrite`")
         check_export(draft_dir, m04)   # export_sglang/ was checked with 05b's inputs; this is what vLLM loads

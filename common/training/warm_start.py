@@ -1,7 +1,9 @@
 """04's warm start: an imported draft (common/draft/imported.py) as the init, and the L2-SP pull toward it.
 
-The draft's shape (heads, MLP, head_dim, rope, eps) is the imported one's. Its vocabulary is either kept
-as imported (`keep`: its d2t/t2d, the lm_head untouched, so zero steps export the same draft) or mapped
+The draft's shape and form (attention, MLA dims, heads, MLP, head_dim, RoPE and YaRN, eps, fc_norm,
+norm_output) is the imported one's; the export writes it back as read, with the imported draft's model
+type and the config keys both engines ignore (WarmStart.export_config), in the imported dtype. Its
+vocabulary is either kept as imported (`keep`: its d2t/t2d, the lm_head untouched, so zero steps export the same draft) or mapped
 onto 03's draft vocab by target token id (`map`): row j of the new lm_head is the imported row of the
 same target token; a token the imported draft lacks starts as the MEAN of the imported rows (its logit
 is the average logit, below any row the draft already prefers, and it moves like the others), and the
@@ -17,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.draft.imported import ImportedDraft, build_model
+from common.draft.imported import ImportedDraft, build_model, export_config
 from common.draft.model import Eagle3DraftModel
 
 VOCAB_MODES = ("keep", "map")
@@ -31,6 +33,10 @@ class WarmStart:
 
     def identity(self) -> dict:
         return {**self.draft.identity(), "vocab": self.vocab, "coverage": self.coverage}
+
+    def export_config(self) -> dict:
+        """The imported draft's fields the export writes back besides our config (imported.export_config)."""
+        return export_config(self.draft)
 
 
 def map_lm_head(d: ImportedDraft, d2t: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
