@@ -224,7 +224,7 @@ def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, text_f
                       args.request_retries, args.retry_base_delay, args.retry_max_delay,
                       args.health_interval, args.health_timeout, args.server_down_timeout,
                       stop=list(text_format.stop_strings), top_p=args.top_p, stall_timeout=args.stall_timeout,
-                      queue_timeout=args.queue_timeout, limit=limit)
+                      queue_timeout=args.queue_timeout, limit=limit, tokenizer=tok)
     if "health_gate" not in shared:
         shared["health_gate"] = health_gate(tok, args.health_probes, args.health_max_new_tokens,
                                               args.health_max_repeat_share)

@@ -36,7 +36,9 @@ Faults (both modes), set on a running server:
       repeated up to the cap, finish "length"), loop_stop (a short phrase repeated, then the end of
       turn), ramble (text that never repeats a 4-gram, up to the cap, finish "length"), and a 200 that is
       no completion: null_text (choices[0].text null), truncated (the first half of the JSON body;
-      streamed: of the first event).
+      streamed: of the first event); and answers whose counts lie (with `vllm_token_ids`, instant mode too):
+      foreign_ids (the right text with another tokenizer's ids: its bytes), shifted_ids (as many ids as
+      tokens, each moved to the next id), usage_x2 (usage.completion_tokens doubled).
   `server.default_fault = "500"`   the action of every other request.
   `server.route_faults["/v1/models"] = ["503", "drop"]`  the next requests to that route (/health,
       /v1/models, /tokenize) take these actions (500, 503, 429, drop), then it answers normally.
@@ -217,6 +219,10 @@ class OpenAICompletionsServer:
                   else self._model_completion(body, input_ids, max_tokens))
         if action == "null_text":
             answer["choices"][0]["text"] = None
+        if action in ("foreign_ids", "shifted_ids") and answer["choices"][0].get("token_ids") is not None:
+            answer["choices"][0]["token_ids"] = self._other_ids(answer["choices"][0], action)
+        if action == "usage_x2":
+            answer["usage"]["completion_tokens"] *= 2
         if action == "truncated" and not body.get("stream"):
             raise Truncated(answer)
         return answer, action
@@ -233,14 +239,29 @@ class OpenAICompletionsServer:
     def _instant(self, body, prompt, n_prompt, max_tokens, force_length) -> dict:
         text = canned_completion(prompt)
         n_out = len(self.tok.encode(text, add_special_tokens=False)) if self.tok is not None else len(text) // 4
+        ids = self.tok.encode(text, add_special_tokens=False) if self.tok is not None else None
         if force_length or n_out + 1 > max_tokens:
             finish, matched, n_out = "length", None, min(n_out, max_tokens)
+            if ids is not None and self.vllm_token_ids:  # the text of the tokens it emitted
+                ids = ids[:n_out]
+                text = self.tok.decode(ids, skip_special_tokens=False)
         else:
             keep = self.honor_keep_stop and (body.get("no_stop_trim") or body.get("include_stop_str_in_output"))
             finish, matched, n_out = "stop", IM_END, n_out + 1
+            ids = ids + [self.tok.convert_tokens_to_ids(IM_END)] if ids is not None else None
             if keep and body.get("skip_special_tokens") is False:
                 text += IM_END
-        return self._answer(text, finish, matched, n_prompt, n_out)
+        answer = self._answer(text, finish, matched, n_prompt, n_out)
+        if self.vllm_token_ids and body.get("return_token_ids") and ids is not None:
+            answer["choices"][0]["token_ids"] = ids
+        return answer
+
+    def _other_ids(self, choice: dict, action: str) -> list[int]:
+        """Ids that are not the text's: a byte-level tokenizer's (another tokenizer: other ids, another
+        count) or the right ones each moved to the next id (the same count, other tokens)."""
+        if action == "foreign_ids":
+            return list(self.tok.decode(choice["token_ids"], skip_special_tokens=False).encode("utf-8"))
+        return [(i + 1) % len(self.tok) for i in choice["token_ids"]]
 
     def _answer(self, text, finish, matched, n_prompt, n_out) -> dict:
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),

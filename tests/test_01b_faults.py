@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -490,3 +491,44 @@ def test_queue_timeouts_count_as_overload(prepared, micro_target, tmp_path):
     assert limit["floor"] == 1 and limit["lowest"] < 10
     out = rows(work)
     assert len({r["id"] for r in out}) == len(out) == NUM_ROWS and all(r["completion"] == expected(r) for r in out)
+
+
+def test_token_ids_that_are_not_the_texts_are_bad_answers_and_a_server_sending_them_is_stopped(
+        prepared, micro_target, tmp_path):
+    """The text decides, the ids are checked (common/generation/answers.py). An answer whose ids are another
+    tokenizer's (the right text, its bytes as ids), the right count of wrong ids, or a doubled
+    usage.completion_tokens is a bad answer: retried, counted by its reason, and the record that is kept
+    has ids that decode to its text and as many as the server counted. A server (a proxy) that sends other
+    ids in most answers stops the run in one line naming it: mid-run, and at start-up when the health
+    probes' answers carry them too."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(micro_target))
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
+        server.vllm_token_ids = True
+        server.faults.update({tag(2): ["foreign_ids", "ok"], tag(3): ["shifted_ids", "ok"],
+                              tag(4): ["usage_x2", "ok"]})
+        gen.main(args(work, server))
+        assert (attempts(server)[tag(2)], attempts(server)[tag(3)], attempts(server)[tag(4)]) == (2, 2, 2)
+    out = rows(work)
+    assert len(out) == NUM_ROWS and all(r["completion"] == expected(r) for r in out)
+    assert all(tok.decode(r["completion_ids"], skip_special_tokens=False) == r["completion"]
+               and r["num_completion_tokens"] == len(r["completion_ids"]) for r in out)
+    assert read_json(stage_dir(work, GENERATE, "d") / "manifest.json")["counts"]["this_run"]["errors"] == \
+        {"bad_ids": 3}
+    for where in ("mid-run", "start-up"):
+        work = fresh(prepared, tmp_path / where)
+        with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
+            server.vllm_token_ids = True
+            if where == "mid-run":   # the dataset's prompts only: the health probes pass
+                server.faults.update({tag(i): ["foreign_ids"] * 10 for i in range(NUM_ROWS)})
+            else:
+                server.default_fault = "foreign_ids"
+            with pytest.raises(StageError) as e:
+                gen.main(args(work, server))
+        msg = str(e.value)
+        assert "\n" not in msg and re.search(rf"the server {server.base_url[:-3]} sends token ids that disagree "
+                                             r"with its own answer in \d+ of \d+ answers \(last: usage.completion_"
+                                             r"tokens \d+, but \d+ token ids came back\)", msg), msg
+        assert ("start-up check failed, nothing sent" in msg) == (where == "start-up") and not rows(work)

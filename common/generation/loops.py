@@ -48,10 +48,6 @@ PROBE_MESSAGES = [
 ]
 
 
-class AnswersWrong(Exception):
-    """The servers keep answering 200 with something that is not a completion."""
-
-
 async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurrency: int, long_concurrency: int,
                      long_after_normal: bool, shutdown_grace: float, summary_interval: float, gate=None,
                      on_ready=None) -> str | None:
@@ -63,7 +59,7 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
     from common.text.chat_format import render_prompt
     from common.generation.progress import log
     from common.generation.server_checks import StartupCheckFailed, startup_checks
-    from common.generation.server_pool import RequestFailed, ServersDown, Stopping
+    from common.generation.server_pool import AnswersWrong, RequestFailed, ServersDown, Stopping
 
     loop = asyncio.get_running_loop()
     stop, stopped_by, main, starting = asyncio.Event(), [], None, None
@@ -146,7 +142,7 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
                 if not stopped_by:
                     raise
                 return stopped_by[0]
-            except StartupCheckFailed as e:
+            except (StartupCheckFailed, AnswersWrong) as e:
                 raise StageError(f"start-up check failed, nothing sent: {e}") from None
             for url, info in found.items():
                 log(f"[01b] server {url}: model {info['model']!r}, context {info['max_model_len']}, "
