@@ -54,6 +54,7 @@ class StubState:
             "speculative_adaptive": adaptive,  # as SGLang resolved it (False when it turned the flag off)
         }
         self.accept_length = accept_length
+        self.internal_state = {}  # more fields of internal_states[0] (the scheduler's own server args)
         self.new_info_path = new_info_path
         self.error_message = error_message
         self.fail_first = fail_first
@@ -66,7 +67,7 @@ class StubState:
         self.lock = threading.Lock()
 
     def info(self) -> dict:
-        state = {"last_gen_throughput": 0.0, "memory_usage": {"kvcache": 1.0}}
+        state = {"last_gen_throughput": 0.0, "memory_usage": {"kvcache": 1.0}, **self.internal_state}
         if self.server_args["speculative_algorithm"] and self.verify:
             state["avg_spec_accept_length"] = self.tokens / self.verify
         return {**self.server_args, "max_total_num_tokens": 100000, "internal_states": [state],

@@ -25,6 +25,7 @@ from common.draft import OURS
 from common.draft.manifest import DraftManifest
 from common.serving.drafts import served_draft
 from common.serving.settings import parse_spec_setting
+from common.stage import StageError
 from common.target.manifests import HiddenStatesManifest
 
 
@@ -71,6 +72,14 @@ class Engine:
         """ValueError unless `argv` (a speculative launch line as deploy.launch_line shows it) runs EAGLE-3:
         the deploy section never recommends a line that would serve the draft at chance."""
         raise NotImplementedError
+
+    @staticmethod
+    def lossy(argv=(), env: dict | None = None, info: dict | None = None) -> list[str]:
+        """Why a server of this engine launched with `argv` and environment `env`, or reporting the info
+        document `info` (as the engine's check reads it), accepts drafts its verify would not accept as a sample
+        of the target, or simulates acceptance: one reason a setting, [] when none. 05b refuses such a server
+        in any measurement (refuse_lossy); a simulation of acceptance is one by this test."""
+        return []
 
     def parse_setting(self, text: str) -> tuple:
         return parse_spec_setting(text)
@@ -133,3 +142,11 @@ class Engine:
     def window_end(self, url: str, start) -> dict:
         """The server's own acceptance over the run: {"server_accept_length", ...}."""
         return {"server_accept_length": None}
+
+
+def refuse_lossy(where: str, reasons: list[str]) -> None:
+    """One line refusing a lossy or simulated server or launch (Engine.lossy's reasons), else nothing."""
+    if reasons:
+        raise StageError(f"{where} is lossy or simulated: {'; '.join(reasons)}. Its tau would credit the draft with "
+                         "acceptances a lossless verify does not make: measure without it (docs/serving.md, "
+                         "'Lossy and simulated settings')")

@@ -41,6 +41,7 @@ from common.benchmark.formatting import fmt
 from common.draft import OURS
 from common.serving import deploy, process
 from common.serving.context import SHORT, bucket_words, context_level, longest_bucket
+from common.serving.engine import refuse_lossy
 from common.serving.registry import engine_class, engine_from_args
 from common.serving.request_params import request_seed, timed_sampling
 from common.serving.settings import ADAPTIVE_STEPS, is_adaptive
@@ -407,6 +408,19 @@ def mirror_agreement(url: str, check, request_fn) -> None:
                 "seed": request_seed(check.seed, ids, params.temperature, params.top_p, "engine")})
 
 
+def refuse_lossy_launches(engine, graph: bool, settings: list, port: int) -> None:
+    """Refuse, before anything launches, an EAGLE-3 launch line or environment (this process's, which the
+    servers inherit, with the engine's own on top) that makes the engine's verify lossy or simulated
+    (Engine.lossy: --server-extra-args, SGLANG_SIMULATE_ACC_LEN and the like)."""
+    import os
+
+    for draft in engine.drafts:
+        for setting in settings:
+            cmd, env = engine.command(port, graph, setting, draft)
+            refuse_lossy(f"the {engine.label} server 05b would launch for {run_key(setting, graph, draft)}",
+                         engine.lossy(cmd, {**os.environ, **env}))
+
+
 def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], request_fn=None,
                          agreement=None, tags: list[dict] | None = None, warm: list[list[int]] = (),
                          contexts: dict | None = None) -> dict:
@@ -437,6 +451,8 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     levels, repeats = serve_levels(args), max(1, int(args.bench_repeats))
     if not warm:
         raise StageError("05b warms every server up on held-out prompts it never times: none were given")
+    if not args.eagle3_url:  # every EAGLE-3 server 05b will launch, before the first server starts
+        refuse_lossy_launches(engine, graphs[0], settings, args.eagle3_port)
     warm_requests = list(warm[:max(1, args.warmup_requests)])
     buckets = {SHORT: (prompts, tags or [None] * len(prompts)), **(contexts or {})}
     sampling = {(t, ctx): timed_sampling(ps, ts, t, args.acceptance_top_p, args.instant_temperature, args.bench_seed)

@@ -54,7 +54,7 @@ from pathlib import Path
 from common.draft.manifest import DraftManifest
 from common.serving.drafts import (check_acceptance, check_draft_files, draft_files, folder_fingerprint, not_one_of,
                                    same_folder, served_draft)
-from common.serving.engine import Engine, ServedDraft
+from common.serving.engine import Engine, ServedDraft, refuse_lossy
 from common.serving.http import BadAnswer, http_json, parse_answer, sse_request, with_retries
 from common.serving.request_params import pinned
 from common.serving.settings import is_adaptive, parse_spec_setting
@@ -87,20 +87,73 @@ class VllmSettings:
         return Path(self.python).parent.parent / "lib" / "libiomp5.so"
 
 
-GUARDED = ("--model", "--speculative-config", "--port", "--host", "--dtype", "--enforce-eager",
+GUARDED = ("--model", "--speculative-config", "-sc", "--spec-method", "--spec-model", "--spec-tokens", "--config",
+           "--port", "--host", "--dtype", "--enforce-eager",
            "--max-model-len", "--served-model-name", "--per-request-spec-decode-metrics",
            "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
            "--no-enable-chunked-prefill", "--max-num-batched-tokens")
 
 
+def option_name(token: str) -> str:
+    """The option a vLLM argument sets, as its FlexibleArgumentParser reads it (`utils/argparse_utils.py`):
+    the name before `=` and before a `.` (`--speculative-config.method eagle3` sets one key of that JSON
+    option), underscores read as dashes."""
+    name = token.split("=", 1)[0].split(".", 1)[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
 def check_extra_args(extra_args) -> None:
-    """Refuse extra arguments that set what 05 sets itself (a later copy would silently win)."""
+    """Refuse extra arguments that set what 05 sets itself (a later copy would silently win), or a --config
+    file that could set any of them."""
     for token in extra_args:
-        name = token.split("=", 1)[0]
+        name = option_name(token)
         hits = [g for g in GUARDED if g.startswith(name)] if name.startswith("--") and len(name) > 2 else []
         if name in GUARDED or hits:
             raise StageError(f"--server-extra-args may not contain {token!r}: 05 sets "
                              f"{name if name in GUARDED else hits[0]} itself for vLLM (use its own flags)")
+
+
+# What makes a vLLM EAGLE-3 server accept drafts as no lossless verify would (vllm 0.32
+# `config/speculative.py`, `v1/sample/rejection_sampler.py`): `rejection_sample_method: "synthetic"` accepts
+# draft tokens with a decaying probability calibrated to `synthetic_acceptance_rates` /
+# `synthetic_acceptance_length` (the rejection sampler's synthetic_mode), whatever the target says.
+SYNTHETIC = ("synthetic_acceptance_rates", "synthetic_acceptance_length")
+
+
+def speculative_config_of(argv) -> dict:
+    """The speculative config a vLLM launch line gives, as its parser merges it: each `--speculative-config`
+    (or `-sc`) JSON, the last winning, then the keys of dotted `--speculative-config.KEY VALUE` arguments."""
+    argv, config, dotted = list(argv), {}, {}
+    for i, token in enumerate(argv):
+        name = option_name(token)
+        if name not in ("--speculative-config", "-sc"):
+            continue
+        value = token.split("=", 1)[1] if "=" in token else (argv[i + 1] if i + 1 < len(argv) else "")
+        key = token.split("=", 1)[0].split(".", 1)[1] if "." in token.split("=", 1)[0] else None
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = value
+        if key is None:
+            config = parsed if isinstance(parsed, dict) else {}
+        else:
+            dotted[key.replace("-", "_")] = parsed
+    return {**{k.replace("-", "_"): v for k, v in config.items()}, **dotted}
+
+
+def lossy_or_simulated(argv=(), env=None, info: dict | None = None) -> list[str]:
+    """Why a vLLM server launched with `argv`, or reporting `info` (its vllm_config), accepts drafts by a
+    synthetic rule instead of verifying them (SYNTHETIC above); [] when it does not. 05b refuses such a server
+    in any measurement (engine.refuse_lossy); a simulation of acceptance would call this to confirm it is one.
+    vLLM reads no environment variable for it (`env` is taken for the engines' common signature)."""
+    why = []
+    for where, spec in (("the launch line's speculative config", speculative_config_of(argv)),
+                        ("the info document's speculative_config", (info or {}).get("speculative_config") or {})):
+        if spec.get("rejection_sample_method") == "synthetic":
+            why.append(f"{where} sets rejection_sample_method 'synthetic' (drafts accepted at preset rates "
+                       "whatever the target says)")
+        why += [f"{where} sets {k} {spec[k]!r}" for k in SYNTHETIC if spec.get(k) is not None]
+    return why
 
 
 def server_env(settings: VllmSettings) -> dict[str, str]:
@@ -219,6 +272,7 @@ def check_eagle3_info(info: dict, drafts, target_dir: Path | None, url: str) -> 
     spec = spec_of(info)
     if spec is None:
         raise StageError(f"the EAGLE-3 server {url} runs no speculative decoding (no speculative_config)")
+    refuse_lossy(f"the EAGLE-3 server {url}", lossy_or_simulated(info=info))
     if spec["method"] != METHOD:
         raise StageError(
             f"the EAGLE-3 server {url} runs speculative method {spec['method']!r}, not 'eagle3'. With an "
@@ -509,6 +563,10 @@ class VllmEngine(Engine):
                              f"eagle_aux_hidden_state_layer_ids: it takes eagle_config's ids as the points), but it "
                              f"reads h{list(points)}: add top-level eagle_aux_hidden_state_layer_ids {list(points)} "
                              "to its config.json")
+
+    @staticmethod
+    def lossy(argv=(), env=None, info=None):
+        return lossy_or_simulated(argv, env, info)
 
     @staticmethod
     def check_launch_line(argv):
