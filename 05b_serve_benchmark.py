@@ -31,7 +31,7 @@ from common.io import read_json
 from common.serving import deploy
 from common.serving.context import parse_buckets
 from common.serving.registry import ENGINES, check_servable
-from common.serving.sweep import same_draft_reference, server_main, warm_count
+from common.serving.sweep import every_run_refused, same_draft_reference, server_main, warm_count
 from common.stage import (EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, input_manifests, stage_dir,
                           start_stage, write_manifest)
 from common.target.manifests import HiddenStatesManifest
@@ -175,7 +175,7 @@ def main(argv=None):
         return
     metrics = server_main(args, out, inputs, m02b, target_dir, served,
                           read_json(reference / "metrics.json") if reference else None)
-    if deploy.nothing_measured(metrics["deploy"]):
+    if deploy.nothing_measured(metrics["deploy"]) or every_run_refused(metrics):
         raise StageError(f"every timed run was refused, so nothing valid was measured (why: {out / 'report.md'}); "
                          "no manifest written: fix the server and run 05b again")
     upstream = [stage_dir(args.work_dir, TRAIN), stage_dir(args.work_dir, MERGE), hidden]

@@ -16,7 +16,7 @@ default). Every /generate request is kept (`requests`) with its place in one cou
 the process (`arrivals`), so a test can tell in which order several servers were asked.
 
 Bad answers, each a 200: `count_scale` multiplies the completion_tokens it reports (the tokens it streams,
-its spec_verify_ct and its own avg_spec_accept_length stay true); `bad_answer` answers POST /generate with
+its spec_verify_ct and its own avg_spec_accept_length stay true), from its request `honest_first` on; `bad_answer` answers POST /generate with
 "html" (a proxy's sign-in page), "truncated" (a whole event holding the first half of its JSON) or
 "no_count" (a final meta_info without completion_tokens); `bad_info` answers the info document with "html"
 or "truncated" (the first half of the JSON body, Content-Length and all).
@@ -38,7 +38,7 @@ class StubState:
     def __init__(self, algorithm=None, draft_path=None, model_path="/models/target", accept_length=3.0,
                  setting=(3, 1, 4), new_info_path=False, disable_cuda_graph=False, decode_graph="full",
                  error_message=None, fail_first=0, adaptive=False, count_scale=1, bad_answer=None, bad_info=None,
-                 disable_radix_cache=True):
+                 disable_radix_cache=True, honest_first=0):
         self.server_args = {
             "model_path": model_path, "tokenizer_path": model_path, "tp_size": 1, "pp_size": 1,
             "dp_size": 1, "mem_fraction_static": 0.85, "disable_radix_cache": disable_radix_cache,
@@ -59,6 +59,7 @@ class StubState:
         self.error_message = error_message
         self.fail_first = fail_first
         self.count_scale, self.bad_answer, self.bad_info = count_scale, bad_answer, bad_info
+        self.honest_first = honest_first
         self.resets = 0
         self.tokens = 0
         self.verify = 0
@@ -135,6 +136,7 @@ def make_handler(state: StubState):
             with state.lock:
                 state.requests.append(req)
                 state.arrivals.append(next(ARRIVALS))
+                scale = state.count_scale if len(state.requests) > state.honest_first else 1
                 state.tokens += n if spec else 0
                 state.verify += rounds if spec else 0
             self.send_response(200)
@@ -146,7 +148,7 @@ def make_handler(state: StubState):
             for k in range(step, n + step, step):
                 done = k >= n
                 meta = {"id": "r", "finish_reason": {"type": "length", "length": n} if done else None,
-                        "prompt_tokens": len(ids), "completion_tokens": min(k, n) * state.count_scale,
+                        "prompt_tokens": len(ids), "completion_tokens": min(k, n) * scale,
                         "cached_tokens": 0, "e2e_latency": time.time() - t0}
                 if spec:
                     meta["spec_verify_ct"] = rounds if done else math.ceil(min(k, n) / state.accept_length)

@@ -165,12 +165,19 @@ def warm_up(base_url: str, prompts: list[list[int]], max_new_tokens: int, timeou
 
 
 def warmup(base_url: str, prompts: list[list[int]], max_new_tokens: int, timeout: float,
-           request_fn=generate_stream) -> float:
-    """Pooled tau over the warm-up's answers (the preflight's acceptance probe)."""
+           request_fn=generate_stream, bound: int | None = None) -> float:
+    """Pooled tau over the warm-up's answers (the preflight's acceptance probe). Each answer's counts are
+    checked as a timed run's are (answer_fault; `bound`: round_bound of the server's setting): a tau the
+    setting cannot reach, or a count that is not the ids that came back, stops the preflight in one line."""
     res = warm_up(base_url, prompts, max_new_tokens, timeout, request_fn)
     verify = sum(r["spec_verify_ct"] or 0 for r in res)
     if not verify:
         raise StageError(f"{base_url} returned no spec_verify_ct: not a speculative server")
+    for i, r in enumerate(res):
+        why = answer_fault(r, bound)
+        if why:
+            raise StageError(f"{base_url}: warm-up request {i + 1} of {len(res)}: {why}; the server's counts are not "
+                             "believed, so neither is its acceptance")
     return sum(r["completion_tokens"] for r in res) / verify
 
 
@@ -192,6 +199,13 @@ def cells(entry: dict):
         for ctx in [SHORT, *level.get("by_context", {})]:
             for c, summ in context_level(level, ctx).get("by_concurrency", {}).items():
                 yield t, ctx, c, summ
+
+
+def every_run_refused(metrics: dict) -> bool:
+    """Every timed (run, T, prompt bucket, concurrency) of the sweep was refused (sweep.refuse): nothing it timed
+    can be believed, whether or not a baseline ran (without one, deploy's grid is empty and cannot say so)."""
+    timed = [summ for entry in metrics["runs"].values() for *_, summ in cells(entry)]
+    return bool(timed) and all(summ.get("refused") for summ in timed)
 
 
 def cell_of(entry: dict | None, t: str, ctx: str, c: str) -> dict | None:
@@ -488,7 +502,8 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
         else:
             entry["draft"] = draft.name
             entry["preflight"] = engine.preflight(
-                url, log, lambda u: warmup(u, warm_requests, WARMUP_TOKENS, args.request_timeout, request_fn), draft)
+                url, log, lambda u: warmup(u, warm_requests, WARMUP_TOKENS, args.request_timeout, request_fn,
+                                           round_bound(setting)), draft)
             if draft.ours or not metrics["preflight"]:  # the manifest's record: 04's draft's when it ran
                 metrics["preflight"] = entry["preflight"]
         if agreement is not None and setting is not None and draft.ours:
