@@ -38,7 +38,10 @@ Faults (both modes), set on a running server:
       no completion: null_text (choices[0].text null), truncated (the first half of the JSON body;
       streamed: of the first event); and answers whose counts lie (with `vllm_token_ids`, instant mode too):
       foreign_ids (the right text with another tokenizer's ids: its bytes), shifted_ids (as many ids as
-      tokens, each moved to the next id), usage_x2 (usage.completion_tokens doubled).
+      tokens, each moved to the next id), usage_x2 (usage.completion_tokens doubled); and retract (streamed:
+      halfway through its answer the request gives its running slot back, as SGLang retracts a running request
+      into its queue when the KV pool runs out, waits `retract_s` and queues for a slot again, sending nothing
+      until it has one; then the rest of the answer, nothing repeated; counted in `retracted`).
   `server.default_fault = "500"`   the action of every other request.
   `server.route_faults["/v1/models"] = ["503", "drop"]`  the next requests to that route (/health,
       /v1/models, /tokenize) take these actions (500, 503, 429, drop), then it answers normally.
@@ -104,7 +107,7 @@ class OpenAICompletionsServer:
                  host: str = "127.0.0.1", port: int = 0, delay_s: float = 0.0, honor_keep_stop: bool = True,
                  tokenizer_dir: str | Path | None = None, max_model_len: int = 32768, stall_s: float = 30.0,
                  keep_requests: bool = True, max_running: int | None = None, token_delay_s: float = 0.0,
-                 kv_tokens: int | None = None):
+                 kv_tokens: int | None = None, retract_s: float = 1.0):
         self.model = self.tok = None
         if model_dir is not None:
             import torch
@@ -129,6 +132,7 @@ class OpenAICompletionsServer:
         self.num_health = 0
         # The engine's queue (module doc): None runs every request at once.
         self.max_running, self.token_delay_s, self.kv_tokens = max_running, token_delay_s, kv_tokens
+        self.retract_s, self.retracted = retract_s, 0
         self._slots = threading.Semaphore(max_running) if max_running else None
         self.running = self.queued = self.peak_running = self.peak_queued = self.aborted = 0
         self.peak_wait_s = 0.0
@@ -320,6 +324,20 @@ class OpenAICompletionsServer:
                 self.running -= 1
             self._slots.release()
 
+    def retract(self, gone) -> bool:
+        """A running request pulled back into the queue (module doc): its slot freed, `retract_s` waited, a slot
+        queued for again; False when the client went away meanwhile (an abort: it holds no slot then)."""
+        with self._log_lock:
+            self.retracted += 1
+        self.finish()
+        until = time.monotonic() + self.retract_s
+        while time.monotonic() < until:
+            if gone():
+                self.count_abort()
+                return False
+            time.sleep(0.005)
+        return self.admit(gone)
+
     def count_abort(self) -> None:
         with self._log_lock:
             self.aborted += 1
@@ -404,6 +422,7 @@ class OpenAICompletionsServer:
                 answer, action = server.completion(body)
                 if not server.admit(self._gone):
                     return self._drop()
+                self.holds_slot = True
                 try:
                     if body.get("stream"):
                         usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -418,15 +437,22 @@ class OpenAICompletionsServer:
                     server.count_abort()
                     self.close_connection = True
                 finally:
-                    server.finish()
+                    if self.holds_slot:
+                        server.finish()
 
             def _stream(self, answer: dict, action: str, include_usage: bool):
                 """Server-sent events, chunked; headers go with the first token, as SGLang sends them."""
-                for k, event in enumerate(server.stream_events(answer, include_usage)):
+                events = server.stream_events(answer, include_usage)
+                for k, event in enumerate(events):
                     if event["choices"]:
                         time.sleep(server.token_delay_s)
                     if k == 1 and action == "stall":
                         time.sleep(server.stall_s)
+                    if k == max(1, len(events) // 2) and action == "retract":
+                        self.holds_slot = False
+                        if not server.retract(self._gone):
+                            return self._drop()
+                        self.holds_slot = True
                     if server.down:
                         raise Drop()
                     if self._gone():

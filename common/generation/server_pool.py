@@ -281,10 +281,13 @@ class ServerPool:
         """A place in flight under the in-flight limit (none without a limit); yields its epoch."""
         return self.limit.slot() if self.limit is not None else contextlib.nullcontext()
 
-    async def generate(self, prompt_text: str, max_new_tokens: int, errors: Counter | None = None) -> dict:
+    async def generate(self, prompt_text: str, max_new_tokens: int, errors: Counter | None = None,
+                       progress=None) -> dict:
         """One completion, retried as the class doc says. Attempt errors are counted in `errors`
         by kind; the final failure is raised as RequestFailed (kind = the failures.jsonl reason);
-        Stopping when the run stops before it is sent."""
+        Stopping when the run stops before it is sent. `progress.in_flight` (a Progress) counts the request
+        while an attempt of it is with a server: not while it waits for a place under the in-flight limit,
+        a healthy server or its backoff."""
         body = self.completion_body(prompt_text, max_new_tokens, stream=True)
         charged = 0
         while True:
@@ -294,6 +297,8 @@ class ServerPool:
                 server = await self._acquire()
                 server.in_flight += 1
                 server.num_requests += 1
+                if progress is not None:
+                    progress.in_flight += 1
                 try:
                     result = await self.stream(server, body)
                     self._report(self.limit.answered() if self.limit is not None else None)
@@ -307,6 +312,8 @@ class ServerPool:
                     failed = e
                 finally:
                     server.in_flight -= 1
+                    if progress is not None:
+                        progress.in_flight -= 1
             if failed.kind in SERVER_DOWN_KINDS and not await self._is_up(server):
                 continue  # the server is down: wait for one that is up, do not charge this request
             if failed.kind == "timeout" and self.limit is not None:
