@@ -536,15 +536,18 @@ def test_report_says_what_the_windowed_server_tau_includes(tmp_path):
 def test_sampled_agreement_rows_name_an_engine_defect():
     """The report's sampled agreement: a row that disagrees because the engine build cannot verify sampled
     drafts says so (with the reason) instead of blaming the draft; one that disagrees otherwise says DISAGREE."""
+    from common.serving.agreement import probability_gate
     from common.serving.sweep import sampled_agreement_lines
-    x = {"expected": {"engine_tau": 1.0, "replay_tau": 1.43, "difference": -0.43, "ci": [-0.5, -0.36], "agree": False},
-         "top_p": 0.95}
+    gate = probability_gate([(0, 0.5, True), (0, 0.5, False), (1, 0.25, False)] * 20, 3, 0.05)
+    x = {"expected": {"engine_tau": 1.0, "replay_tau": 1.43, "difference": -0.43, "ci": [-0.5, -0.36], "agree": False,
+                      "along_answers": gate}, "top_p": 0.95, "per_prompt": [{"z": -1.25}, {"z": 0.5}, {"z": None}]}
     lines = sampled_agreement_lines({"3-1-4/nograph": {"sampled": {"1": {**x, "engine_defect": "its expand drops floats"}}},
                                      "5-1-6/nograph": {"sampled": {"1": {**x, "engine_defect": None}}},
                                      "7-1-8/nograph": {}})
     text = "\n".join(lines)
     assert "| 3-1-4/nograph | 1 | 0.95 | 1.000 | 1.430 | -0.430 [-0.500, -0.360] | engine defect* |" in text
-    assert "| 5-1-6/nograph | 1 | 0.95 | 1.000 | 1.430 | -0.430 [-0.500, -0.360] | DISAGREE |" in text
+    assert ("| 5-1-6/nograph | 1 | 0.95 | 1.000 | 1.430 | -0.430 [-0.500, -0.360] | DISAGREE | 20 / 25.0 | -1.35 (-1.01, "
+            "band +-5%) | 64% | -1.2, +0.5 |") in text, text  # A 20, S 25, V 13.75
     assert text.endswith("*its expand drops floats") and "7-1-8" not in text
     assert sampled_agreement_lines({"3-1-4/nograph": {"exact": True}}) == []
 

