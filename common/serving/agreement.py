@@ -122,10 +122,8 @@ class AgreementCheck:
         if quant:
             why = f"its checkpoint is quantized ({quant}), which replay does not load in float32"
         else:
-            need, have = float32_bytes(self.target_dir), available_memory()
-            if need is None:
-                why = "it has no safetensors weights to size"
-            elif have is not None and need > have:
+            need, have = float32_bytes(self.target_dir), available_memory()   # None: cannot be sized here
+            if need is not None and have is not None and need > have:
                 why = f"it needs {need / 2 ** 30:.1f} GiB in float32, and {have / 2 ** 30:.1f} GiB are available"
         if why:
             raise StageError(f"--agreement-prompts: the agreement check replays the target {self.target_dir} with "

@@ -48,7 +48,6 @@ class Engine:
     `drafts` (04's first); None = 04's."""
     name: str
     label: str
-    reports_per_round = False  # per-request, per-round acceptance (the agreement check needs it)
     # decode iterations from outside a run that window_end's server tau may hold (and of the run's own
     # that it may miss); 05 holds the run's counts against it only over runs many times longer
     server_tau_slop = 0

@@ -563,7 +563,6 @@ class VllmEngine(Engine):
     foreign: list[ServedDraft] = field(default_factory=list)  # the declared --draft ones
     name = "vllm"
     label = "vLLM"
-    reports_per_round = True
     server_tau_note = ("server tau = 1 + accepted / drafts from vLLM's /metrics counters differenced around this run. It "
                        "differs from tau (pooled) in two ways that partly cancel: it leaves out each request's prefill "
                        "token, and it counts drafts accepted past the token budget or an end-of-turn, which the answer "
