@@ -213,6 +213,7 @@ def test_the_engines_own_probabilities_are_compared_with_replays(target, tmp_pat
 
     same = check(LoopWithProbabilities(target))["engine_probabilities"]
     assert same["compared"] > 60 and same["outside_top"] == 0 and same["max_abs_difference"] < 1e-4, same
+    assert same["outside_top_replay_sum"] == 0
     assert same["z_engine"] == pytest.approx(same["z_replay"], abs=1e-3)
     with pytest.raises(StageError, match=r"its own p\(d\) sum [\d.]+ vs replay's [\d.]+ \(-\d+\.\d+%\)"):
         check(LoopWithProbabilities(target, verify=sd.SamplingParams(3 * T_SHARP, 1.0)))

@@ -445,7 +445,7 @@ def check_sampled_answers(models, prompts: list[list[int]], answers: list[dict],
     target, draft, eos, points = models
     per_round = reports_per_round(answers)
     per_prompt, engine_side, our_rounds, predicted, judged = [], [], [], [], []
-    pairs, outside = [], 0   # the engine's own p(d) where its answers carry them (engine_pairs)
+    pairs, outside = [], []   # the engine's own p(d) where its answers carry them (engine_pairs)
     for i, (ids, ans) in enumerate(zip(prompts, answers)):
         seq = list(ids) + list(ans["output_ids"])
         aux, probs = smp.target_probs(target, seq, points, params)   # the one forward: aux and p at T / top-p
@@ -566,14 +566,14 @@ def probability_gate(judged: list[tuple], k: int, band: float = 0.0) -> dict:
 ENGINE_LOGPROBS = 20   # top logprobs asked per answer token where the engine returns the verify's (vLLM's default cap)
 
 
-def engine_pairs(judged: list[tuple], logprobs: list[dict], num_prompt: int) -> tuple[list[tuple], int]:
+def engine_pairs(judged: list[tuple], logprobs: list[dict], num_prompt: int) -> tuple[list[tuple], list[float]]:
     """(j, replay's p(d), accepted, the engine's p(d)) of every draft judged along one answer whose d is among the
     engine's returned logprobs (`logprobs[i]`: {token id: logprob} of answer token i, its top ENGINE_LOGPROBS and
-    the token it committed), and how many were not. A draft judged by p row r is at answer token
-    r + 1 - num_prompt."""
+    the token it committed), and replay's p(d) of those that were not. A draft judged by p row r is at answer
+    token r + 1 - num_prompt."""
     import math
 
-    pairs, outside = [], 0
+    pairs, outside = [], []
     for j, p, acc, row, d in judged:
         i = row + 1 - num_prompt
         top = logprobs[i] if 0 <= i < len(logprobs) else None
@@ -582,21 +582,22 @@ def engine_pairs(judged: list[tuple], logprobs: list[dict], num_prompt: int) -> 
         if d in top:
             pairs.append((j, p, acc, math.exp(top[d])))
         else:
-            outside += 1
+            outside.append(p)
     return pairs, outside
 
 
-def engine_probabilities(pairs: list[tuple], outside: int, k: int) -> dict:
+def engine_probabilities(pairs: list[tuple], outside: list[float], k: int) -> dict:
     """The engine's own p(d) against replay's over engine_pairs of every answer, where the engine returns the
     distribution it verified against (vLLM's processed logprobs: after temperature and top-p): sums, differences,
     and the gate's z with each. `z_engine` near 0 while `z_replay` is far from it: the acceptance follows the
     engine's own probabilities and the gap is in computing p(d) (numerics); both far: the acceptance itself."""
+    left = {"outside_top": len(outside), "outside_top_replay_sum": sum(outside)}   # drafts below the engine's top
     if not pairs:
-        return {"compared": 0, "outside_top": outside}
+        return {"compared": 0, **left}
     engine_rows, replay_rows = [(j, pe, acc) for j, _, acc, pe in pairs], [(j, p, acc) for j, p, acc, _ in pairs]
     diffs = [pe - p for _, p, _, pe in pairs]
     e_sum, r_sum = gate_sums(engine_rows)[1], gate_sums(replay_rows)[1]
-    return {"compared": len(pairs), "outside_top": outside, "replay_sum": r_sum, "engine_sum": e_sum,
+    return {"compared": len(pairs), **left, "replay_sum": r_sum, "engine_sum": e_sum,
             "relative_difference": e_sum / r_sum - 1 if r_sum else None,
             "mean_abs_difference": sum(abs(x) for x in diffs) / len(diffs), "max_abs_difference": max(map(abs, diffs)),
             "by_position": [{"engine_sum": gate_sums([r for r in engine_rows if r[0] == j])[1],
@@ -609,7 +610,8 @@ def probabilities_summary(x: dict | None) -> str:
     if not x or x.get("why_not") or not x.get("compared"):
         return ""
     return (f"; its own p(d) sum {x['engine_sum']:.1f} vs replay's {x['replay_sum']:.1f} ({x['relative_difference']:+.2%}) "
-            f"over {x['compared']} drafts, mean |difference| {x['mean_abs_difference']:.2g}, z with its own p(d) "
+            f"over {x['compared']} drafts ({x['outside_top']} below its top {ENGINE_LOGPROBS}, replay's p(d) "
+            f"{x['outside_top_replay_sum']:.2f} there), mean |difference| {x['mean_abs_difference']:.2g}, z with its own p(d) "
             f"{x['z_engine']:+.1f} (with replay's {x['z_replay']:+.1f})")
 
 
