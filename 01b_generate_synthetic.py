@@ -105,7 +105,10 @@ def build_parser():
                         "requests are streamed and time out by --stall-timeout and --queue-timeout")
     g.add_argument("--stall-timeout", type=float, default=600.0,
                    help="a request whose answer has started streaming and then sends nothing this long is "
-                        "given up (s); the wait for its first token is queue time, not a stall")
+                        "given up (s); the wait for its first token is queue time, not a stall. A request the "
+                        "server pulls back into its queue mid-answer (SGLang retracts when its KV pool runs out) "
+                        "is silent until readmitted: that wait counts here, and a timeout halves the in-flight "
+                        "limit")
     g.add_argument("--queue-timeout", type=float, default=14400.0,
                    help="longest wait for a request's first token: the server's queue and the prompt's prefill "
                         "(s). Timed out on a server that is up, it counts as overload (the in-flight limit halves)")
@@ -224,7 +227,7 @@ def generate_with_servers(jobs: dict, write, fail, bars: dict, args, tok, text_f
                       args.request_retries, args.retry_base_delay, args.retry_max_delay,
                       args.health_interval, args.health_timeout, args.server_down_timeout,
                       stop=list(text_format.stop_strings), top_p=args.top_p, stall_timeout=args.stall_timeout,
-                      queue_timeout=args.queue_timeout, limit=limit)
+                      queue_timeout=args.queue_timeout, limit=limit, tokenizer=tok)
     if "health_gate" not in shared:
         shared["health_gate"] = health_gate(tok, args.health_probes, args.health_max_new_tokens,
                                               args.health_max_repeat_share)

@@ -11,9 +11,11 @@ Steps (each a function below): hold out every benchmark-only prompt and --benchm
 (chosen before any filter, so caps never move them); drop held-out prompts, exact duplicates, empty and
 (with --drop-length-finished) capped answers; drop samples over --max-seq-len and text answers whose
 re-tokenization disagrees with the target's own count; apply --dataset-weights and --dataset-caps; write
-the samples shortest first (02b's shards then hold similar lengths). Every drop is counted per reason.
+the samples shortest first (02b's shards then hold similar lengths). Every drop is counted per reason, and
+a run where none survive names each reason with its count and what it measured.
 A sample's ids are the prompt's tokenization followed by the ids the target emitted (text answers are
-tokenized); the loss mask is 1 exactly on the completion, end-of-turn token included.
+tokenized); the loss mask is 1 exactly on the completion, end-of-turn token included. The text decides:
+emitted ids that do not decode to their text are never trained on (the answer counts as a text answer).
 """
 from __future__ import annotations
 
@@ -78,10 +80,17 @@ def build_parser():
 
 
 
-def read_generated(path: Path, ids_at: dict) -> list[dict]:
+def read_generated(path: Path, ids_at: dict, tok=None, checked: Counter | None = None) -> list[dict]:
     """The rows of a 01b generated.jsonl, without their `completion_ids` (100K answers' ids as Python lists
     would not fit in memory): `ids_at[id] = (path, byte offset of the row, number of ids)` instead, for
-    EmittedIds to read back the few that are kept. A torn last line is ignored, as in common.io."""
+    EmittedIds to read back the few that are kept. A torn last line is ignored, as in common.io.
+
+    With `tok`, the text decides and the ids are checked (common/generation/answers.py): ids that do not
+    decode to the row's text are never trained on; the row becomes a text answer (its text tokenized, held
+    against the server's count like any other) and `checked[source, "ids_contradict_text"]` counts it; ids
+    that do but are not as many as the server counted count in `checked[source, "server_count_differs_from_ids"]`."""
+    from common.generation.answers import ids_fault
+
     rows = []
     with open(path, "rb") as f:
         offset = 0
@@ -96,6 +105,12 @@ def read_generated(path: Path, ids_at: dict) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise StageError(f"{path}:{lineno}: corrupt JSONL line ({e})") from None
             ids = row.pop("completion_ids", None)
+            if ids is not None and tok is not None:
+                if ids_fault(tok, row["completion"], ids, None):
+                    checked[row["source"], "ids_contradict_text"] += 1
+                    ids = None
+                elif row.get("num_completion_tokens") not in (None, len(ids)):
+                    checked[row["source"], "server_count_differs_from_ids"] += 1
             if ids is not None:
                 ids_at[row["id"]] = (path, at, len(ids))
             rows.append(row)
@@ -262,15 +277,35 @@ def apply_mix(per_source: dict, names: list[str], args, dropped) -> list[tuple]:
             items = [items[i] for i in keep]
         selected += items
     if not selected:
-        raise StageError(f"no sample survived the filters ({ {k: dict(v) for k, v in dropped.items()} }); "
-                         "raise --max-seq-len or --max-new-tokens, or pass --no-drop-length-finished or "
-                         "--keep-retokenize-mismatch")
+        raise StageError(f"no sample survived the filters: {drop_causes(dropped)}")
     # 02b cuts the file into shards of consecutive samples, and its SGLang engine captures only rows of
     # one length in one call (no padding), so equal lengths must sit together; 04 shuffles shards and
     # samples within a shard, so a batch drawn from one length-homogeneous shard pads little. Only the
     # lengths of pass 1 are needed: ids stay on disk and are read back by offset, in this order.
     selected.sort(key=lambda item: (item[1] + item[2], item[0]["id"]))
     return selected
+
+
+# What each drop reason measured, and what to do about it (no_sample refusal: the causes as counted).
+DROP_CAUSES = {
+    "over_length": "prompt + answer over --max-seq-len: raise it, or lower 01b's --max-new-tokens",
+    "retokenize_mismatch": "the text re-tokenizes to another count than the server reported "
+                           "(usage.completion_tokens, kept by 01b): a server whose counts are wrong (check it, "
+                           "regenerate with 01b), or text cut mid-character; --keep-retokenize-mismatch trains "
+                           "on the text's own tokens",
+    "length_finished": "answers that hit 01b's token cap: --no-drop-length-finished keeps them",
+    "empty_completion": "empty answers: look at the server's answers in 01b's generated.jsonl",
+    "duplicate": "exact duplicates of another sample",
+    "benchmark_prompt_overlap": "the prompt of a held-out sample",
+    "capped": "--dataset-caps / --dataset-weights",
+}
+
+
+def drop_causes(dropped) -> str:
+    """One line: every drop reason with its count summed over datasets, largest first, and what it measured."""
+    total = sum((Counter(v) for v in dropped.values()), Counter())
+    return "; ".join(f"{n} {reason} ({DROP_CAUSES.get(reason, reason)})" for reason, n in total.most_common()) \
+        or "no input row was a training candidate"
 
 
 def training_samples(selected: list[tuple], ids_at: dict, tok, batch_size: int, stats, lengths: list[int],
@@ -319,10 +354,10 @@ def main(argv=None):
     t0 = time.time()
     tok = load_tokenizer(target)
     print(f"[01c] target {target} | datasets {names} | max-seq-len {args.max_seq_len}")
-    rows, ids_at = [], {}
+    rows, ids_at, checked = [], {}, Counter()
     for name in names:
-        rows += sorted(read_generated(stage_dir(args.work_dir, UPSTREAM, name) / "generated.jsonl", ids_at),
-                       key=lambda r: r["id"])
+        rows += sorted(read_generated(stage_dir(args.work_dir, UPSTREAM, name) / "generated.jsonl", ids_at, tok,
+                                      checked), key=lambda r: r["id"])
     if not rows:
         raise StageError(f"{up_dir} holds no generated samples: re-run `python {stage_script(UPSTREAM)} --overwrite`")
 
@@ -340,6 +375,8 @@ def main(argv=None):
     per = {name: {**stats[name], "dropped": dict(sorted(dropped[name].items())),
                   "completion_retokenize_mismatch": retokenize_mismatch[name],
                   "emitted_ids_differ_from_retokenized": emitted_differ[name],
+                  "ids_contradict_text": checked[name, "ids_contradict_text"],
+                  "server_count_differs_from_ids": checked[name, "server_count_differs_from_ids"],
                   "benchmark_prompts": sum(r["source"] == name for r in bench)} for name in names}
     totals = {k: sum(stats[n][k] for n in names)
               for k in ("num_samples", "num_tokens", "num_prompt_tokens", "num_response_tokens", "repetition_loops")}

@@ -31,7 +31,7 @@ from common.io import read_json
 from common.serving import deploy
 from common.serving.context import parse_buckets
 from common.serving.registry import ENGINES, check_servable
-from common.serving.sweep import same_draft_reference, server_main, warm_count
+from common.serving.sweep import every_run_refused, same_draft_reference, server_main, warm_count
 from common.stage import (EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, input_manifests, stage_dir,
                           start_stage, write_manifest)
 from common.target.manifests import HiddenStatesManifest
@@ -70,12 +70,15 @@ def build_parser():
                    help="vllm: which of 04's exports the EAGLE-3 server loads (export_sglang/ or "
                         "export_speculators/); SGLang always loads export_sglang/")
     s.add_argument("--agreement-prompts", type=int, default=0,
-                   help="vllm: the first N prompts answered one at a time on every EAGLE-3 server of 04's draft "
-                        "and their per-round acceptance compared with replay of the same draft on the same tokens "
-                        "(0: off; needs the target in float32 on this machine; --draft ones are not checked)")
+                   help="the first N warm-up prompts answered one at a time on every EAGLE-3 server of 04's draft "
+                        "(fixed chains), greedy and at each T > 0, and their rounds compared with replay of the same "
+                        "draft on the same tokens: vLLM's per-round counts, SGLang's verify counts against the "
+                        "rounds its answers give (0: off; the target is loaded in float32 on this machine, refused "
+                        "before any launch when it cannot be; --draft ones are not checked)")
     s.add_argument("--agreement-tolerance", type=float, default=0.0,
-                   help="largest relative tau difference the agreement check allows (0: every round equal, "
-                        "as float32 gives)")
+                   help="largest relative tau difference the agreement check allows, greedy and sampled, and the "
+                        "relative band on p(d) its probability gate allows (0: every round equal, as float32 "
+                        "gives; a bf16 engine needs a few percent)")
     s.add_argument("--spec-settings", nargs="+", default=["3,1,4", "5,1,6", "7,1,8"],
                    help="EAGLE3 settings 'steps,topk,num_draft_tokens' to sweep (topk > 1 = tree); "
                         "'steps,1,steps+1,adaptive' = SGLang's --speculative-adaptive from that chain")
@@ -175,7 +178,7 @@ def main(argv=None):
         return
     metrics = server_main(args, out, inputs, m02b, target_dir, served,
                           read_json(reference / "metrics.json") if reference else None)
-    if deploy.nothing_measured(metrics["deploy"]):
+    if deploy.nothing_measured(metrics["deploy"]) or every_run_refused(metrics):
         raise StageError(f"every timed run was refused, so nothing valid was measured (why: {out / 'report.md'}); "
                          "no manifest written: fix the server and run 05b again")
     upstream = [stage_dir(args.work_dir, TRAIN), stage_dir(args.work_dir, MERGE), hidden]
@@ -188,8 +191,8 @@ def main(argv=None):
                    runs=list(metrics["runs"]), engine=args.engine,
                    **({"drafts": drafts_identity(checked)} if checked else {}),
                    agreement={key: {"exact": a["exact"], "engine_tau": a["engine"]["tau"],
-                                    "replay_tau": a["replay"]["tau"]}
-                              for key, a in metrics["agreement"].items()})
+                                    "replay_tau": a["replay"]["tau"]} if a.get("judged", True) else
+                              {"judged": False, "why": a["why"]} for key, a in metrics["agreement"].items()})
     print(f"[05b] wrote {out}")
 
 

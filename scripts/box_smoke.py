@@ -5,8 +5,10 @@
 the target -> 01b (openai engine) against it -> 01c -> 02b through SGLang (torchrun, SpecForge's
 runner) AND through transformers on the same samples, shard against shard -> 03 -> a short 04 -> 05
 (the reference: transformers speculative decoding, k = 3) and 05b (serving: SGLang, EAGLE3 3,1,4,
-launched by 05b with its preflight) -> SGLang's accept length against the reference tau. Not yet run on
-a GPU: see docs/sglang.md ("Smoke run").
+launched by 05b with its preflight and its agreement check: SGLang's verify counts against the rounds its
+own answers give with our draft, greedy and sampled at T 1.0 / top-p 0.95, and the probability gate on every
+draft it judged; the one place where SGLang's sampled verify is proven) -> SGLang's accept length against the
+reference tau. Not yet run on a GPU: see docs/sglang.md ("Smoke run").
 
 --engine vllm (runs on this CPU machine; vLLM's CPU build from `make engine`): 01 -> a vLLM server for
 the target -> 01b against it, its answers compared with the shipped greedy answers -> 01c -> 02b
@@ -73,6 +75,11 @@ class Settings:
     mem_fraction: float = 0.6    # SGLang mem_fraction_static (weights + KV pool share of the GPU)
     shard_rel_tol: float = 0.05  # 02b sglang vs hf: ||a - b|| / ||b|| per capture point and final state
     tau_rel_tol: float = 0.05    # 05b's accept length vs 05's reference tau
+    # SGLang's agreement check (bf16 on the GPU against float32 replay on the CPU): the relative tau difference
+    # it allows, greedy and sampled, and the probability gate's band on p(d)
+    agreement_tolerance: float = 0.05
+    temperature: float = 1.0     # the sampled agreement: Kimi-K2.5's serving temperature and top-p
+    top_p: float = 0.95
 
     @property
     def work_hf(self) -> Path:  # 02b through transformers on the same 01c output
@@ -193,13 +200,16 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
                                               "--num-draft-tokens", str(NUM_DRAFT_TOKENS), "--device", "cuda",
                                               *bench],
              "reference speculative decoding (05, transformers)"),
-        Step("05b serve (SGLang EAGLE3)", [
+        Step("05b serve (SGLang EAGLE3, agreement with replay greedy and sampled)", [
             py, stage_script(SERVE_BENCH), "--work-dir", w, "--spec-settings", SPEC_SETTING,
             "--cuda-graph", "on", "--bench-concurrency", "1", "--sglang-tp-size", "1",
             "--mem-fraction-static", str(s.mem_fraction), "--sglang-python", s.sglang_py,
+            "--agreement-prompts", str(s.num_warmup), "--agreement-tolerance", str(s.agreement_tolerance),
+            "--acceptance-temperatures", str(s.temperature), "--acceptance-top-p", str(s.top_p),
             "--warmup-requests", "2", "--min-accept-length", "1.1", "--baseline-port", str(s.port + 10),
             "--eagle3-port", str(s.port + 20), *bench, *once],
-            "SGLang EAGLE3 serving (05b: launch, draft loading, preflight)")]
+            "SGLang EAGLE3 serving (05b: launch, draft loading, preflight, agreement with replay: its verify "
+            "counts against its answers, greedy and sampled, and the probability gate)")]
     return steps
 
 
@@ -330,6 +340,35 @@ def check_agreement(server_metrics: dict) -> dict:
     return out
 
 
+def check_sglang_agreement(server_metrics: dict, temperature: float) -> dict:
+    """--engine sglang: the agreement check ran on the EAGLE3 server, greedy and sampled, and its probability gate
+    judged (05b already stops on a disagreement or a failed gate; this refuses a run where they did not happen,
+    or where the gate had too few drafts to judge)."""
+    layer = "SGLang's EAGLE3 verify (05b) vs replay of the same draft"
+    key = f"{SPEC_SETTING.replace(',', '-')}/graph"
+    a = (server_metrics.get("agreement") or {}).get(key)
+    if not a or not a.get("judged", True):
+        raise SmokeMismatch(layer, f"no agreement check for {key}" + (f": {a['why']}" if a else ""))
+    if not a["agree"]:
+        raise SmokeMismatch(layer, f"{key} greedy: {a['layer']}: {a['detail']}")
+    t = f"{temperature:g}"
+    x = (a.get("sampled") or {}).get(t)
+    if not x:
+        raise SmokeMismatch(layer, f"{key}: no sampled agreement at T {t}")
+    g = x["expected"]["along_answers"]
+    if not (x["rounds_agree"] and g["enforced"] and g["agree"]):
+        raise SmokeMismatch(layer, f"{key} T {t}: rounds agree {x['rounds_agree']}, gate judged {g['enforced']} "
+                            f"and passed {g['agree']} (z {g['z']}, outside the band {g['z_band']})")
+    print(f"[smoke] {key}: SGLang's verify counts follow from its answers (greedy tau {a['engine']['tau']:.4f} vs "
+          f"replay {a['replay']['tau']:.4f}); sampled T {t}: {x['exact_prompts']}/{len(x['per_prompt'])} answers "
+          f"exact, {sum(g['accepted'])} of {sum(g['judged'])} judged drafts accepted vs {sum(g['expected']):.1f} "
+          f"expected (z {g['z']:+.2f}, band +-{g['band']:.0%}, sees deviations beyond +-{g['resolution']:.0%})")
+    return {"greedy": {"engine_tau": a["engine"]["tau"], "replay_tau": a["replay"]["tau"], "exact": a["exact"]},
+            "sampled": {"temperature": temperature, "exact_prompts": x["exact_prompts"], "z": g["z"],
+                        "z_band": g["z_band"], "band": g["band"], "resolution": g["resolution"],
+                        "accepted": sum(g["accepted"]), "expected": sum(g["expected"]), "judged": sum(g["judged"])}}
+
+
 def serve_target_for_01b(s: Settings, steps: dict, dry_run: bool) -> None:
     from common.serving import process, sglang
 
@@ -400,7 +439,9 @@ def main(argv=None, environ=os.environ) -> None:
         what = "vLLM serving and EAGLE-3 decoding agree with replay on every round at k = 3, 5, 7"
     else:
         result = compare_tau(json.loads((bench / "reference" / "metrics.json").read_text()), server, s.tau_rel_tol)
-        what = "SGLang capture, serving and EAGLE3 decoding agree with transformers"
+        result["agreement"] = check_sglang_agreement(server, s.temperature)
+        what = ("SGLang capture, serving and EAGLE3 decoding agree with transformers, and its sampled verify "
+                "accepts each draft with p(d)")
     result["wall_s"] = time.time() - t0
     (s.work / "smoke_result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"[smoke] PASSED in {result['wall_s']:.0f} s: {what} ({s.work / 'smoke_result.json'})")

@@ -36,7 +36,12 @@ Faults (both modes), set on a running server:
       repeated up to the cap, finish "length"), loop_stop (a short phrase repeated, then the end of
       turn), ramble (text that never repeats a 4-gram, up to the cap, finish "length"), and a 200 that is
       no completion: null_text (choices[0].text null), truncated (the first half of the JSON body;
-      streamed: of the first event).
+      streamed: of the first event); and answers whose counts lie (with `vllm_token_ids`, instant mode too):
+      foreign_ids (the right text with another tokenizer's ids: its bytes), shifted_ids (as many ids as
+      tokens, each moved to the next id), usage_x2 (usage.completion_tokens doubled); and retract (streamed:
+      halfway through its answer the request gives its running slot back, as SGLang retracts a running request
+      into its queue when the KV pool runs out, waits `retract_s` and queues for a slot again, sending nothing
+      until it has one; then the rest of the answer, nothing repeated; counted in `retracted`).
   `server.default_fault = "500"`   the action of every other request.
   `server.route_faults["/v1/models"] = ["503", "drop"]`  the next requests to that route (/health,
       /v1/models, /tokenize) take these actions (500, 503, 429, drop), then it answers normally.
@@ -102,7 +107,7 @@ class OpenAICompletionsServer:
                  host: str = "127.0.0.1", port: int = 0, delay_s: float = 0.0, honor_keep_stop: bool = True,
                  tokenizer_dir: str | Path | None = None, max_model_len: int = 32768, stall_s: float = 30.0,
                  keep_requests: bool = True, max_running: int | None = None, token_delay_s: float = 0.0,
-                 kv_tokens: int | None = None):
+                 kv_tokens: int | None = None, retract_s: float = 1.0):
         self.model = self.tok = None
         if model_dir is not None:
             import torch
@@ -127,6 +132,7 @@ class OpenAICompletionsServer:
         self.num_health = 0
         # The engine's queue (module doc): None runs every request at once.
         self.max_running, self.token_delay_s, self.kv_tokens = max_running, token_delay_s, kv_tokens
+        self.retract_s, self.retracted = retract_s, 0
         self._slots = threading.Semaphore(max_running) if max_running else None
         self.running = self.queued = self.peak_running = self.peak_queued = self.aborted = 0
         self.peak_wait_s = 0.0
@@ -217,6 +223,10 @@ class OpenAICompletionsServer:
                   else self._model_completion(body, input_ids, max_tokens))
         if action == "null_text":
             answer["choices"][0]["text"] = None
+        if action in ("foreign_ids", "shifted_ids") and answer["choices"][0].get("token_ids") is not None:
+            answer["choices"][0]["token_ids"] = self._other_ids(answer["choices"][0], action)
+        if action == "usage_x2":
+            answer["usage"]["completion_tokens"] *= 2
         if action == "truncated" and not body.get("stream"):
             raise Truncated(answer)
         return answer, action
@@ -233,14 +243,29 @@ class OpenAICompletionsServer:
     def _instant(self, body, prompt, n_prompt, max_tokens, force_length) -> dict:
         text = canned_completion(prompt)
         n_out = len(self.tok.encode(text, add_special_tokens=False)) if self.tok is not None else len(text) // 4
+        ids = self.tok.encode(text, add_special_tokens=False) if self.tok is not None else None
         if force_length or n_out + 1 > max_tokens:
             finish, matched, n_out = "length", None, min(n_out, max_tokens)
+            if ids is not None and self.vllm_token_ids:  # the text of the tokens it emitted
+                ids = ids[:n_out]
+                text = self.tok.decode(ids, skip_special_tokens=False)
         else:
             keep = self.honor_keep_stop and (body.get("no_stop_trim") or body.get("include_stop_str_in_output"))
             finish, matched, n_out = "stop", IM_END, n_out + 1
+            ids = ids + [self.tok.convert_tokens_to_ids(IM_END)] if ids is not None else None
             if keep and body.get("skip_special_tokens") is False:
                 text += IM_END
-        return self._answer(text, finish, matched, n_prompt, n_out)
+        answer = self._answer(text, finish, matched, n_prompt, n_out)
+        if self.vllm_token_ids and body.get("return_token_ids") and ids is not None:
+            answer["choices"][0]["token_ids"] = ids
+        return answer
+
+    def _other_ids(self, choice: dict, action: str) -> list[int]:
+        """Ids that are not the text's: a byte-level tokenizer's (another tokenizer: other ids, another
+        count) or the right ones each moved to the next id (the same count, other tokens)."""
+        if action == "foreign_ids":
+            return list(self.tok.decode(choice["token_ids"], skip_special_tokens=False).encode("utf-8"))
+        return [(i + 1) % len(self.tok) for i in choice["token_ids"]]
 
     def _answer(self, text, finish, matched, n_prompt, n_out) -> dict:
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -298,6 +323,20 @@ class OpenAICompletionsServer:
             with self._log_lock:
                 self.running -= 1
             self._slots.release()
+
+    def retract(self, gone) -> bool:
+        """A running request pulled back into the queue (module doc): its slot freed, `retract_s` waited, a slot
+        queued for again; False when the client went away meanwhile (an abort: it holds no slot then)."""
+        with self._log_lock:
+            self.retracted += 1
+        self.finish()
+        until = time.monotonic() + self.retract_s
+        while time.monotonic() < until:
+            if gone():
+                self.count_abort()
+                return False
+            time.sleep(0.005)
+        return self.admit(gone)
 
     def count_abort(self) -> None:
         with self._log_lock:
@@ -383,6 +422,7 @@ class OpenAICompletionsServer:
                 answer, action = server.completion(body)
                 if not server.admit(self._gone):
                     return self._drop()
+                self.holds_slot = True
                 try:
                     if body.get("stream"):
                         usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -397,15 +437,22 @@ class OpenAICompletionsServer:
                     server.count_abort()
                     self.close_connection = True
                 finally:
-                    server.finish()
+                    if self.holds_slot:
+                        server.finish()
 
             def _stream(self, answer: dict, action: str, include_usage: bool):
                 """Server-sent events, chunked; headers go with the first token, as SGLang sends them."""
-                for k, event in enumerate(server.stream_events(answer, include_usage)):
+                events = server.stream_events(answer, include_usage)
+                for k, event in enumerate(events):
                     if event["choices"]:
                         time.sleep(server.token_delay_s)
                     if k == 1 and action == "stall":
                         time.sleep(server.stall_s)
+                    if k == max(1, len(events) // 2) and action == "retract":
+                        self.holds_slot = False
+                        if not server.retract(self._gone):
+                            return self._drop()
+                        self.holds_slot = True
                     if server.down:
                         raise Drop()
                     if self._gone():

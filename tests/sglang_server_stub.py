@@ -11,12 +11,17 @@ set, `data: {"error": {"message", "type", "code", "retryable"}}` then `data: [DO
 ValueError). `fail_first` answers the first N requests with 503. A speculative server verifies
 `accept_length` tokens per round, so completion_tokens / spec_verify_ct = accept_length.
 
+An engine behind the documents (`answer_fn`): `answer_fn(input_ids, sampling_params) -> (output_ids,
+spec_verify_ct)` answers /generate instead of the deterministic stand-in (tests/test_agreement_engines.py runs
+the speculative loop of a real micro target and draft there, counted as SGLang counts: one verify a round, the
+round cut at the budget); its answer streams in chunks of up to 4 tokens with the final meta_info.
+
 Started as 05 launches its servers, with the radix cache off (`disable_radix_cache`; False = SGLang's own
 default). Every /generate request is kept (`requests`) with its place in one count shared by all stubs of
 the process (`arrivals`), so a test can tell in which order several servers were asked.
 
 Bad answers, each a 200: `count_scale` multiplies the completion_tokens it reports (the tokens it streams,
-its spec_verify_ct and its own avg_spec_accept_length stay true); `bad_answer` answers POST /generate with
+its spec_verify_ct and its own avg_spec_accept_length stay true), from its request `honest_first` on; `bad_answer` answers POST /generate with
 "html" (a proxy's sign-in page), "truncated" (a whole event holding the first half of its JSON) or
 "no_count" (a final meta_info without completion_tokens); `bad_info` answers the info document with "html"
 or "truncated" (the first half of the JSON body, Content-Length and all).
@@ -38,7 +43,7 @@ class StubState:
     def __init__(self, algorithm=None, draft_path=None, model_path="/models/target", accept_length=3.0,
                  setting=(3, 1, 4), new_info_path=False, disable_cuda_graph=False, decode_graph="full",
                  error_message=None, fail_first=0, adaptive=False, count_scale=1, bad_answer=None, bad_info=None,
-                 disable_radix_cache=True):
+                 disable_radix_cache=True, honest_first=0, answer_fn=None):
         self.server_args = {
             "model_path": model_path, "tokenizer_path": model_path, "tp_size": 1, "pp_size": 1,
             "dp_size": 1, "mem_fraction_static": 0.85, "disable_radix_cache": disable_radix_cache,
@@ -54,10 +59,13 @@ class StubState:
             "speculative_adaptive": adaptive,  # as SGLang resolved it (False when it turned the flag off)
         }
         self.accept_length = accept_length
+        self.internal_state = {}  # more fields of internal_states[0] (the scheduler's own server args)
         self.new_info_path = new_info_path
         self.error_message = error_message
         self.fail_first = fail_first
         self.count_scale, self.bad_answer, self.bad_info = count_scale, bad_answer, bad_info
+        self.honest_first = honest_first
+        self.answer_fn = answer_fn
         self.resets = 0
         self.tokens = 0
         self.verify = 0
@@ -66,7 +74,7 @@ class StubState:
         self.lock = threading.Lock()
 
     def info(self) -> dict:
-        state = {"last_gen_throughput": 0.0, "memory_usage": {"kvcache": 1.0}}
+        state = {"last_gen_throughput": 0.0, "memory_usage": {"kvcache": 1.0}, **self.internal_state}
         if self.server_args["speculative_algorithm"] and self.verify:
             state["avg_spec_accept_length"] = self.tokens / self.verify
         return {**self.server_args, "max_total_num_tokens": 100000, "internal_states": [state],
@@ -128,12 +136,18 @@ def make_handler(state: StubState):
             if state.bad_answer == "html":
                 return self._raw(200, SIGN_IN_PAGE.encode(), "text/html")
             ids, sp = req["input_ids"], req["sampling_params"]
+            if state.answer_fn is not None:
+                with state.lock:
+                    state.requests.append(req)
+                    state.arrivals.append(next(ARRIVALS))
+                return self._engine_answer(ids, sp)
             n = int(sp["max_new_tokens"])
             spec = bool(state.server_args["speculative_algorithm"])
             rounds = math.ceil(n / state.accept_length) if spec else n
             with state.lock:
                 state.requests.append(req)
                 state.arrivals.append(next(ARRIVALS))
+                scale = state.count_scale if len(state.requests) > state.honest_first else 1
                 state.tokens += n if spec else 0
                 state.verify += rounds if spec else 0
             self.send_response(200)
@@ -145,7 +159,7 @@ def make_handler(state: StubState):
             for k in range(step, n + step, step):
                 done = k >= n
                 meta = {"id": "r", "finish_reason": {"type": "length", "length": n} if done else None,
-                        "prompt_tokens": len(ids), "completion_tokens": min(k, n) * state.count_scale,
+                        "prompt_tokens": len(ids), "completion_tokens": min(k, n) * scale,
                         "cached_tokens": 0, "e2e_latency": time.time() - t0}
                 if spec:
                     meta["spec_verify_ct"] = rounds if done else math.ceil(min(k, n) / state.accept_length)
@@ -154,6 +168,24 @@ def make_handler(state: StubState):
                 data = json.dumps({"text": "x" * min(k, n), "output_ids": out[:min(k, n)], "meta_info": meta})
                 if done and state.bad_answer == "truncated":
                     data = data[:len(data) // 2]
+                self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def _engine_answer(self, ids: list[int], sp: dict) -> None:
+            out, rounds = state.answer_fn(ids, sp)
+            with state.lock:
+                state.tokens += len(out)
+                state.verify += rounds
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for k in range(4, len(out) + 4, 4):
+                done = k >= len(out)
+                meta = {"id": "r", "finish_reason": {"type": "length", "length": len(out)} if done else None,
+                        "prompt_tokens": len(ids), "completion_tokens": min(k, len(out)), "cached_tokens": 0}
+                if done:
+                    meta["spec_verify_ct"] = rounds
+                data = json.dumps({"text": "x", "output_ids": out[:min(k, len(out))], "meta_info": meta})
                 self.wfile.write(f"data: {data}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
 

@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -490,3 +491,115 @@ def test_queue_timeouts_count_as_overload(prepared, micro_target, tmp_path):
     assert limit["floor"] == 1 and limit["lowest"] < 10
     out = rows(work)
     assert len({r["id"] for r in out}) == len(out) == NUM_ROWS and all(r["completion"] == expected(r) for r in out)
+
+
+def test_token_ids_that_are_not_the_texts_are_bad_answers_and_a_server_sending_them_is_stopped(
+        prepared, micro_target, tmp_path):
+    """The text decides, the ids are checked (common/generation/answers.py). An answer whose ids are another
+    tokenizer's (the right text, its bytes as ids), the right count of wrong ids, or a doubled
+    usage.completion_tokens is a bad answer: retried, counted by its reason, and the record that is kept
+    has ids that decode to its text and as many as the server counted. A server (a proxy) that sends other
+    ids in most answers stops the run in one line naming it: mid-run, and at start-up when the health
+    probes' answers carry them too."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(micro_target))
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
+        server.vllm_token_ids = True
+        server.faults.update({tag(2): ["foreign_ids", "ok"], tag(3): ["shifted_ids", "ok"],
+                              tag(4): ["usage_x2", "ok"]})
+        gen.main(args(work, server))
+        assert (attempts(server)[tag(2)], attempts(server)[tag(3)], attempts(server)[tag(4)]) == (2, 2, 2)
+    out = rows(work)
+    assert len(out) == NUM_ROWS and all(r["completion"] == expected(r) for r in out)
+    assert all(tok.decode(r["completion_ids"], skip_special_tokens=False) == r["completion"]
+               and r["num_completion_tokens"] == len(r["completion_ids"]) for r in out)
+    assert read_json(stage_dir(work, GENERATE, "d") / "manifest.json")["counts"]["this_run"]["errors"] == \
+        {"bad_ids": 3}
+    for where in ("mid-run", "start-up"):
+        work = fresh(prepared, tmp_path / where)
+        with OpenAICompletionsServer(None, tokenizer_dir=micro_target) as server:
+            server.vllm_token_ids = True
+            if where == "mid-run":   # the dataset's prompts only: the health probes pass
+                server.faults.update({tag(i): ["foreign_ids"] * 10 for i in range(NUM_ROWS)})
+            else:
+                server.default_fault = "foreign_ids"
+            with pytest.raises(StageError) as e:
+                gen.main(args(work, server))
+        msg = str(e.value)
+        assert "\n" not in msg and re.search(rf"the server {server.base_url[:-3]} sends token ids that disagree "
+                                             r"with its own answer in \d+ of \d+ answers \(last: usage.completion_"
+                                             r"tokens \d+, but \d+ token ids came back\)", msg), msg
+        assert ("start-up check failed, nothing sent" in msg) == (where == "start-up") and not rows(work)
+
+
+def test_the_progress_line_counts_requests_sent_and_the_ceiling_is_the_workers(prepared, micro_target, tmp_path,
+                                                                                capsys):
+    """The progress line said "in flight 200" while the in-flight limit was 28 (it counted workers waiting for a
+    place), and the limit's ceiling was --concurrency + --long-concurrency (216 at 200) even where the long
+    partition runs after the normal one or has no jobs. Now `in flight` counts requests with a server, never
+    more than the limit lets out; the ceiling is the most workers the run has at once."""
+    from common.generation.capacity import InFlightLimit
+    from common.generation.progress import Progress
+    from common.generation.server_pool import ServerPool
+
+    async def sent_at_most(limit: int) -> tuple[int, int]:
+        with OpenAICompletionsServer(None, tokenizer_dir=micro_target, token_delay_s=0.01) as server:
+            pool = ServerPool([server.base_url], "micro-target", limit=InFlightLimit(limit))
+            bar, seen = Progress(6, "t"), []
+            async with pool:
+                async def watch():
+                    while True:
+                        seen.append(bar.in_flight)
+                        await asyncio.sleep(0.002)
+                watcher = asyncio.ensure_future(watch())
+                await asyncio.gather(*(pool.generate(f"{tag(i)} hello", 8, progress=bar) for i in range(6)))
+                watcher.cancel()
+            bar.close()
+            return max(seen), bar.in_flight
+
+    import asyncio
+    assert asyncio.run(sent_at_most(2)) == (2, 0)   # six workers, two places: two in flight, none left over
+    work = fresh(prepared, tmp_path)
+    with OpenAICompletionsServer(None, tokenizer_dir=micro_target, token_delay_s=0.005) as server:
+        gen.main(args(work, server, extra=["--concurrency", "16", "--long-concurrency", "2", "--long-after-normal"]))
+    limit = read_json(stage_dir(work, GENERATE, "d") / "manifest.json")["counts"]["this_run"]["in_flight_limit"]
+    assert limit["ceiling"] == 16 and limit["final"] == 16, limit   # the long partition runs after the normal one
+    lines = re.findall(r"\| in flight (\d+) \(limit (\d+), all partitions\) \|", capsys.readouterr().out)
+    assert lines and all(int(n) <= int(cap) == 16 for n, cap in lines), lines
+
+
+def test_a_request_the_server_retracts_mid_answer_is_timed_by_the_stall_timeout(prepared, micro_target, tmp_path,
+                                                                                 capsys):
+    """SGLang pulls a running request back into its queue when its KV pool runs out (a retraction): the answer
+    stops mid-stream until it is admitted again, then goes on where it stopped. For 01b that wait comes after the
+    first token, so --stall-timeout bounds it, not --queue-timeout. Shorter than the stall timeout: the answer
+    arrives whole, nothing is lost or retried. Longer: the attempt is given up as a stall (its tokens counted as
+    thrown away, the in-flight limit halved: the server holds more than its KV pool), retried, and the record is
+    still exact and written once; the run then ends with the lost-work line."""
+    for pause, stall in ((0.3, 2.0), (1.2, 0.5)):
+        work = fresh(prepared, tmp_path / f"p{pause}")
+        with OpenAICompletionsServer(None, tokenizer_dir=micro_target, max_running=4, token_delay_s=0.005,
+                                     retract_s=pause) as server:
+            server.faults.update({tag(2): ["retract", "ok"], tag(3): ["retract", "ok"]})
+            run = args(work, server, extra=["--concurrency", "8", "--long-concurrency", "2",
+                                            "--stall-timeout", str(stall)])
+            if pause < stall:
+                gen.main(run)
+            else:
+                with pytest.raises(StageError, match=r"^2 request attempts timed out in this run \(0 waiting for "
+                                                     r"their first token, 2 stalled after it\)"):
+                    gen.main(run)
+            assert server.retracted == 2 and attempts(server)[tag(2)] == attempts(server)[tag(3)] == \
+                (1 if pause < stall else 2)
+        out = rows(work)
+        assert len(out) == NUM_ROWS and all(r["completion"] == expected(r) for r in out)
+        m = read_json(stage_dir(work, GENERATE, "d") / "manifest.json")["counts"]["this_run"]
+        lost = m["lost_work"]
+        if pause < stall:
+            assert m["errors"] == {} and set(lost.values()) == {0}
+        else:
+            assert (lost["timeouts"], lost["stall_timeouts"], lost["queue_timeouts"]) == (2, 2, 0)
+            assert lost["abandoned_tokens"] >= 2 and m["in_flight_limit"]["lowest"] == 5
+            assert "[01b] in-flight limit 10 -> 5: a request timed out on http" in capsys.readouterr().out

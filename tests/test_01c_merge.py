@@ -2,6 +2,7 @@
 counted drops (re-tokenization mismatches of text-only answers), caps, refusals."""
 import importlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -200,3 +201,49 @@ def test_repetition_loop_period():
     assert loop_period(prose + [7, 8, 9] * 10) == 0                 # 30 tokens: too short a tail to call a loop
     assert loop_period(prose + list(range(40)) * 4) == 40           # a repeated 40-token line
     assert loop_period([5] * 70) == 1 and loop_period([5] * 40) == 0
+
+
+def test_ids_that_contradict_their_text_are_never_trained_on(generated, tmp_path, tok):
+    """Records an older 01b kept from a proxy that sent another tokenizer's ids with the right text: their ids
+    do not decode to their text, so 01c trains on none of them. Each becomes a text answer (its text
+    tokenized, held against the server's count like any other) and is counted as ids_contradict_text."""
+    work = fresh(generated, tmp_path)
+    path = stage_dir(work, GENERATE, "msg") / "generated.jsonl"
+    rows = list(iter_jsonl(path))
+    foreign = {r["id"]: [(i + 1) % len(tok) for i in r["completion_ids"]] for r in rows[::2]}
+    path.write_text("".join(json.dumps({**r, "completion_ids": foreign.get(r["id"], r["completion_ids"])}) + "\n"
+                            for r in rows))
+    merge.main(["--work-dir", str(work), "--benchmark-size", "1", "--max-seq-len", "1000",
+                "--keep-retokenize-mismatch"])
+    by_id = {r["id"]: r for r in rows}
+    out = [s for s in merged(work) if s["source"] == "msg"]
+    assert {s["id"] for s in out} & set(foreign)
+    for s in out:
+        answer = s["input_ids"][s["n_prompt_tokens"]:]
+        assert tok.decode(answer, skip_special_tokens=False) == by_id[s["id"]]["completion"], s["id"]
+        if s["id"] in foreign:
+            assert answer == tok(by_id[s["id"]]["completion"], add_special_tokens=False)["input_ids"]
+    stats = read_json(stage_dir(work, MERGE) / "stats.json")["per_source"]["msg"]
+    assert stats["ids_contradict_text"] == len(foreign) and stats["server_count_differs_from_ids"] == 0
+
+
+def test_a_refusal_names_the_cause_it_measured(generated, tmp_path):
+    """Wrong usage counts from a server that sends text only (01b cannot check them) make every answer's
+    re-tokenization disagree with its count: 01c's refusal names that cause with its count, and does not
+    advise --max-seq-len, which is not what dropped them. A --max-seq-len that is too short is named as such."""
+    work = fresh(generated, tmp_path)
+    path = stage_dir(work, GENERATE, "msg") / "generated.jsonl"
+    rows = list(iter_jsonl(path))
+    path.write_text("".join(json.dumps({**r, "completion_ids": None, "num_completion_tokens":
+                                        2 * r["num_completion_tokens"]}) + "\n" for r in rows))
+    with pytest.raises(StageError) as e:
+        merge.main(["--work-dir", str(work), "--benchmark-size", "1", "--max-seq-len", "1000",
+                    "--dataset-caps", '{"comp": 0}'])
+    msg = str(e.value)
+    assert "\n" not in msg and re.match(r"no sample survived the filters: \d+ retokenize_mismatch \(the text "
+                                        r"re-tokenizes to another count than the server reported", msg), msg
+    assert "--max-seq-len" not in msg and "capped" in msg
+    with pytest.raises(StageError, match=r"^no sample survived the filters: \d+ over_length \(prompt \+ answer over "
+                                         r"--max-seq-len: raise it"):
+        merge.main(["--work-dir", str(fresh(generated, tmp_path / "short")), "--benchmark-size", "1",
+                    "--max-seq-len", "5"])

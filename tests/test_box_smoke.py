@@ -67,6 +67,11 @@ def test_dry_run_commands_parse_with_each_stage(tmp_path):
     assert ref[ref.index("--num-draft-tokens") + 1] == "3"
     assert server[server.index("--spec-settings") + 1] == "3,1,4"
     assert server[server.index("--sglang-python") + 1] == "/opt/sglang/bin/python"
+    # the sampled gate against SGLang: the agreement check on the warm-up prompts, at Kimi's T 1.0 / top-p 0.95
+    args = load_stage(REPO / stage_script(SERVE_BENCH)).build_parser().parse_args(
+        server[server.index(stage_script(SERVE_BENCH)) + 1:])
+    assert args.engine == "sglang" and args.agreement_prompts == 16 and args.agreement_tolerance == 0.05
+    assert args.acceptance_temperatures == [1.0] and args.acceptance_top_p == 0.95
     for a, b in ((ref, server),):  # the same held-out prompts and answer budget in 05 and 05b
         for flag in ("--num-prompts", "--benchmark-max-new-tokens", "--work-dir"):
             assert a[a.index(flag) + 1] == b[b.index(flag) + 1]
@@ -174,3 +179,26 @@ def test_a_failed_step_names_its_layer(capsys):
         smoke.run_step(step, dry_run=False)
     smoke.run_step(step, dry_run=True)  # printed, not run
     assert "raise SystemExit(3)" in capsys.readouterr().out
+
+
+def test_the_smoke_run_requires_sglangs_sampled_gate_to_have_judged():
+    """The smoke run's pass needs 05b's agreement check on SGLang's EAGLE3 server: greedy, and sampled at T 1.0 with
+    its probability gate judged and passed; a run without it, or whose gate had too few drafts to judge, fails
+    naming SGLang's verify."""
+    from common.serving.agreement import probability_gate
+
+    smoke = load_smoke()
+    gate = probability_gate([(0, 0.5, True), (0, 0.5, False)] * 40, 3, 0.05)
+    sampled = {"rounds_agree": True, "exact_prompts": 16, "per_prompt": [{}] * 16,
+               "expected": {"along_answers": gate}}
+    good = {"agreement": {"3-1-4/graph": {"agree": True, "exact": False, "engine": {"tau": 2.4},
+                                          "replay": {"tau": 2.41}, "sampled": {"1": sampled}}}}
+    res = smoke.check_sglang_agreement(good, 1.0)
+    assert res["sampled"]["judged"] == 80 and res["sampled"]["band"] == 0.05
+    with pytest.raises(smoke.SmokeMismatch, match="SGLang's EAGLE3 verify .* disagrees: no agreement check for "
+                                                  "3-1-4/graph"):
+        smoke.check_sglang_agreement({"agreement": {}}, 1.0)
+    few = {**sampled, "expected": {"along_answers": probability_gate([(0, 0.5, True)] * 4, 3, 0.05)}}
+    with pytest.raises(smoke.SmokeMismatch, match="gate judged False"):
+        smoke.check_sglang_agreement({"agreement": {"3-1-4/graph": {**good["agreement"]["3-1-4/graph"],
+                                                                    "sampled": {"1": few}}}}, 1.0)

@@ -147,7 +147,7 @@ def test_launch_line_is_eagle3_without_the_test_box_noise():
     argv = vllm.server_command("/m/target", 30020, settings, False, "/m/draft", 3)
     line = deploy.launch_line("vllm", {"argv": argv, "env": vllm.server_env(settings)}, True)
     assert '"method": "eagle3"' in line and "VLLM_SERVER_DEV_MODE" not in line and "OMP_NUM_THREADS=1" in line
-    assert "--per-request-spec-decode-metrics" not in line and "--port" not in line
+    assert "--per-request-spec-decode-metrics" not in line and "--port" not in line and "--logprobs-mode" not in line
     with pytest.raises(ValueError, match="not an eagle3"):
         deploy.launch_line("vllm", vllm.server_command("/m/target", 1, settings, False, "/m/draft", 3,
                                                        method="eagle"), True)

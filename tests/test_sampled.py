@@ -278,7 +278,10 @@ class LoopEngine:
     def sampling_defect(self):
         return None
 
-    def request(self, url, ids, max_new_tokens, timeout, sampling):
+    def engine_probabilities(self, url):
+        return "the loop returns no probabilities"
+
+    def request(self, url, ids, max_new_tokens, timeout, sampling, logprobs=None):
         verify = self.verify or sd.SamplingParams(sampling["temperature"], sampling["top_p"])
         return engine_answer(self.target, ids, 3, max_new_tokens, verify, sampling["seed"])
 
@@ -309,5 +312,5 @@ def test_sampled_gate_fails_an_engine_verifying_at_another_temperature(target, t
         check(LoopEngine(target, verify=sd.SamplingParams(3 * T_SHARP, 1.0)), 0)
     msg = str(err.value)
     assert "\n" not in msg and "3-1-4 T=0.02 top-p 0.95: loop accepts" in msg, msg
-    assert re.search(r"judged drafts where p\(d\) expects [\d.]+ \(z -\d+\.\d; by draft position 1: \d+/\d+ vs "
-                     r"[\d.]+, 2: .*beyond 4 standard deviations", msg), msg
+    assert re.search(r"judged drafts where p\(d\) expects [\d.]+ \(z -\d+\.\d; it sees deviations beyond \+-\d+%; "
+                     r"by draft position 1: \d+/\d+ vs [\d.]+, 2: .*beyond 4 standard deviations, it does not", msg), msg

@@ -536,15 +536,18 @@ def test_report_says_what_the_windowed_server_tau_includes(tmp_path):
 def test_sampled_agreement_rows_name_an_engine_defect():
     """The report's sampled agreement: a row that disagrees because the engine build cannot verify sampled
     drafts says so (with the reason) instead of blaming the draft; one that disagrees otherwise says DISAGREE."""
+    from common.serving.agreement import probability_gate
     from common.serving.sweep import sampled_agreement_lines
-    x = {"expected": {"engine_tau": 1.0, "replay_tau": 1.43, "difference": -0.43, "ci": [-0.5, -0.36], "agree": False},
-         "top_p": 0.95}
+    gate = probability_gate([(0, 0.5, True), (0, 0.5, False), (1, 0.25, False)] * 20, 3, 0.05)
+    x = {"expected": {"engine_tau": 1.0, "replay_tau": 1.43, "difference": -0.43, "ci": [-0.5, -0.36], "agree": False,
+                      "along_answers": gate}, "top_p": 0.95, "per_prompt": [{"z": -1.25}, {"z": 0.5}, {"z": None}]}
     lines = sampled_agreement_lines({"3-1-4/nograph": {"sampled": {"1": {**x, "engine_defect": "its expand drops floats"}}},
                                      "5-1-6/nograph": {"sampled": {"1": {**x, "engine_defect": None}}},
                                      "7-1-8/nograph": {}})
     text = "\n".join(lines)
     assert "| 3-1-4/nograph | 1 | 0.95 | 1.000 | 1.430 | -0.430 [-0.500, -0.360] | engine defect* |" in text
-    assert "| 5-1-6/nograph | 1 | 0.95 | 1.000 | 1.430 | -0.430 [-0.500, -0.360] | DISAGREE |" in text
+    assert ("| 5-1-6/nograph | 1 | 0.95 | 1.000 | 1.430 | -0.430 [-0.500, -0.360] | DISAGREE | 20 / 25.0 | -1.35 (-1.01, "
+            "band +-5%) | 64% | -1.2, +0.5 |") in text, text  # A 20, S 25, V 13.75
     assert text.endswith("*its expand drops floats") and "7-1-8" not in text
     assert sampled_agreement_lines({"3-1-4/nograph": {"exact": True}}) == []
 
@@ -749,7 +752,7 @@ def test_doubled_completion_tokens_refuse_the_run_by_name_with_the_tau_bound(tmp
     export = make_work(tmp_path, micro_target)
     base = StubState(model_path=str(micro_target))
     spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), accept_length=3.0,
-                     count_scale=2)
+                     count_scale=2, honest_first=1)   # its one warm-up answer is true: the preflight passes
     with StubServer(base) as b, StubServer(spec) as e, pytest.raises(StageError, match="nothing valid was measured"):
         run_05b(tmp_path, "--baseline-url", b, "--eagle3-url", e)
     out = stage_dir(tmp_path, SERVE_BENCH)
@@ -1097,3 +1100,38 @@ def test_pinned_parameters_in_both_engines_and_the_instant_temperature():
     assert [x["temperature"] for x in timed_sampling([[1], [2], [3]], tags, 1.0, 0.95, 0.6, 0)] == [0.6, 1.0, 1.0]
     assert [x["temperature"] for x in timed_sampling([[1], [2], [3]], tags, 0.0, 0.95, 0.6, 0)] == [0.0] * 3
     assert [x["temperature"] for x in timed_sampling([[1], [2], [3]], tags, 1.0, 0.95, None, 0)] == [1.0] * 3
+
+
+def test_an_impossible_warm_up_tau_stops_the_preflight(tmp_path, micro_target):
+    """The preflight printed "preflight ok" at a warm-up tau of 6.42 on a 3-1-4 chain (at most 4 tokens a round)
+    while the server said 3.20: its warm-up answers are checked as a timed run's are, against the setting's bound
+    (a tree's: its depth + 1) and the ids that came back, and 05b stops in one line before anything is timed."""
+    export = make_work(tmp_path, micro_target)
+    for setting, accept, scale, why in (
+            ((3, 1, 4), 3.0, 2, r"completion_tokens 128 over spec_verify_ct 22 is tau 5.82, above the bound 4.05 "
+                                r"\(4 tokens a verify round"),
+            # a tree of depth 2 that streams 4 tokens a round: more than 2 drafts and the bonus token
+            ((2, 4, 8), 4.0, 1, r"completion_tokens 64 over spec_verify_ct 16 is tau 4.00, above the bound 3.06 "
+                                r"\(3 tokens a verify round")):
+        spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), accept_length=accept,
+                         count_scale=scale, setting=setting)
+        with StubServer(spec) as e:
+            with pytest.raises(StageError, match=rf"^{e}: warm-up request 1 of 1: {why}.*not believed, so neither "
+                                                 r"is its acceptance$"):
+                run_05b(tmp_path, "--eagle3-url", e)
+        assert all(r["sampling_params"]["max_new_tokens"] == 64 for r in spec.requests)   # nothing timed
+
+
+def test_every_run_refused_without_a_baseline_exits_1_in_one_line(tmp_path, micro_target):
+    """An attached EAGLE-3 server alone (no baseline to compare with) whose every timed run is refused: 05b used
+    to exit 0 with an empty recommendation. It stops in one line, writes no manifest, keeps its report."""
+    export = make_work(tmp_path, micro_target)
+    spec = StubState(algorithm="EAGLE3", draft_path=str(export), model_path=str(micro_target), count_scale=2,
+                     honest_first=1)   # the warm-up answer is true, every timed one doubled
+    with StubServer(spec) as e:
+        with pytest.raises(StageError) as err:
+            run_05b(tmp_path, "--eagle3-url", e)
+    assert str(err.value).startswith("every timed run was refused, so nothing valid was measured") and \
+        "\n" not in str(err.value)
+    out = stage_dir(tmp_path, SERVE_BENCH)
+    assert not (out / "manifest.json").exists() and (out / "report.md").is_file()

@@ -43,7 +43,8 @@ def test_command_always_eagle3_with_per_round_metrics():
     base = vllm.server_command("/m/t", 8000, s)
     assert base == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/t", "--host", "127.0.0.1",
                     "--port", "8000", "--dtype", "float32", "--max-model-len", "2048", "--no-enable-chunked-prefill",
-                    "--max-num-batched-tokens", "2048", "--enforce-eager"]   # no split prompt: see server_command
+                    "--max-num-batched-tokens", "2048", "--logprobs-mode", "processed_logprobs",
+                    "--enforce-eager"]   # no split prompt, the verify's logprobs: see server_command
     spec = vllm.server_command("/m/t", 8001, s, cuda_graph=True, draft_dir="/d", num_speculative_tokens=5)
     assert "--enforce-eager" not in spec
     cfg = json.loads(spec[spec.index("--speculative-config") + 1])
@@ -269,3 +270,26 @@ def test_sampler_probe_sees_what_the_sampler_dispatches_to(tmp_path, monkeypatch
     monkeypatch.setattr(vllm, "SAMPLING_FIX", tmp_path)
     late = vllm.probe_sampling(fixed)
     assert late["probed"] and "does not verify drafts at the requested temperature and top-p" in late["defect"], late
+
+
+def test_the_verify_probabilities_are_asked_for_and_parsed_by_token_id():
+    """05b starts vLLM with --logprobs-mode processed_logprobs (the rejection sampler's distribution, after
+    temperature and top-p); the agreement check asks for the top logprobs as token ids and reads them per answer
+    token, the committed token's included. An attached server in another mode is named, not compared."""
+    from common.serving.http import BadAnswer
+
+    chunk = {"tokens": ["token_id:5", "token_id:9"], "token_logprobs": [-0.1, -2.0],
+             "top_logprobs": [{"token_id:5": -0.1, "token_id:7": -2.5}, {"token_id:3": -0.5, "token_id:9": -2.0}]}
+    assert vllm.token_logprobs(chunk, "w") == [{5: -0.1, 7: -2.5}, {3: -0.5, 9: -2.0}]
+    with pytest.raises(BadAnswer, match=r"logprobs keyed 'hello', not token_id:ID"):
+        vllm.token_logprobs({**chunk, "tokens": ["hello", "token_id:9"]}, "w")
+    from common.draft.manifest import DraftManifest
+    from common.target.manifests import HiddenStatesManifest
+
+    info = info_doc("server_info_eagle3.json")
+    engine = vllm.VllmEngine(Path("t"), Path("e"), Path("d"), HiddenStatesManifest.from_dict({}),
+                             DraftManifest.from_dict({}))
+    engine._info = lambda url: info
+    assert "its logprobs_mode is 'raw_logprobs'" in engine.engine_probabilities("u")
+    info["model_config"]["logprobs_mode"] = "processed_logprobs"
+    assert engine.engine_probabilities("u") is None

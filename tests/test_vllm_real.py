@@ -174,6 +174,11 @@ def test_05b_vllm_equals_replay_at_k_3_5_7(world):
         smp = a["sampled"]["1"]
         assert smp["exact"] and smp["engine_defect"] is None, key
         assert sum(smp["engine"]["accepted_per_position"]) > 0, key  # drafts are accepted (0 without the fix)
+        # the engine's own p(d) (--logprobs-mode processed_logprobs: the rejection sampler's distribution) against
+        # replay's, draft by draft
+        probs = smp["engine_probabilities"]
+        print(f"{key} T 1: the engine's own p(d) vs replay's: {json.dumps(probs)}")
+        assert probs["compared"] > 0 and abs(probs["relative_difference"]) < 0.01, probs
         run = m["runs"][key]
         assert run["preflight"]["aux_layers_reported"] == POINTS
         for t in ("0", "1"):  # timed greedily and at T 1 / top-p 0.95, 2 passes each

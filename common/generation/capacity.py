@@ -137,6 +137,18 @@ class InFlightLimit:
         self._waiters: deque = deque()
         self._logged = self.ceiling      # the limit last reported by a growth line
 
+    def set_ceiling(self, ceiling: int) -> None:
+        """The most requests a run can have in flight (its workers: each partition's concurrency, at most its
+        jobs; summed, or the larger with the partitions one after the other). A limit nothing has lowered yet
+        is the ceiling; a lowered one keeps what it learned, under the new ceiling."""
+        fresh = self.changes == 0
+        self.ceiling = max(1, ceiling)
+        self.limit = self.ceiling if fresh else min(self.limit, self.ceiling)
+        self.floor = min(self.floor, self.ceiling)
+        self.lowest = self.limit if fresh else min(self.lowest, self.limit)
+        self._logged = min(self._logged, self.ceiling) if not fresh else self.ceiling
+        self._wake()
+
     def set_floor(self, floor: int) -> None:
         self.floor = max(1, min(floor, self.ceiling))
         self.limit = max(self.limit, self.floor)

@@ -48,10 +48,6 @@ PROBE_MESSAGES = [
 ]
 
 
-class AnswersWrong(Exception):
-    """The servers keep answering 200 with something that is not a completion."""
-
-
 async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurrency: int, long_concurrency: int,
                      long_after_normal: bool, shutdown_grace: float, summary_interval: float, gate=None,
                      on_ready=None) -> str | None:
@@ -63,7 +59,7 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
     from common.text.chat_format import render_prompt
     from common.generation.progress import log
     from common.generation.server_checks import StartupCheckFailed, startup_checks
-    from common.generation.server_pool import RequestFailed, ServersDown, Stopping
+    from common.generation.server_pool import AnswersWrong, RequestFailed, ServersDown, Stopping
 
     loop = asyncio.get_running_loop()
     stop, stopped_by, main, starting = asyncio.Event(), [], None, None
@@ -90,9 +86,8 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
         while queue and not stop.is_set():
             job = queue.popleft()
             t0 = time.monotonic()
-            bar.in_flight += 1
             try:
-                result = await pool.generate(job["prompt"], job["max_new"], bar.errors)
+                result = await pool.generate(job["prompt"], job["max_new"], bar.errors, progress=bar)
             except Stopping:  # never sent: the next run does it
                 return
             except RequestFailed as e:
@@ -107,8 +102,6 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
                 bad_in_a_row[0] = 0
                 write(job, result)
                 bar.update(tokens=result["num_completion_tokens"] or 0, latency=time.monotonic() - t0)
-            finally:
-                bar.in_flight -= 1
 
     async def partition(part, limit):
         queue = deque(jobs[part])
@@ -131,7 +124,7 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
             await asyncio.sleep(summary_interval)
             for bar in bars.values():
                 if bar.total:
-                    log(bar.line())
+                    log(bar.line(pool.limit.limit if pool.limit is not None else None))
 
     need = max([j["n_prompt"] + j["max_new"] for part in PARTITIONS for j in jobs[part]] or [0])
     probes = [render_prompt(tok, PROBE_MESSAGES, None, thinking=True),
@@ -146,14 +139,17 @@ async def run_openai(pool, tok, jobs: dict, write, fail, bars: dict, *, concurre
                 if not stopped_by:
                     raise
                 return stopped_by[0]
-            except StartupCheckFailed as e:
+            except (StartupCheckFailed, AnswersWrong) as e:
                 raise StageError(f"start-up check failed, nothing sent: {e}") from None
             for url, info in found.items():
                 log(f"[01b] server {url}: model {info['model']!r}, context {info['max_model_len']}, "
                     f"tokenizer agrees ({info['tokenizer_check']})"
                     + (f", health gate passed ({info['health']})" if "health" in info else ""))
             in_flight = [min(n, len(jobs[part])) for part, n in zip(PARTITIONS, (concurrency, long_concurrency))]
-            size_to_servers(pool, found, jobs, max(in_flight) if long_after_normal else sum(in_flight))
+            workers = max(in_flight) if long_after_normal else sum(in_flight)   # the most ever in flight
+            if pool.limit is not None:
+                pool.limit.set_ceiling(workers)
+            size_to_servers(pool, found, jobs, workers)
             if on_ready is not None:
                 on_ready(found)
             pool.stopping = stop

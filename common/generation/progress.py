@@ -35,7 +35,8 @@ class Progress:
                         mininterval=1.0, dynamic_ncols=True)
         self.name, self.total = name, total
         self.t0 = self._shown = time.time()
-        self.tokens = self.done = self.failed = self.in_flight = 0
+        self.tokens = self.done = self.failed = 0
+        self.in_flight = 0                  # requests with a server now (ServerPool.generate counts them)
         self.errors: Counter = Counter()   # attempt errors by kind (retried or not)
         self.latencies: list[float] = []    # s per successful request, retries and waits included
 
@@ -55,15 +56,17 @@ class Progress:
         err = " ".join(f"{k}={v}" for k, v in sorted(self.errors.items()))
         return f"{self.tokens / max(time.time() - self.t0, 1e-9):.0f} tok/s" + (f" | err {err}" if err else "")
 
-    def line(self) -> str:
-        """One dense line for log files."""
+    def line(self, limit: int | None = None) -> str:
+        """One dense line for log files: `in flight` counts requests with a server (ServerPool.generate), out of
+        the `limit` the in-flight limit allows all partitions together."""
         dt = max(time.time() - self.t0, 1e-9)
         rate = self.done / dt
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         eta = f"{eta / 3600:.1f} h" if eta > 5400 else f"{eta / 60:.1f} min" if eta > 90 else f"{eta:.0f} s"
         err = ",".join(f"{k}={v}" for k, v in sorted(self.errors.items())) or "0"
         return (f"[01b] {self.name} {self.done}/{self.total} | {rate:.2f} req/s | {self.tokens / dt:.0f} tok/s | "
-                f"in flight {self.in_flight} | failed {self.failed} | errors {err} | eta {eta}")
+                f"in flight {self.in_flight}{'' if limit is None else f' (limit {limit}, all partitions)'} | "
+                f"failed {self.failed} | errors {err} | eta {eta}")
 
     def close(self) -> float:
         self.bar.set_postfix_str(self.postfix(), refresh=False)

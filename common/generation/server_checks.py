@@ -94,6 +94,7 @@ def startup_delay(pool: ServerPool, attempt: int, retry_after: float | None) -> 
 # A server that answers 200 with something that is not the answer asked for (truncated JSON, a sign-in
 # page) is up, not starting: this many such answers in a row end the start-up checks in one line.
 BAD_ANSWERS_AT_STARTUP = 4
+BAD_ANSWER_KINDS = ("bad_response", "bad_ids")  # a 200 that is no completion; ids that are not its text's
 
 
 async def _retrying(pool: ServerPool, deadline: float, what: str, call):
@@ -107,7 +108,7 @@ async def _retrying(pool: ServerPool, deadline: float, what: str, call):
         except RequestFailed as e:
             if not e.retryable:
                 raise
-            bad = bad + 1 if e.kind == "bad_response" else 0
+            bad = bad + 1 if e.kind in BAD_ANSWER_KINDS else 0
             if bad >= BAD_ANSWERS_AT_STARTUP:
                 raise StartupCheckFailed(f"{what}: the server answers, but not as asked ({bad} malformed answers "
                                          f"in a row): {str(e)[:200]}") from None
@@ -179,7 +180,7 @@ async def check_health(pool: ServerPool, s: Server, tok, gate: HealthGate, deadl
         body = pool.completion_body(prompt, gate.max_new_tokens, temperature=0.0)
 
         async def once():
-            return pool._parse(await pool.request("POST", s.url + "/completions", body, pool.request_timeout))
+            return pool._parse(await pool.request("POST", s.url + "/completions", body, pool.request_timeout), s)
         try:
             return await _retrying(pool, deadline, f"health probe on {s.url}", once)
         except RequestFailed as e:

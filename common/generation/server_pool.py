@@ -80,6 +80,11 @@ class Stopping(Exception):
     """The run is stopping (SIGINT/SIGTERM): a request not yet sent is not sent; the next run does it."""
 
 
+class AnswersWrong(Exception):
+    """The servers keep answering 200 with something that is not a completion, or one server's token ids
+    disagree with its own text or counts in most answers (common/generation/answers.py)."""
+
+
 class Server:
     def __init__(self, url: str):
         self.url = url.rstrip("/")                                          # .../v1
@@ -87,6 +92,7 @@ class Server:
         self.up = asyncio.Event()
         self.up.set()
         self.in_flight, self.num_requests = 0, 0
+        self.ids_checked, self.ids_bad = 0, 0  # answers whose ids were checked, and those that disagreed
         self.probe: asyncio.Task | None = None  # the running health probe, shared by all requests
         self.poller: asyncio.Task | None = None  # polls /health while the server is down
 
@@ -124,8 +130,9 @@ class ServerPool:
                  request_timeout: float = 1800.0, max_retries: int = 3, retry_base_delay: float = 1.0,
                  retry_max_delay: float = 60.0, health_interval: float = 5.0, health_timeout: float = 30.0,
                  server_down_timeout: float = 3600.0, stop: list[str] | None = None, top_p: float = 1.0,
-                 stall_timeout: float = 600.0, queue_timeout: float = 14400.0, limit=None):
+                 stall_timeout: float = 600.0, queue_timeout: float = 14400.0, limit=None, tokenizer=None):
         self.servers = [Server(u) for u in urls]
+        self.tokenizer = tokenizer     # the target's: answers with ids are checked against it (check_ids)
         # The target's end-of-turn string(s) (common/text/target_format.py); Kimi's <|im_end|> by default.
         self.stop = list(stop) if stop else [IM_END]
         self.model, self.api_key, self.temperature, self.seed = model, api_key, temperature, seed
@@ -274,10 +281,13 @@ class ServerPool:
         """A place in flight under the in-flight limit (none without a limit); yields its epoch."""
         return self.limit.slot() if self.limit is not None else contextlib.nullcontext()
 
-    async def generate(self, prompt_text: str, max_new_tokens: int, errors: Counter | None = None) -> dict:
+    async def generate(self, prompt_text: str, max_new_tokens: int, errors: Counter | None = None,
+                       progress=None) -> dict:
         """One completion, retried as the class doc says. Attempt errors are counted in `errors`
         by kind; the final failure is raised as RequestFailed (kind = the failures.jsonl reason);
-        Stopping when the run stops before it is sent."""
+        Stopping when the run stops before it is sent. `progress.in_flight` (a Progress) counts the request
+        while an attempt of it is with a server: not while it waits for a place under the in-flight limit,
+        a healthy server or its backoff."""
         body = self.completion_body(prompt_text, max_new_tokens, stream=True)
         charged = 0
         while True:
@@ -287,6 +297,8 @@ class ServerPool:
                 server = await self._acquire()
                 server.in_flight += 1
                 server.num_requests += 1
+                if progress is not None:
+                    progress.in_flight += 1
                 try:
                     result = await self.stream(server, body)
                     self._report(self.limit.answered() if self.limit is not None else None)
@@ -300,6 +312,8 @@ class ServerPool:
                     failed = e
                 finally:
                     server.in_flight -= 1
+                    if progress is not None:
+                        progress.in_flight -= 1
             if failed.kind in SERVER_DOWN_KINDS and not await self._is_up(server):
                 continue  # the server is down: wait for one that is up, do not charge this request
             if failed.kind == "timeout" and self.limit is not None:
@@ -355,9 +369,9 @@ class ServerPool:
         if not got.done:
             raise RequestFailed("connection_error", f"the stream from {server.url} ended before `data: [DONE]` "
                                                     f"({got.tokens} tokens received)", True, tokens=got.tokens)
-        return self._parse(got.document())
+        return self._parse(got.document(), server)
 
-    def _parse(self, data: dict) -> dict:
+    def _parse(self, data: dict, server: Server | None = None) -> dict:
         try:
             choice = data["choices"][0]
             text, finish = choice["text"], choice["finish_reason"]
@@ -377,9 +391,30 @@ class ServerPool:
                 text += stop_text
         usage = data.get("usage") or {}
         ids = choice.get("token_ids")
-        return {"completion": text, "completion_ids": [int(i) for i in ids] if isinstance(ids, list) else None,
-                "finish_reason": finish, "num_prompt_tokens": usage.get("prompt_tokens"),
-                "num_completion_tokens": usage.get("completion_tokens")}
+        result = {"completion": text, "completion_ids": [int(i) for i in ids] if isinstance(ids, list) else None,
+                  "finish_reason": finish, "num_prompt_tokens": usage.get("prompt_tokens"),
+                  "num_completion_tokens": usage.get("completion_tokens")}
+        if server is not None and result["completion_ids"] is not None and self.tokenizer is not None:
+            self.check_ids(server, result)
+        return result
+
+    def check_ids(self, server: Server, result: dict) -> None:
+        """The text decides, the ids are checked (common/generation/answers.py): ids that are not the tokens
+        of the text, or not as many as the server counted, make the answer a bad one (`bad_ids`: retried,
+        then recorded); when most of a server's answers disagree, AnswersWrong stops the run naming it."""
+        from common.generation.answers import ids_fault, most_disagree
+
+        why = ids_fault(self.tokenizer, result["completion"], result["completion_ids"],
+                        result["num_completion_tokens"])
+        server.ids_checked += 1
+        server.ids_bad += why is not None
+        if why is None:
+            return
+        if most_disagree(server.ids_bad, server.ids_checked):
+            raise AnswersWrong(f"the server {server.root} sends token ids that disagree with its own answer in "
+                               f"{server.ids_bad} of {server.ids_checked} answers (last: {why}), and 01c trains on "
+                               "the ids: serve the target with its own tokenizer, without a proxy that rewrites them")
+        raise RequestFailed("bad_ids", f"{server.url}: {why}", True)
 
 
 class Streamed:

@@ -51,7 +51,7 @@ from common.serving.settings import is_adaptive
 # a deployment keeps its cache); and the test box's host/port (a deployment picks its own).
 MEASUREMENT_ENV = ("VLLM_SERVER_DEV_MODE", "TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED")
 MEASUREMENT_FLAGS = {"--host": 1, "--port": 1, "--per-request-spec-decode-metrics": 1, "--disable-radix-cache": 0,
-                     "--no-enable-prefix-caching": 0}
+                     "--no-enable-prefix-caching": 0, "--logprobs-mode": 1}
 
 
 def request_record(result: dict, tag: dict | None) -> dict:

