@@ -9,6 +9,9 @@ clip, AdamW), each variant in a process of its own, so its peak memory is its ow
   fp32       04's run_batch: new attention, teacher/lm_head/soft-CE on supervised rows, fused soft-CE
   bf16       04's run_batch under --precision bf16: autocast over fp32 master weights, bf16 teacher head
   topk       bf16 with the compact teacher (02b --teacher-format topk, k 32): no target lm_head at all
+  mla        bf16 with the MLA draft form (--draft-attention mla; dims from common/draft/model.py mla_dims:
+             at the CPU default H 1024 / 8 heads they are Kimi-K2.5's, q_lora 1536, kv_lora 512, 128/64/128)
+  mla31      mla with EAGLE-3.1's fc_norm and norm_output
 Part 2 (stage, CPU): 04_train.py itself on synthetic 02b/03 folders of the same shape, ms per step from
 its train log: reading in the loop vs the prefetch thread, and 1 process vs one per core (torchrun, gloo)
 on the same global batches. Prints tables (medians over the measured steps); asserts nothing.
@@ -37,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from common.stage import EXTRACT, TRAIN, VOCAB, stage_dir, stage_script  # noqa: E402
 
-VARIANTS = ("today", "attention", "fp32", "bf16", "topk")
+VARIANTS = ("today", "attention", "fp32", "bf16", "topk", "mla", "mla31")
 
 
 def build_parser():
@@ -127,19 +130,22 @@ def make_step(args, seq_len: int, variant: str):
     import torch
 
     from common.training.distributed import Ranks
-    from common.draft.model import Eagle3DraftModel
+    from common.draft.model import Eagle3DraftModel, mla_dims
     train = importlib.import_module(TRAIN)
     device = torch.device(args.device)
     torch.manual_seed(0)
     cfg = {"hidden_size": args.hidden, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
            "intermediate_size": intermediate_of(args), "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
            "max_position_embeddings": 32768, "vocab_size": args.vocab, "draft_vocab_size": args.draft_vocab}
+    if variant.startswith("mla"):   # the MLA form: every head its own latent-derived keys, no KV groups
+        cfg.update(attention="mla", num_key_value_heads=args.heads, **mla_dims({"hidden_size": args.hidden}, args.heads),
+                   fc_norm=variant == "mla31", norm_output=variant == "mla31")
     model = Eagle3DraftModel(cfg)
     d2t, t2d = random_vocab_mapping(args.vocab, args.draft_vocab)
     used = torch.arange(args.draft_vocab) + d2t
     model.set_vocab_mapping(d2t, t2d)
     model.to(device).train()
-    bf16 = variant in ("bf16", "topk") or (variant == "today" and device.type == "cuda")  # today: autocast on CUDA
+    bf16 = variant in ("bf16", "topk", "mla", "mla31") or (variant == "today" and device.type == "cuda")
     if bf16:
         model.embed_tokens.to(torch.bfloat16)
     lm_head = torch.randn(args.vocab, args.hidden, device=device) / args.hidden ** 0.5 * 4
