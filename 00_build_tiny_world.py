@@ -39,7 +39,8 @@ from common.stage import (StageError, TINY_WORLD, host_info, package_versions, r
 from common.text.chat_format import render_prompt
 from common.worlds import tiny_tasks as tw
 from common.worlds import tiny_train as tt
-from common.worlds.tiny_target import KIMI_KV_LORA_RANK, KIMI_QK_ROPE_HEAD_DIM, deepseek_v3_config
+from common.worlds.tiny_target import (KIMI_KV_LORA_RANK, KIMI_QK_ROPE_HEAD_DIM, KIMI_ROUTED_SCALING_FACTOR,
+                                      deepseek_v3_config)
 from common.worlds.tiny_tokenizer import build_tokenizer
 
 STAGE = TINY_WORLD
@@ -254,7 +255,7 @@ def build(args, tiny_dir: Path) -> None:
         moe_intermediate_size=args.tiny_moe_intermediate_size,
         intermediate_size=args.tiny_intermediate_size, kv_lora_rank=args.tiny_kv_lora_rank,
         qk_rope_head_dim=args.tiny_qk_rope_head_dim, qk_nope_head_dim=args.tiny_qk_nope_head_dim,
-        v_head_dim=args.tiny_v_head_dim)
+        v_head_dim=args.tiny_v_head_dim, routed_scaling_factor=KIMI_ROUTED_SCALING_FACTOR)
     torch.manual_seed(args.seed)
     model = DeepseekV3ForCausalLM(config)
     tt.init_latent_norm(model, args.tiny_kv_norm_init)
