@@ -39,7 +39,8 @@ from common.stage import (StageError, TINY_WORLD, host_info, package_versions, r
 from common.text.chat_format import render_prompt
 from common.worlds import tiny_tasks as tw
 from common.worlds import tiny_train as tt
-from common.worlds.tiny_target import deepseek_v3_config
+from common.worlds.tiny_target import (KIMI_KV_LORA_RANK, KIMI_QK_ROPE_HEAD_DIM, KIMI_ROUTED_SCALING_FACTOR,
+                                      deepseek_v3_config)
 from common.worlds.tiny_tokenizer import build_tokenizer
 
 STAGE = TINY_WORLD
@@ -50,6 +51,10 @@ WORLD_FILES = ("target/config.json", "target/generation_config.json", "target/mo
                "data/prompts.jsonl", "greedy_samples.jsonl")
 # Manifest fields a build measures; the asset carries them so that an unpacked world reports them too.
 BUILD_FIELDS = ("model", "training", "counts", "held_out_functions_sha256", "quality", "build_seconds")
+# Config fields the manifest's "model" reports besides the sizes: the MLA widths and the router (what an
+# engine must support to serve the target: common/worlds/tiny_target.py).
+MODEL_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "topk_method",
+                "scoring_func", "routed_scaling_factor")
 # Flags that do not change what is built.
 NOT_SETTINGS = ("config", "overwrite", "tiny_dir", "tiny_threads", "tiny_asset", "retrain", "pack_asset")
 
@@ -82,8 +87,23 @@ def build_parser():
     g.add_argument("--tiny-num-hidden-layers", type=int, default=8,
                    help="target decoder layers (>= 8 keeps capture points 2, N/2, N-3 distinct)")
     g.add_argument("--tiny-num-attention-heads", type=int, default=4, help="target attention heads")
-    g.add_argument("--tiny-kv-lora-rank", type=int, default=64,
-                   help="MLA key/value latent width (features); a narrow latent slows learning to copy")
+    g.add_argument("--tiny-kv-lora-rank", type=int, default=KIMI_KV_LORA_RANK,
+                   help="MLA key/value latent width (features); Kimi-K2.5's 512 by default: vLLM's CPU MLA kernel "
+                        "serves only kv-lora-rank + qk-rope-head-dim = 576 (a narrow latent also slows learning "
+                        "to copy)")
+    g.add_argument("--tiny-qk-rope-head-dim", type=int, default=KIMI_QK_ROPE_HEAD_DIM,
+                   help="MLA rotary part of each query/key head, shared by the heads' keys (features); Kimi-K2.5's 64")
+    g.add_argument("--tiny-qk-nope-head-dim", type=int, default=32,
+                   help="MLA non-rotary part of each query/key head (features); as Kimi-K2.5's equals its "
+                        "v-head-dim, here hidden / heads")
+    g.add_argument("--tiny-v-head-dim", type=int, default=32, help="MLA value width per head (features)")
+    g.add_argument("--tiny-kv-norm-init", type=float, default=0.125,
+                   help="initial weight of each layer's latent RMSNorm (kv_a_layernorm): 64 / kv-lora-rank, so "
+                        "that the 512-wide latent learns as fast as a 64-wide one (common/worlds/tiny_train.py "
+                        "init_latent_norm)")
+    g.add_argument("--tiny-router-bias-speed", type=float, default=1e-3,
+                   help="per-step change of each router's e_score_correction_bias in DeepSeek-V3's "
+                        "auxiliary-loss-free load balancing (its report: 0.001; 0 leaves the bias at zero)")
     g.add_argument("--tiny-num-experts", type=int, default=8, help="routed experts per MoE layer")
     g.add_argument("--tiny-num-experts-per-tok", type=int, default=2, help="routed experts per token (top-k)")
     g.add_argument("--tiny-moe-intermediate-size", type=int, default=128,
@@ -233,16 +253,19 @@ def build(args, tiny_dir: Path) -> None:
         num_attention_heads=args.tiny_num_attention_heads, n_routed_experts=args.tiny_num_experts,
         num_experts_per_tok=args.tiny_num_experts_per_tok,
         moe_intermediate_size=args.tiny_moe_intermediate_size,
-        intermediate_size=args.tiny_intermediate_size)
-    config.kv_lora_rank = args.tiny_kv_lora_rank
+        intermediate_size=args.tiny_intermediate_size, kv_lora_rank=args.tiny_kv_lora_rank,
+        qk_rope_head_dim=args.tiny_qk_rope_head_dim, qk_nope_head_dim=args.tiny_qk_nope_head_dim,
+        v_head_dim=args.tiny_v_head_dim, routed_scaling_factor=KIMI_ROUTED_SCALING_FACTOR)
     torch.manual_seed(args.seed)
     model = DeepseekV3ForCausalLM(config)
+    tt.init_latent_norm(model, args.tiny_kv_norm_init)
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"[00] target: DeepseekV3 {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"{config.n_routed_experts} experts top-{config.num_experts_per_tok}, "
-          f"{num_params / 1e6:.2f} M params")
+    print(f"[00] target: DeepseekV3 {config.num_hidden_layers} layers, hidden {config.hidden_size}, MLA latent "
+          f"{config.kv_lora_rank} + {config.qk_rope_head_dim}, {config.n_routed_experts} experts "
+          f"top-{config.num_experts_per_tok}, {num_params / 1e6:.2f} M params")
     trained = tt.train_target(model, train_seqs, tok.pad_token_id, args.tiny_train_steps,
-                              args.tiny_batch_size, args.tiny_lr, args.seed, args.tiny_loss_on)
+                              args.tiny_batch_size, args.tiny_lr, args.seed, args.tiny_loss_on,
+                              bias_speed=args.tiny_router_bias_speed)
     t = log_time(f"train ({args.tiny_train_steps} steps)", t)
 
     eos_id = tok.convert_tokens_to_ids("<|im_end|>")
@@ -285,8 +308,10 @@ def build(args, tiny_dir: Path) -> None:
         model={"architecture": "DeepseekV3ForCausalLM", "num_parameters": num_params,
                "num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                "vocab_size": config.vocab_size, "n_routed_experts": config.n_routed_experts,
-               "num_experts_per_tok": config.num_experts_per_tok, "kv_lora_rank": config.kv_lora_rank},
+               "num_experts_per_tok": config.num_experts_per_tok,
+               **{k: getattr(config, k) for k in MODEL_FIELDS}},
         training={"steps": args.tiny_train_steps, "loss_on": args.tiny_loss_on, "seconds": round(trained["seconds"], 1),
+                  "router_bias_max_abs": round(trained["router_bias_max_abs"], 4),
                   "first_loss": round(trained["losses"][0], 4) if trained["losses"] else None,
                   "last_loss": round(sum(trained["losses"][-20:]) / max(1, len(trained["losses"][-20:])), 4)
                   if trained["losses"] else None, "seed": args.seed},

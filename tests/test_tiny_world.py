@@ -14,10 +14,11 @@ stage = importlib.import_module(TINY_WORLD)
 
 from common.worlds import tiny_tasks as tw  # noqa: E402
 
-# Small everything: ~20 stdlib modules, a 600-token vocab, hidden 32, a few steps.
+# Small everything: ~20 stdlib modules, a 600-token vocab, hidden 32 with a narrow MLA latent, a few steps.
 SMALL = ["--tiny-train-steps", "3", "--tiny-batch-size", "4", "--tiny-stdlib-files", "20",
          "--tiny-tokenizer-files", "4", "--tiny-vocab-size", "600", "--tiny-hidden-size", "32",
-         "--tiny-moe-intermediate-size", "32", "--tiny-intermediate-size", "64",
+         "--tiny-kv-lora-rank", "64", "--tiny-qk-rope-head-dim", "4", "--tiny-qk-nope-head-dim", "4",
+         "--tiny-v-head-dim", "8", "--tiny-moe-intermediate-size", "32", "--tiny-intermediate-size", "64",
          "--tiny-num-prompts", "40", "--tiny-eval-prompts", "4", "--tiny-eval-new-tokens", "8",
          "--tiny-eval-loss-samples", "16", "--tiny-max-len", "256", "--tiny-held-out-share", "0.3"]
 
@@ -145,7 +146,16 @@ def test_default_settings_unpack_the_shipped_world(tmp_path, monkeypatch):
     man = json.loads((out / "manifest.json").read_text())
     assert man["source"] == "asset" and man["quality"] == info["quality"]
     assert {rel: sha256_file(out / rel) for rel in stage.WORLD_FILES} == info["files"]
-    assert man["model"]["num_parameters"] == 4696192
+    assert man["model"]["num_parameters"] == 6289024
+    # what vLLM's CPU build needs to serve it (common/worlds/tiny_target.py, tests/test_vllm_tiny.py): Kimi's
+    # 512 + 64 MLA latent and router fields, and a trained (nonzero) correction bias in every MoE router
+    cfg = json.loads((out / "target" / "config.json").read_text())
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64)
+    assert (cfg["topk_method"], cfg["scoring_func"], cfg["routed_scaling_factor"]) == ("noaux_tc", "sigmoid", 2.827)
+    weights = load_file(out / "target" / "model.safetensors")
+    biases = [v for k, v in weights.items() if k.endswith("e_score_correction_bias")]
+    assert len(biases) == cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    assert all(b.abs().max() > 0.01 for b in biases)
 
 
 def test_pack_unpack_round_trip_and_a_bad_asset_is_refused(built, tmp_path):
@@ -168,3 +178,38 @@ def test_pack_unpack_round_trip_and_a_bad_asset_is_refused(built, tmp_path):
     (asset / "world.tar.gz").write_bytes(b"not the archive")
     with pytest.raises(StageError, match="does not match the sha256"):
         stage.main(["--tiny-dir", str(tmp_path / "bad2"), "--seed", "3", *SMALL, "--tiny-asset", str(asset)])
+
+
+def test_router_balancer_moves_each_bias_toward_balance(tmp_path):
+    """DeepSeek-V3's auxiliary-loss-free balancing (tiny_train.RouterBalancer): an expert that took more tokens
+    than the mean loses `speed` of bias, one that took fewer gains it, padding is not counted, and the hooks
+    come off."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    from common.worlds import tiny_train as tt
+    from common.worlds.tiny_target import deepseek_v3_config
+    from common.worlds.tiny_tokenizer import build_tokenizer
+    from tests.conftest import stdlib_texts
+
+    tok = build_tokenizer(stdlib_texts(4), 300, tmp_path)
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(tok, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                                     moe_intermediate_size=8, intermediate_size=16))
+    balancer = tt.RouterBalancer(model, speed=0.01)
+    router = balancer.routers[0]
+    ids = torch.randint(30, len(tok), (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0  # four pad tokens
+    balancer.mask = mask.flatten().bool()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    load = balancer.loads[0].clone()
+    assert load.sum() == 20 * model.config.num_experts_per_tok  # the 20 real tokens' choices only
+    balancer.step()
+    bias = router.e_score_correction_bias
+    assert torch.equal(bias, 0.01 * torch.sign(load.mean() - load))
+    assert balancer.loads[0].sum() == 0
+    balancer.remove()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert balancer.loads[0].sum() == 0

@@ -60,6 +60,40 @@ def test_command_always_eagle3_with_per_round_metrics():
     vllm.server_command("/m/t", 8000, vllm.VllmSettings(extra_args=("--max-num-seqs", "4")))
 
 
+def test_an_mla_target_gets_the_cpu_mla_backend_and_a_latent_it_cannot_take_is_refused(tmp_path):
+    """A Kimi-shaped target is launched with CPU_MLA (an AMX CPU would pick the bf16-only AMX_MLA); its latent
+    must be the kernel's 576 (a 64 + 16 one starts, then dies at the first request); other targets get no
+    backend flag, and --vllm-mla-backend '' leaves vLLM's choice."""
+    def target(name: str, cfg: dict) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        return tmp_path / name
+
+    kimi = target("kimi", {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2", "kv_lora_rank": 512,
+                                                                    "qk_rope_head_dim": 64}})
+    tiny = target("tiny", {"model_type": "deepseek_v3", "kv_lora_rank": 512, "qk_rope_head_dim": 64})
+    narrow = target("narrow", {"model_type": "deepseek_v3", "kv_lora_rank": 64, "qk_rope_head_dim": 16})
+    llama = target("llama", {"model_type": "llama"})
+    s = vllm.VllmSettings(python="py")
+    for t in (kimi, tiny):
+        cmd = vllm.server_command(t, 8000, s)
+        assert cmd[cmd.index("--attention-backend") + 1] == "CPU_MLA", t
+    assert "--attention-backend" not in vllm.server_command(llama, 8000, s)
+    assert vllm.mla_latent(llama) is None and vllm.mla_latent(tmp_path / "nowhere") is None
+    with pytest.raises(StageError, match="80-feature latent"):
+        vllm.server_command(narrow, 8000, s)
+    assert "--attention-backend" not in vllm.server_command(narrow, 8000, vllm.VllmSettings(mla_backend=""))
+    with pytest.raises(StageError, match="may not contain --attention-backend"):
+        vllm.server_command(tiny, 8000, vllm.VllmSettings(extra_args=("--attention-backend=TRITON_MLA",)))
+    # the rotary fix (scripts/vllm_cpu_fix "mla_rope") goes to an MLA target's servers only, beside the sampler's
+    env = vllm.server_env(s, tiny)
+    assert env["PYTHONPATH"] == str(vllm.SAMPLING_FIX) and env["EAGLE3_VLLM_FIXES"] == "mla_rope"
+    assert "PYTHONPATH" not in vllm.server_env(s, llama) and "PYTHONPATH" not in vllm.server_env(s)
+    assert vllm.server_env(vllm.VllmSettings(fix_sampling=True), kimi)["EAGLE3_VLLM_FIXES"] == "sampling,mla_rope"
+    assert vllm.server_env(vllm.VllmSettings(fix_sampling=True), llama)["EAGLE3_VLLM_FIXES"] == "sampling"
+    assert "PYTHONPATH" not in vllm.server_env(vllm.VllmSettings(fix_mla_rope=False), tiny)
+
+
 def test_recorded_eagle3_document_passes_and_eagle_is_refused(folders):
     target, draft = folders
     info = info_doc("server_info_eagle3.json", draft, target)

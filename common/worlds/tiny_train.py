@@ -81,9 +81,59 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def init_latent_norm(model, weight: float) -> None:
+    """Start every MLA latent's RMSNorm (kv_a_layernorm) at `weight` instead of 1.
+
+    With Adam each kv_b_proj weight moves by about the learning rate per step, so its outputs (keys and
+    values) move in proportion to the summed size of the latent it reads: a 512-wide latent at weight 1 moves
+    them 8x as far per step as a 64-wide one. Started at 64/512 the wide latent learns as fast as the narrow
+    one did (measured on the tiny world, LOG.md 2026-12-04: loss 2.5 at step 100 instead of 4.6-5.4).
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "kv_a_layernorm"):
+                module.kv_a_layernorm.weight.fill_(weight)
+
+
+class RouterBalancer:
+    """DeepSeek-V3's auxiliary-loss-free load balancing (DeepSeek-V3 technical report, section 2.1.2): after
+    each step every router's `e_score_correction_bias` moves by `speed` toward balance, down for an expert
+    that took more than the mean number of tokens, up for one that took fewer. The bias only steers which
+    experts are chosen (noaux_tc: the weights are the unbiased scores), as in Kimi-K2.5, whose router
+    carries the same bias; a trained, nonzero bias is what makes a served tiny target prove that the engine
+    applies it. HF never updates the buffer itself.
+    """
+
+    def __init__(self, model, speed: float):
+        self.speed = speed
+        self.routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+        self.loads = [torch.zeros_like(r.e_score_correction_bias) for r in self.routers]  # [E] tokens
+        self.mask: torch.Tensor | None = None  # [B*T] bool: the real (non-pad) tokens of the batch
+        self.hooks = [r.register_forward_hook(self._count(i)) for i, r in enumerate(self.routers)]
+
+    def _count(self, i: int):
+        def hook(_module, _inputs, output):
+            if self.mask is not None:
+                chosen = output[-1][self.mask]  # [N, top_k] expert ids of the real tokens
+                self.loads[i] += torch.bincount(chosen.flatten(), minlength=self.loads[i].numel())
+        return hook
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Move each bias by `speed` * sign(mean load - load); reset the counts."""
+        for router, load in zip(self.routers, self.loads):
+            router.e_score_correction_bias += self.speed * torch.sign(load.mean() - load)
+            load.zero_()
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
 def train_target(model, seqs: list[dict], pad_id: int, steps: int, batch_size: int, lr: float,
-                 seed: int, loss_on: str = "all", log_every: int = 50) -> dict:
-    """AdamW on `seqs` for `steps` steps. Returns {losses, seconds}.
+                 seed: int, loss_on: str = "all", log_every: int = 50, bias_speed: float = 0.0) -> dict:
+    """AdamW on `seqs` for `steps` steps, the routers' bias balanced at `bias_speed` per step
+    (RouterBalancer; 0 = left at zero). Returns {losses, seconds, router_bias_max_abs}.
 
     loss_on "all" also trains on the prompt tokens: the prompts repeat names and docstrings that the
     answers copy, which teaches the copying (induction) the tasks need much faster than the
@@ -95,17 +145,22 @@ def train_target(model, seqs: list[dict], pad_id: int, steps: int, batch_size: i
     warmup = max(1, steps // 20)
     model.train()
     stream = batches(seqs, batch_size, generator)
+    balancer = RouterBalancer(model, bias_speed) if bias_speed > 0 else None
     losses, t0 = [], time.time()
     bar = tqdm(range(steps), desc="train target", unit="step", mininterval=5)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         ids, labels, mask = _collate(next(stream), pad_id, prompt_labels=loss_on == "all")
+        if balancer is not None:
+            balancer.mask = mask.flatten().bool()
         loss = completion_nll(model, ids, labels, mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if balancer is not None:
+            balancer.step()
         losses.append(loss.item())
         if (step + 1) % log_every == 0 or step + 1 == steps:
             recent = sum(losses[-log_every:]) / len(losses[-log_every:])
@@ -113,8 +168,12 @@ def train_target(model, seqs: list[dict], pad_id: int, steps: int, batch_size: i
             eta = elapsed / (step + 1) * (steps - step - 1)
             tqdm.write(f"step {step + 1}/{steps} | loss {recent:.3f} | lr {opt.param_groups[0]['lr']:.2e} "
                        f"| {1000 * elapsed / (step + 1):.0f} ms | eta {eta / 60:.1f} m")
+    if balancer is not None:
+        balancer.remove()
     model.eval()
-    return {"losses": losses, "seconds": time.time() - t0}
+    biases = [m.e_score_correction_bias for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    return {"losses": losses, "seconds": time.time() - t0,
+            "router_bias_max_abs": max((b.abs().max().item() for b in biases), default=0.0)}
 
 
 @torch.no_grad()

