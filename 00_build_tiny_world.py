@@ -177,6 +177,20 @@ def unpack_asset(asset: Path, tiny_dir: Path, info: dict) -> None:
         raise StageError(f"unpacked files differ from world.json: {bad}")
 
 
+def stale_build(tiny_dir: Path, settings: dict, info: dict | None) -> str | None:
+    """Why a complete tiny world in tiny_dir is not the one these settings and the shipped asset give (a
+    repository update that changed the asset or its settings), or None: it is reused only when it is."""
+    if not (tiny_dir / "manifest.json").is_file():
+        return None
+    made = read_manifest(tiny_dir)
+    if made.get("build_settings") != settings:
+        return "other build settings"
+    shipped = (made.get("asset") or {}).get("archive_sha256")
+    if made.get("source") == "asset" and info is not None and shipped != info["archive_sha256"]:
+        return f"asset {str(shipped)[:12]}, the shipped one is {info['archive_sha256'][:12]}"
+    return None
+
+
 def main(argv=None):
     args = parse_args(build_parser(), argv)
     tiny_dir = Path(args.tiny_dir)
@@ -184,11 +198,14 @@ def main(argv=None):
         return pack_asset(tiny_dir, args.tiny_asset)
     if args.tiny_num_hidden_layers < 8:
         raise StageError("--tiny-num-hidden-layers must be >= 8 (capture points 2, N//2, N-3 distinct)")
-    if not start_stage(tiny_dir, args.overwrite, STAGE):
-        return
     settings = build_settings(args)
     info_path = args.tiny_asset / "world.json"
     info = json.loads(info_path.read_text()) if info_path.is_file() else None
+    stale = stale_build(tiny_dir, settings, info)
+    if stale:
+        print(f"[00] {tiny_dir} was built for another world ({stale}): building it again")
+    if not start_stage(tiny_dir, args.overwrite or bool(stale), STAGE):
+        return
     if info is not None and info["settings"] == settings and not args.retrain:
         unpack_asset(args.tiny_asset, tiny_dir, info)
         target_dir = tiny_dir / "target"

@@ -106,7 +106,7 @@ def test_held_out_functions_are_disjoint_from_training():
 def test_second_run_is_cached(built, capsys):
     before = (built / "manifest.json").read_bytes()
     t0 = time.time()
-    stage.main(["--tiny-dir", str(built), "--config", str(REPO / "configs" / "tiny.yaml")])
+    stage.main(["--tiny-dir", str(built), "--seed", "3", *SMALL])
     assert time.time() - t0 < 1.0
     assert "nothing to do" in capsys.readouterr().out
     assert (built / "manifest.json").read_bytes() == before
@@ -170,6 +170,11 @@ def test_pack_unpack_round_trip_and_a_bad_asset_is_refused(built, tmp_path):
     assert got["source"] == "asset" and got["quality"] == json.loads((built / "manifest.json").read_text())["quality"]
     for rel in stage.WORLD_FILES:
         assert (again / rel).read_bytes() == (built / rel).read_bytes(), rel
+    # a world unpacked from an older asset (a repository update shipped another) is unpacked again, not reused
+    made = json.loads((again / "manifest.json").read_text())
+    (again / "manifest.json").write_text(json.dumps({**made, "asset": {**made["asset"], "archive_sha256": "0" * 64}}))
+    stage.main(["--tiny-dir", str(again), "--seed", "3", *SMALL, "--tiny-asset", str(asset)])
+    assert json.loads((again / "manifest.json").read_text())["asset"] == got["asset"]
     info = json.loads((asset / "world.json").read_text())
     info["files"]["target/model.safetensors"] = "0" * 64
     (asset / "world.json").write_text(json.dumps(info))
