@@ -36,6 +36,11 @@ ROWS = {
 REFERENCE = "mha"
 
 
+def draft_name(row: str) -> str:
+    """The row's name among 05's drafts (--draft NAME: letters, digits, '_', '.', '-'); the reference is 04's."""
+    return "04" if row == REFERENCE else row.replace("+", "_")
+
+
 def draft_facts(export_dir: Path) -> dict:
     """Trainable parameters (the export's float tensors: no embedding, no d2t/t2d) and KV bytes per token."""
     from safetensors import safe_open
@@ -66,7 +71,7 @@ def table(results: dict, metrics: dict, ks: list[int]) -> list[str]:
     lines = ["| form | parameters | KV bytes/token (bf16) | 04 tok/s | 04 min | "
              + " | ".join(f"tau T={t} k={k}" for t in temps for k in ks) + " |",
              "|---" * (5 + len(temps) * len(ks)) + "|"]
-    shown = {REFERENCE: "04"} | {n: n for n in results if n != REFERENCE}
+    shown = {n: draft_name(n) for n in results}
     for name, r in results.items():
         cells = []
         for t in temps:
@@ -113,7 +118,7 @@ def main(argv=None):
     if REFERENCE not in results:
         raise SystemExit(f"the reference row {REFERENCE} is not trained yet")
     ours = Path(results[REFERENCE]["export"]).parent
-    others = {n: Path(r["export"]) for n, r in results.items() if n != REFERENCE}
+    others = {draft_name(n): Path(r["export"]) for n, r in results.items() if n != REFERENCE}
     response_cache = dr.REPO / "assets" / "smollm2" / "responses.jsonl.gz"
     metrics = dr.evaluate(args.out / "eval", args.base, ours, others, args, response_cache)
     lines = [f"# Draft forms on {dr.target_name(args.base)}", "",
