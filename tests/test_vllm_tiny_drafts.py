@@ -64,9 +64,9 @@ def build_chain(root: Path) -> tuple[Path, Path, Path]:
     datasets = json.dumps([{"name": "tiny", "adapter": "messages", "path": str(world / "data" / "prompts.jsonl"),
                             "max-records": 60}])
     mla, mla31 = root / "mla", root / "mla31"
-    w, t = [*cfg, "--work-dir", str(mla)], ["--target-path", str(target)]
-    stage[PREPARE].main([*w, *t, "--datasets", datasets, "--max-new-tokens", "96", "--max-context", "1024"])
-    stage[GENERATE].main([*w, *t, "--max-new-tokens", "96", "--max-context", "1024"])
+    w = [*cfg, "--work-dir", str(mla), "--target-path", str(target)]   # every stage: not the preset's build/ path
+    stage[PREPARE].main([*w, "--datasets", datasets, "--max-new-tokens", "96", "--max-context", "1024"])
+    stage[GENERATE].main([*w, "--max-new-tokens", "96", "--max-context", "1024"])
     stage[MERGE].main([*w, "--benchmark-size", "8", "--max-seq-len", "1024"])
     stage[EXTRACT].main([*w, "--capture-engine", "hf", "--device", "cpu"])
     stage[VOCAB].main([*w, "--draft-vocab-size", "512"])
@@ -74,8 +74,8 @@ def build_chain(root: Path) -> tuple[Path, Path, Path]:
     mla31.mkdir()
     for s in (MERGE, EXTRACT, VOCAB):
         os.symlink(stage_dir(mla, s).resolve(), stage_dir(mla31, s))
-    stage[TRAIN].main([*cfg, "--work-dir", str(mla31), "--draft-attention", "mla", "--fc-norm", "--norm-output",
-                       *TRAIN_FLAGS])
+    stage[TRAIN].main([*cfg, "--work-dir", str(mla31), "--target-path", str(target), "--draft-attention", "mla",
+                       "--fc-norm", "--norm-output", *TRAIN_FLAGS])
     return world, mla, mla31
 
 
@@ -110,7 +110,7 @@ def chain(tmp_path_factory):
     (planted / "config.json").write_text(json.dumps(cfg))
     servers = {}
     try:   # both start while 05b runs its own (they share the cores; only agreement is checked on them)
-        servers = {"mla31": Served("mla31", world / "target", export31, root / "logs"),
+        servers = {"served31": Served("mla31", world / "target", export31, root / "logs"),
                    "planted": Served("planted", world / "target", planted, root / "logs")}
         yield {"world": world, "mla": mla, "mla31": mla31, "export31": export31, "root": root, **servers}
     finally:
@@ -147,6 +147,7 @@ def test_05b_vllm_serves_04s_mla_draft_equal_to_replay(chain):
     assert export["eagle_aux_hidden_state_layer_ids"] == POINTS
     stage[SERVE_BENCH].main([
         "--config", str(REPO / "configs" / "tiny.yaml"), "--work-dir", str(work), "--engine", "vllm",
+        "--target-path", str(chain["world"] / "target"),
         "--vllm-python", str(ENGINE_PY), "--vllm-kv-cache-space", "1", "--cuda-graph", "off",
         "--spec-settings", "3,1,4", "--bench-concurrency", "1", "--num-prompts", "2", "--agreement-prompts", "4",
         "--benchmark-max-new-tokens", str(BUDGET), "--warmup-requests", "1", "--min-accept-length", "1.02",
@@ -163,7 +164,7 @@ def test_05b_vllm_serves_04s_mla_draft_equal_to_replay(chain):
 
 
 def test_the_mla_eagle31_draft_is_served_equal_to_replay(chain):
-    result = agreement(chain, chain["mla31"], sampled=True)
+    result = agreement(chain, chain["served31"], sampled=True)
     assert result["exact"] and result["agree"] and result["engine"] == result["replay"]
     assert sum(result["engine"]["accepted_per_position"]) > 0
     assert result["sampled"]["1"]["exact"]
