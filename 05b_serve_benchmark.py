@@ -6,7 +6,10 @@ Reads:  <work-dir>/04_draft/export_sglang/ (vLLM, --draft-format speculators: ex
         (an EAGLE-3 folder the engine loads); optional: <work-dir>/05_benchmark/reference/{metrics.json,
         manifest.json} when 05 measured this draft
 Writes: <work-dir>/05_benchmark/server/{metrics.json,report.md,tokens_per_s.png,accept_length.png,
-        commands.json,server_logs/,agreement/,manifest.json}
+        commands.json,server_logs/,agreement/,manifest.json} (+ breakeven_map.png, breakeven_curves.png with
+        --simulate-accept-lengths)
+        Without 04 (no 04_draft/manifest.json) and with --draft: 01c alone, the declared drafts served alone (the
+        break-even map before training, train_plan_v4.md step 2b)
 Real:   python 05b_serve_benchmark.py --config configs/kimi-k2.5.yaml --config configs/datasets_v4.yaml
             --work-dir /data/eagle3
 Tiny:   python 05b_serve_benchmark.py --config configs/smollm2.yaml --work-dir runs/smollm2
@@ -17,7 +20,10 @@ vLLM; docs/sglang.md, docs/serving.md), preflighted (EAGLE3 / eagle3, its draft,
 warm-up tau), 04's checked against replay (--agreement-prompts), all warmed up alike on never-timed
 prompts, prefix caching off; tok/s, TTFT, tau and the ratio to the baseline (interval over --bench-repeats
 passes) per draft, temperature, prompt length and concurrency; what to deploy (common/serving/deploy.py),
-its cost model fed 05's per-depth tau when 05 measured this draft (recorded in the manifest's inputs).
+its cost model fed 05's per-depth tau when 05 measured this draft (recorded in the manifest's inputs). With
+--simulate-accept-lengths, the break-even map: each engine made to commit chosen accept lengths a verify round with
+a draft of the right shape, the break-even tau per engine, setting and cell (common/serving/breakeven.py), its runs
+kept out of every measured number.
 """
 from __future__ import annotations
 
@@ -146,6 +152,12 @@ def build_parser():
                         "held-out prompts that are never timed)")
     s.add_argument("--min-accept-length", type=float, default=1.3,
                    help="preflight refuses a warm-up tau below this (1.0 = chance: only the bonus token)")
+    add_map_flags(p)
+    return p
+
+
+def add_map_flags(p) -> None:
+    """The break-even map's flags (common/serving/breakeven.py)."""
     b = p.add_argument_group("the break-even map (simulated acceptance; common/serving/breakeven.py, docs/serving.md)")
     b.add_argument("--simulate-accept-lengths", type=float, nargs="+", default=[], metavar="L",
                    help="tokens a verify round commits (the bonus included), e.g. 1.5 2 2.5 3 3.5: one simulated "
@@ -162,7 +174,6 @@ def build_parser():
     b.add_argument("--known-tau", nargs="+", action=Repeated, default=[], metavar="NAME=TAU",
                    help="a draft's tau per verify round from elsewhere (NAME=TAU, or NAME@K=TAU for one k), marked on "
                         "the map: e.g. public@3=2.69 (a model card's)")
-    return p
 
 
 def refuse_mode(argv: list[str]) -> None:

@@ -280,3 +280,26 @@ def test_the_cpu_builds_synthetic_kernels_walk_the_drafts_as_vllms_triton_kernel
     random(out, args[0], torch.tensor([5, -1, 7, 8, 9, 10]), None, None, args[3], recovered, u,
            torch.tensor([False, True]), 3, 100, torch.tensor([1.0, 1.0, 1.0]), True, True)
     assert out.tolist() == [[5, 61, -1, -1], [-1, -1, -1, -1]]   # a -1 draft is rejected; a greedy row is not its
+
+
+def test_a_second_engine_draws_its_own_map_and_the_report_names_the_best_engine_per_cell(tmp_path, micro_target,
+                                                                                          fake_launches, monkeypatch):
+    """--map-engines: another engine (here an SGLang twin registered for the test) gets its own baseline and
+    simulated servers on the same plan, nothing measured; the map compares the engines cell by cell."""
+    from common.serving import registry
+
+    class Twin(SGLangEngine):
+        name, label = "twin", "Twin"
+
+    monkeypatch.setitem(registry.ENGINES, "twin", Twin)
+    make_work(tmp_path, micro_target)
+    fake = fake_launches(step_s=0.004, round_s=0.008)
+    map_run(tmp_path, fake, "--map-engines", "twin")
+    m = json.loads((stage_dir(tmp_path, SERVE_BENCH) / "metrics.json").read_text())
+    assert set(m["runs"]) == {"baseline/graph", "3-1-4/graph"}     # the twin measured nothing
+    assert set(m["map"]["engines"]) == {"sglang", "twin"}
+    assert set(m["map"]["engines"]["twin"]["runs"]) == set(m["map"]["engines"]["sglang"]["runs"])
+    assert len(fake.launched) == 2 + 3 + 1 + 3     # sglang: baseline, 3,1,4, 3 simulated; twin: baseline, 3 simulated
+    best = m["map"]["breakeven"]["best_engine"]
+    assert {r["at"] for r in best} == {"04 served"} and {r["engine"] for r in best} <= {"sglang", "twin"}
+    assert "### The best engine per cell" in (stage_dir(tmp_path, SERVE_BENCH) / "report.md").read_text()

@@ -13,6 +13,7 @@ What differs between them, and where each answer comes from:
   run-level tau      reset + windowed avg_spec_accept_length    /metrics counters, differenced
   prefix caching     off: --disable-radix-cache                 off: --no-enable-prefix-caching
   sampling defaults  sampling_defaults, preferred_sampling_params  generation_config (+ its log line)
+  simulated (map)    env SGLANG_SIMULATE_ACC_LEN (+ _METHOD)        speculative_config rejection_sample_method synthetic
 Every server 05b launches has prefix caching off, and an attached one must have it off too (its info document
 says): the sweep times repeated passes over the same prompts (common/serving/sweep.py).
 """

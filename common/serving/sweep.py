@@ -28,6 +28,11 @@ What makes the comparison fair, the same for every server (the baseline included
   one launched server's life the repeats are separate passes interleaved across temperatures and concurrency
   levels; attached servers take their passes in turn (baseline, EAGLE-3, baseline, ...). Each (setting, T,
   concurrency) ratio gets a 95% interval over the paired passes (deploy.pass_interval).
+
+The break-even map (--simulate-accept-lengths, common/serving/breakeven.py) adds servers that simulate acceptance
+(each confirmed simulated by the engine's own lossy test before launch, by its info document and its warm-up), and
+the baseline's map passes (answers to the budget); the Sweep keeps their runs in metrics["map"], never in
+metrics["runs"], which is all the measured tables, plots and deploy read.
 """
 from __future__ import annotations
 
