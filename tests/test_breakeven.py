@@ -147,6 +147,21 @@ def test_each_engine_declares_its_simulation_and_its_own_lossy_test_confirms_it(
     assert env["EAGLE3_VLLM_FIXES"] == "synthetic"   # the CPU build's kernels refuse synthetic mode without it
 
 
+def test_the_map_simulates_the_chains_of_the_sweep_by_default():
+    """The Kimi preset's settings: trees and adaptive steps are not one shape a round, so only its chains."""
+    import argparse
+    from tests.test_sweep import NO_MANIFESTS
+
+    engine = SGLangEngine(Path("/t"), Path("/e"), *NO_MANIFESTS)
+    args = argparse.Namespace(simulate_accept_lengths=[2.0, 3.0], simulate_settings=None, simulate_draft=None,
+                              spec_settings=["3,1,4", "5,1,6", "7,1,8", "5,4,8", "3,1,4,adaptive"])
+    assert [s for s, _ in breakeven.simulations(args, engine)] == [
+        (3, 1, 4, "sim2"), (3, 1, 4, "sim3"), (5, 1, 6, "sim2"), (5, 1, 6, "sim3"), (7, 1, 8, "sim2"), (7, 1, 8, "sim3")]
+    args.simulate_settings = ["5,4,8"]
+    with pytest.raises(StageError, match="chains"):
+        breakeven.simulations(args, engine)
+
+
 def test_a_simulated_server_must_commit_its_length_and_sglangs_must_answer_id_100():
     answers = [{"completion_tokens": 25, "spec_verify_ct": 8, "output_ids": [7] + [100] * 24}]   # 24 / 8 = 3
     assert eng.check_simulated_tau("s", 3.0, answers, 3) == pytest.approx(3.0)

@@ -52,14 +52,19 @@ CURVES_FILE = "breakeven_curves.png"
 def map_settings(args, engine) -> list[tuple]:
     """The chains the map simulates (--simulate-settings, default: the fixed chains of --spec-settings), each as
     the engine parses it; a setting that is not a plain chain is refused (its rounds are not one shape)."""
-    texts = args.simulate_settings or [s for s in args.spec_settings if fixed_chain(engine.parse_setting(s))]
+    texts = args.simulate_settings or [s for s in args.spec_settings if is_chain(engine.parse_setting(s))]
     out = []
     for text in texts:
         setting = engine.parse_setting(text)
-        if not fixed_chain(setting) or setting[1] != 1:
+        if not is_chain(setting):
             raise StageError(f"--simulate-settings {text!r}: the map simulates chains (steps,1,steps+1) only")
         out.append(setting)
     return out
+
+
+def is_chain(setting) -> bool:
+    """A plain chain (steps, 1, steps + 1): what the map simulates."""
+    return fixed_chain(setting) and setting[1] == 1
 
 
 def map_draft(args, engine):
