@@ -189,7 +189,7 @@ def main(argv=None):
         raise StageError("--num-draft-tokens must be >= 1")
     check_shared_flags(args)
     out = stage_dir(args.work_dir, STAGE)
-    export_dir, m04, rows, _, _ = load_inputs(args.work_dir, args.num_prompts)
+    export_dir, m04, rows, _, _, _ = load_inputs(args.work_dir, args.num_prompts)
     target_dir, checked = target_and_drafts(args, m04)
     if not start_stage(out, args.overwrite, STAGE):
         return

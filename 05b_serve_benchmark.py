@@ -6,7 +6,10 @@ Reads:  <work-dir>/04_draft/export_sglang/ (vLLM, --draft-format speculators: ex
         (an EAGLE-3 folder the engine loads); optional: <work-dir>/05_benchmark/reference/{metrics.json,
         manifest.json} when 05 measured this draft
 Writes: <work-dir>/05_benchmark/server/{metrics.json,report.md,tokens_per_s.png,accept_length.png,
-        commands.json,server_logs/,agreement/,manifest.json}
+        commands.json,server_logs/,agreement/,manifest.json} (+ breakeven_map.png, breakeven_curves.png with
+        --simulate-accept-lengths)
+        Without 04 (no 04_draft/manifest.json) and with --draft: 01c alone, the declared drafts served alone (the
+        break-even map before training, train_plan_v4.md step 2b)
 Real:   python 05b_serve_benchmark.py --config configs/kimi-k2.5.yaml --config configs/datasets_v4.yaml
             --work-dir /data/eagle3
 Tiny:   python 05b_serve_benchmark.py --config configs/smollm2.yaml --work-dir runs/smollm2
@@ -17,7 +20,10 @@ vLLM; docs/sglang.md, docs/serving.md), preflighted (EAGLE3 / eagle3, its draft,
 warm-up tau), 04's checked against replay (--agreement-prompts), all warmed up alike on never-timed
 prompts, prefix caching off; tok/s, TTFT, tau and the ratio to the baseline (interval over --bench-repeats
 passes) per draft, temperature, prompt length and concurrency; what to deploy (common/serving/deploy.py),
-its cost model fed 05's per-depth tau when 05 measured this draft (recorded in the manifest's inputs).
+its cost model fed 05's per-depth tau when 05 measured this draft (recorded in the manifest's inputs). With
+--simulate-accept-lengths, the break-even map: each engine made to commit chosen accept lengths a verify round with
+a draft of the right shape, the break-even tau per engine, setting and cell (common/serving/breakeven.py), its runs
+kept out of every measured number.
 """
 from __future__ import annotations
 
@@ -25,14 +31,16 @@ import sys
 from pathlib import Path
 
 from common.benchmark.inputs import (Repeated, check_shared_flags, drafts_identity, given_mode, load_inputs,
-                                     target_and_drafts)
+                                     load_inputs_without_04, target_and_drafts)
+from common.draft.manifest import DraftManifest
 from common.config import base_parser, parse_args
 from common.io import read_json
 from common.serving import deploy
 from common.serving.context import parse_buckets
 from common.serving.registry import ENGINES, check_servable
+from common.serving.breakeven import check_lengths
 from common.serving.sweep import every_run_refused, same_draft_reference, server_main, warm_count
-from common.stage import (EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, input_manifests, stage_dir,
+from common.stage import (EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, input_manifests, is_complete, stage_dir,
                           start_stage, write_manifest)
 from common.target.manifests import HiddenStatesManifest
 
@@ -144,7 +152,28 @@ def build_parser():
                         "held-out prompts that are never timed)")
     s.add_argument("--min-accept-length", type=float, default=1.3,
                    help="preflight refuses a warm-up tau below this (1.0 = chance: only the bonus token)")
+    add_map_flags(p)
     return p
+
+
+def add_map_flags(p) -> None:
+    """The break-even map's flags (common/serving/breakeven.py)."""
+    b = p.add_argument_group("the break-even map (simulated acceptance; common/serving/breakeven.py, docs/serving.md)")
+    b.add_argument("--simulate-accept-lengths", type=float, nargs="+", default=[], metavar="L",
+                   help="tokens a verify round commits (the bonus included), e.g. 1.5 2 2.5 3 3.5: one simulated "
+                        "server per length and --simulate-settings chain, timed at the serving temperature on every "
+                        "prompt bucket and concurrency against the baseline; the report gives the break-even tau per "
+                        "cell (x1.0, x1.2, x1.5) with intervals, breakeven_map.png; never a draft's measurement")
+    b.add_argument("--simulate-settings", nargs="+", default=None, metavar="STEPS,1,STEPS+1",
+                   help="the chains the map simulates (default: the chains of --spec-settings)")
+    b.add_argument("--simulate-draft", default=None, metavar="NAME",
+                   help="the draft whose shape the simulated servers serve: 04 (default when 04 ran) or a --draft NAME")
+    b.add_argument("--map-engines", nargs="+", choices=ENGINES, default=[],
+                   help="more engines to draw the map on (their own baseline and simulated servers, the same plan), "
+                        "for the best engine per cell: e.g. --engine sglang --map-engines vllm on the box")
+    b.add_argument("--known-tau", nargs="+", action=Repeated, default=[], metavar="NAME=TAU",
+                   help="a draft's tau per verify round from elsewhere (NAME=TAU, or NAME@K=TAU for one k), marked on "
+                        "the map: e.g. public@3=2.69 (a model card's)")
 
 
 def refuse_mode(argv: list[str]) -> None:
@@ -164,6 +193,15 @@ def check_flags(args) -> None:
     parse_buckets(args.bench_context)  # a bucket that is neither short nor a length stops 05b before it writes
     if args.bench_context_prompts is not None and args.bench_context_prompts < 1:
         raise StageError("--bench-context-prompts must be >= 1")
+    check_lengths(args.simulate_accept_lengths)
+    if args.simulate_accept_lengths and args.eagle3_url:
+        raise StageError("--simulate-accept-lengths launches its simulated servers itself: drop --eagle3-url (an "
+                         "attached server cannot be confirmed to simulate what 05b asks)")
+    if (args.map_engines or args.simulate_settings or args.simulate_draft or args.known_tau) \
+            and not args.simulate_accept_lengths:
+        raise StageError("--map-engines, --simulate-settings, --simulate-draft and --known-tau draw the break-even map: "
+                         "give --simulate-accept-lengths too")
+    args.map_engines = [e for e in dict.fromkeys(args.map_engines) if e != args.engine]
 
 
 def main(argv=None):
@@ -171,22 +209,36 @@ def main(argv=None):
     args = parse_args(build_parser(), argv)
     check_flags(args)
     out = stage_dir(args.work_dir, STAGE)
-    inputs = load_inputs(args.work_dir, args.num_prompts, warm_count(args))
+    trained = is_complete(stage_dir(args.work_dir, TRAIN)) or not args.draft   # without 04: the declared drafts
+    inputs = (load_inputs if trained else load_inputs_without_04)(args.work_dir, args.num_prompts, warm_count(args))
     hidden = stage_dir(args.work_dir, EXTRACT)
-    m02b = HiddenStatesManifest.require(hidden)
-    target_dir, checked = target_and_drafts(args, inputs.m04)
+    m02b = HiddenStatesManifest.require(hidden) if trained else HiddenStatesManifest.from_dict({})
+    target_dir, checked = target_and_drafts(args, inputs.m04, inputs.m01c)
     # a draft the engine cannot serve as checked stops 05b before any server launches
     served = check_servable(args.engine, checked, target_dir, inputs.export_dir)
-    reference = same_draft_reference(args.work_dir)
+    map_served = {name: check_servable(name, checked, target_dir, inputs.export_dir) for name in args.map_engines}
+    reference = same_draft_reference(args.work_dir) if trained else None
+    if not trained:
+        print(f"[05b] no 04 in {args.work_dir}: serving the declared drafts alone ({', '.join(checked)}), "
+              f"target {target_dir}")
     if not start_stage(out, args.overwrite, STAGE):
         return
     metrics = server_main(args, out, inputs, m02b, target_dir, served,
-                          read_json(reference / "metrics.json") if reference else None)
+                          read_json(reference / "metrics.json") if reference else None, map_served)
     if deploy.nothing_measured(metrics["deploy"]) or every_run_refused(metrics):
         raise StageError(f"every timed run was refused, so nothing valid was measured (why: {out / 'report.md'}); "
                          "no manifest written: fix the server and run 05b again")
-    upstream = [stage_dir(args.work_dir, TRAIN), stage_dir(args.work_dir, MERGE), hidden]
-    write_manifest(out, STAGE, args, tokenizer=inputs.m04.tokenizer, target=inputs.m04.target,
+    write_05b_manifest(args, out, inputs, metrics, checked, reference, trained)
+    print(f"[05b] wrote {out}")
+
+
+def write_05b_manifest(args, out: Path, inputs, metrics: dict, checked: dict, reference, trained: bool) -> None:
+    """05b's manifest: its inputs (04, 01c, 02b and 05's when they were read), counts, the preflight, the measured
+    runs, the agreement, and the break-even map's runs and verdicts, each marked simulated."""
+    upstream = ([stage_dir(args.work_dir, TRAIN), stage_dir(args.work_dir, MERGE), stage_dir(args.work_dir, EXTRACT)]
+                if trained else [stage_dir(args.work_dir, MERGE)])
+    ident = inputs.m04 if trained else DraftManifest.from_dict(inputs.m01c)
+    write_manifest(out, STAGE, args, tokenizer=ident.tokenizer, target=ident.target,
                    inputs=input_manifests(args.work_dir, *upstream, *([reference] if reference else [])),
                    counts={"num_prompts": len(inputs.rows), "num_warmup_prompts": len(inputs.warm),
                            **{f"num_prompts_context_{b}": rec["num_prompts"]
@@ -194,10 +246,18 @@ def main(argv=None):
                    preflight=metrics["preflight"],
                    runs=list(metrics["runs"]), engine=args.engine,
                    **({"drafts": drafts_identity(checked)} if checked else {}),
+                   **({"map": map_record(metrics["map"])} if "map" in metrics else {}),
                    agreement={key: {"exact": a["exact"], "engine_tau": a["engine"]["tau"],
                                     "replay_tau": a["replay"]["tau"]} if a.get("judged", True) else
                               {"judged": False, "why": a["why"]} for key, a in metrics["agreement"].items()})
-    print(f"[05b] wrote {out}")
+
+
+def map_record(m: dict) -> dict:
+    """The manifest's record of the break-even map: simulated, by engine its runs, and each cell's break-even tau."""
+    return {"simulated": True, "lengths": m["lengths"], "temperature": m["temperature"],
+            "runs": {name: list(b["runs"]) for name, b in m["engines"].items()},
+            "break_even": [{k: row[k] for k in ("engine", "cuda_graph", "setting", "context", "concurrency", "verdict")}
+                           | {"tau": (row["fit"] or {}).get("break_even")} for row in m["breakeven"]["rows"]]}
 
 
 if __name__ == "__main__":

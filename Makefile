@@ -3,7 +3,8 @@
 # make bench-real: the whole chain on SmolLM2-135M-Instruct, the real small target (CPU, ~45 min).
 # make engine: the serving engine's own venv (vLLM's CPU build, build/vllm-venv); make test needs it.
 # make bench-ref: after bench-real, its 05 (the reference benchmark) again, --overwrite (e.g. after retraining 04).
-# make bench-serve: after bench-real, 05b: vLLM baseline vs EAGLE-3 at k = 3, 5, 7 (tok/s, agreement).
+# make bench-serve: after bench-real, 05b: vLLM baseline vs EAGLE-3 at k = 3, 5, 7 (tok/s, agreement), and the
+#   break-even map (synthetic acceptance 1.25 / 2 / 3 at k = 3, 5; the preset's keys): ~2 h 50 min on 2 cores.
 PYTHON_SYS ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

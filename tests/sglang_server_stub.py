@@ -16,6 +16,12 @@ spec_verify_ct)` answers /generate instead of the deterministic stand-in (tests/
 the speculative loop of a real micro target and draft there, counted as SGLang counts: one verify a round, the
 round cut at the budget); its answer streams in chunks of up to 4 tokens with the final meta_info.
 
+Simulated acceptance (`simulate` L, what SGLANG_SIMULATE_ACC_LEN = L does to a real server): the first token comes
+from the prefill, every later one from a verify round committing L tokens (ceil((n - 1) / L) rounds), and every
+verified token is id 100 (sglang 0.5.14 spec_utils.py generate_simulated_accept_index). A cost model for the
+break-even map's tests: `step_s` seconds a plain decode step (the baseline), `round_s` a verify round, slept before
+the answer streams, so tok/s = 1 / step_s on the baseline and L / round_s simulated.
+
 Started as 05 launches its servers, with the radix cache off (`disable_radix_cache`; False = SGLang's own
 default). Every /generate request is kept (`requests`) with its place in one count shared by all stubs of
 the process (`arrivals`), so a test can tell in which order several servers were asked.
@@ -43,7 +49,7 @@ class StubState:
     def __init__(self, algorithm=None, draft_path=None, model_path="/models/target", accept_length=3.0,
                  setting=(3, 1, 4), new_info_path=False, disable_cuda_graph=False, decode_graph="full",
                  error_message=None, fail_first=0, adaptive=False, count_scale=1, bad_answer=None, bad_info=None,
-                 disable_radix_cache=True, honest_first=0, answer_fn=None):
+                 disable_radix_cache=True, honest_first=0, answer_fn=None, simulate=None, step_s=0.0, round_s=0.0):
         self.server_args = {
             "model_path": model_path, "tokenizer_path": model_path, "tp_size": 1, "pp_size": 1,
             "dp_size": 1, "mem_fraction_static": 0.85, "disable_radix_cache": disable_radix_cache,
@@ -66,6 +72,7 @@ class StubState:
         self.count_scale, self.bad_answer, self.bad_info = count_scale, bad_answer, bad_info
         self.honest_first = honest_first
         self.answer_fn = answer_fn
+        self.simulate, self.step_s, self.round_s = simulate, step_s, round_s
         self.resets = 0
         self.tokens = 0
         self.verify = 0
@@ -144,6 +151,9 @@ def make_handler(state: StubState):
             n = int(sp["max_new_tokens"])
             spec = bool(state.server_args["speculative_algorithm"])
             rounds = math.ceil(n / state.accept_length) if spec else n
+            if spec and state.simulate:
+                rounds = max(1, math.ceil((n - 1) / state.simulate))
+            time.sleep(rounds * state.round_s if spec else n * state.step_s)
             with state.lock:
                 state.requests.append(req)
                 state.arrivals.append(next(ARRIVALS))
@@ -154,6 +164,8 @@ def make_handler(state: StubState):
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             out = [(sum(ids) + k) % 97 for k in range(n)]  # deterministic "greedy" output
+            if spec and state.simulate:
+                out = out[:1] + [100] * (n - 1)
             step = max(1, round(state.accept_length)) if spec else 1
             t0 = time.time()
             for k in range(step, n + step, step):
@@ -163,6 +175,7 @@ def make_handler(state: StubState):
                         "cached_tokens": 0, "e2e_latency": time.time() - t0}
                 if spec:
                     meta["spec_verify_ct"] = rounds if done else math.ceil(min(k, n) / state.accept_length)
+                    meta["spec_verify_ct"] = min(meta["spec_verify_ct"], rounds)
                 if done and state.bad_answer == "no_count":
                     del meta["completion_tokens"]
                 data = json.dumps({"text": "x" * min(k, n), "output_ids": out[:min(k, n)], "meta_info": meta})

@@ -25,7 +25,8 @@ SERVING = {"engine", "draft-format", "agreement-prompts", "agreement-tolerance",
            "sglang-draft-attention-backend", "server-extra-args", "sglang-python", "vllm-python", "vllm-dtype",
            "vllm-kv-cache-space", "vllm-threads", "vllm-thread-binding", "vllm-max-model-len", "vllm-preload-iomp",
            "vllm-fix-sampling", "vllm-mla-backend", "server-timeout", "request-timeout", "max-retried-requests",
-           "warmup-requests", "min-accept-length"}
+           "warmup-requests", "min-accept-length", "simulate-accept-lengths", "simulate-settings", "simulate-draft",
+           "map-engines", "known-tau"}
 BASE = {"help", "work-dir", "config", "overwrite"}
 
 

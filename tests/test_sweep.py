@@ -581,10 +581,13 @@ class FakeLaunches:
     """Stand-ins for process.launch_server / stop_server: each launched SGLang argv starts an in-process stub
     server on its --port serving what the argv asks for (target, draft, setting, graph mode), with
     `accept[draft path]` as its acceptance and `serve[draft path]` as the draft it reports instead (a server
-    that loaded another folder). Records every (argv, StubState)."""
+    that loaded another folder); SGLANG_SIMULATE_ACC_LEN in its environment makes it simulate that accept length
+    (unless `ignore_simulation`: a release that does not read it), `step_s` / `round_s` its costs (sglang_server_stub).
+    Records every (argv, StubState)."""
 
-    def __init__(self, accept=None, serve=None):
+    def __init__(self, accept=None, serve=None, step_s=0.0, round_s=0.0, ignore_simulation=False):
         self.accept, self.serve, self.launched = accept or {}, serve or {}, []
+        self.step_s, self.round_s, self.ignore_simulation = step_s, round_s, ignore_simulation
 
     def launch(self, cmd, log_path, env=None):
         import threading
@@ -599,9 +602,11 @@ class FakeLaunches:
         state = StubState(algorithm="EAGLE3" if draft else None, draft_path=self.serve.get(draft, draft),
                           model_path=arg("--model-path"), setting=setting, accept_length=self.accept.get(draft, 3.0),
                           decode_graph="disabled" if arg("--cuda-graph-backend-decode") == "disabled" else "full",
-                          disable_radix_cache="--disable-radix-cache" in cmd)
+                          disable_radix_cache="--disable-radix-cache" in cmd, step_s=self.step_s, round_s=self.round_s,
+                          simulate=None if self.ignore_simulation else float((env or {}).get("SGLANG_SIMULATE_ACC_LEN", 0)))
         httpd = ThreadingHTTPServer(("127.0.0.1", int(arg("--port"))), make_handler(state))
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        state.env = dict(env or {})
         self.launched.append((cmd, state))
         return FakeProc(httpd)
 

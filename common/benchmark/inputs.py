@@ -49,11 +49,12 @@ def check_shared_flags(args) -> None:
 
 
 class Inputs(NamedTuple):
-    export_dir: Path     # 04's SGLang export
-    m04: DraftManifest   # 04's manifest
+    export_dir: Path | None  # 04's SGLang export (None: 05b without 04, load_inputs_without_04)
+    m04: DraftManifest   # 04's manifest (empty without 04)
     rows: list[dict]     # the timed (05b) or measured (05) held-out prompts
     warm: list[dict]     # 05b: held-out prompts never timed, for the warm-up and the agreement check
     pool: list[dict]     # every held-out row but the warm-up ones, in the split's order (05b's --bench-context)
+    m01c: dict | None = None  # 01c's manifest: the tokenizer and target identity when there is no 04
 
 
 def load_inputs(work_dir: Path, num_prompts: int | None, num_warm: int = 0) -> Inputs:
@@ -68,13 +69,27 @@ def load_inputs(work_dir: Path, num_prompts: int | None, num_warm: int = 0) -> I
     merged = stage_dir(work_dir, MERGE)
     m01c = require_complete(merged, MERGE)
     check_same_tokenizer(m01c["tokenizer"], m04.tokenizer, merged, MERGE)
+    return Inputs(export_dir, m04, *held_out_split(merged, num_prompts, num_warm), m01c)
+
+
+def load_inputs_without_04(work_dir: Path, num_prompts: int | None, num_warm: int = 0) -> Inputs:
+    """05b before 04 (the break-even map before training: docs/serving.md; a public draft served alone): 01c's
+    held-out prompts split as load_inputs splits them; the drafts are the declared --draft ones, the target
+    01c's (or a --target-path with its tokenizer and config: target_and_drafts)."""
+    merged = stage_dir(work_dir, MERGE)
+    m01c = require_complete(merged, MERGE)
+    return Inputs(None, DraftManifest.from_dict({}), *held_out_split(merged, num_prompts, num_warm), m01c)
+
+
+def held_out_split(merged: Path, num_prompts: int | None, num_warm: int) -> tuple[list, list, list]:
+    """(timed rows, warm rows, pool) of 01c's held-out prompts (split_prompts; the pool: every row but the warm)."""
     held_out = list(iter_jsonl(merged / "benchmark_prompts.jsonl"))
     rows, warm = split_prompts(held_out, num_prompts, num_warm, merged / "benchmark_prompts.jsonl")
     if not rows:
         raise StageError(f"{merged / 'benchmark_prompts.jsonl'} holds no prompts: re-run 01c with "
                          "--benchmark-size > 0")
     pool = [r for r in spread_over_sources(held_out, len(held_out)) if all(r is not w for w in warm)]
-    return Inputs(export_dir, m04, rows, warm, pool)
+    return rows, warm, pool
 
 
 def check_export(folder: Path, m04: DraftManifest) -> None:
@@ -118,11 +133,12 @@ def spread_over_sources(rows: list[dict], n: int) -> list[dict]:
     return [rows[i] for i in sorted(range(len(rows)), key=keys.__getitem__)[:n]]
 
 
-def target_and_drafts(args, m04: DraftManifest) -> tuple[Path, dict]:
-    """The target (--target-path, which must be 04's, else 04's) and every --draft checked against it
-    (compare.check_drafts): a draft that does not fit stops the stage before it writes."""
+def target_and_drafts(args, m04: DraftManifest, m01c: dict | None = None) -> tuple[Path, dict]:
+    """The target (--target-path, which must be 04's, else 04's; without 04 (`m01c`), 01c's) and every --draft
+    checked against it (compare.check_drafts): a draft that does not fit stops the stage before it writes."""
     specs = cmp.parse_specs(args.draft)
-    target_dir = resolve_target(args.target_path, m04.raw, stage_dir(args.work_dir, TRAIN), TRAIN)
+    target_dir = (resolve_target(args.target_path, m04.raw, stage_dir(args.work_dir, TRAIN), TRAIN) if m04.raw
+                  else resolve_target(args.target_path, m01c, stage_dir(args.work_dir, MERGE), MERGE))
     return target_dir, cmp.check_drafts(specs, target_dir)
 
 

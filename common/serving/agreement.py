@@ -133,8 +133,11 @@ class AgreementCheck:
     @staticmethod
     def judges(setting) -> str | None:
         """Why the check cannot judge a server of `setting`, else None: its rounds follow from the answers only
-        for a fixed chain (topk 1); a tree commits one of several candidates, an adaptive server changes k."""
-        if len(setting) > 3:
+        for a fixed chain (topk 1); a tree commits one of several candidates, an adaptive server changes k. Block
+        verification (vLLM, one-hot drafts) is judged: a rejected draft is never the token committed in its place
+        (the residual leaves it out), and its accepted-length law is token-wise verification's
+        (vllm.block_fault), so the exact check and the probability gate both hold."""
+        if len(setting) > 3 and setting[3] != "block":
             return "an adaptive setting changes the number of drafts from round to round"
         if setting[1] != 1:
             return "a tree (topk > 1) commits one of several candidates a round"

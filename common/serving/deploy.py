@@ -44,7 +44,7 @@ from common.draft import OURS
 from common.serving import load_model
 from common.serving.context import SHORT, context_level, measured_buckets
 from common.serving.registry import engine_class
-from common.serving.settings import is_adaptive
+from common.serving.settings import fixed_chain, is_adaptive, is_block
 
 # What 05 adds for its own measurement, not for serving: the preflight's info document (vLLM dev mode),
 # per-request acceptance, unbuffered logs, prefix caching off (so repeated timed passes are fresh prefills;
@@ -280,10 +280,10 @@ def draft_cost_models(metrics: dict, draft: str, reference: dict | None) -> list
             pts, measured, eff = [], {}, []
             for e in runs.values():
                 s = e["by_concurrency"].get(c)
-                if (bool(e.get("cuda_graph")) != graph or e.get("setting") is None or is_adaptive(e["setting"])
+                if (bool(e.get("cuda_graph")) != graph or e.get("setting") is None or not fixed_chain(e["setting"])
                         or e.get("draft", OURS) != draft or not s or not s.get("requests") or s.get("refused")):
-                    continue  # the baseline, an adaptive setting (its steps vary), another draft, no requests,
-                    # counts not believed
+                    continue  # the baseline, an adaptive (its steps vary) or block setting, another draft, no
+                    # requests, counts not believed
                 steps, topk, n = e["setting"]
                 t = round_time(s["requests"])
                 if t is None or not s.get("accept_length_pooled"):
@@ -441,7 +441,7 @@ def load_models(view: dict, reference: dict | None, ctx: str) -> list[dict]:
             same = [e for e in runs.values() if bool(e.get("cuda_graph")) == graph]
             base = [e for e in same if e.get("setting") is None]
             spec = [e for e in same if e.get("setting") is not None and e.get("draft", OURS) == draft
-                    and not is_adaptive(e["setting"])]   # an adaptive setting's steps vary: nothing to fit
+                    and fixed_chain(e["setting"])]   # adaptive steps vary; block verifies otherwise
             points, taus = load_points(base, spec)
             costs = load_model.fit(points)
             if costs is None or not taus:
@@ -565,7 +565,7 @@ def best_lines(c: str, rec: dict, drafts: dict, engine_label: str, launch: bool,
         where = (f" It holds (interval above 1) at {', '.join(rec['holds_at']) or 'no cell'}; not at "
                  f"{', '.join(rec['fails_at']) or 'any other cell'}." if holds and "holds_at" in rec else "")
         lines = [f"- **concurrency {c}: {b['key']}** ({named}steps, topk, draft tokens = {tuple(b['setting'][:3])}"
-                 f"{', adaptive' if is_adaptive(b['setting']) else ''}): {fmt(b['tokens_per_s'], 1)} tok/s, "
+                 f"{', adaptive' if is_adaptive(b['setting']) else ', block verification' if is_block(b['setting']) else ''}): {fmt(b['tokens_per_s'], 1)} tok/s, "
                  f"**x{fmt(b['ratio'])} [{fmt(lo)}, {fmt(hi)}]** against {rec['baseline']} "
                  f"({fmt(rec['baseline_tokens_per_s'], 1)} tok/s).{where}" + (f" {engine_label}:" if launch else "")]
     if launch and rec.get("launch"):

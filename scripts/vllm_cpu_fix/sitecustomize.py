@@ -17,12 +17,21 @@ tiny Kimi-shaped world, DeepSeek-V2-Lite) attends with garbled positions on the 
 shows it against forward_native). YaRN, Kimi-K2.5's own rope, is `DeepseekScalingRotaryEmbedding`, which has no
 forward_cpu and takes forward_native. This runs the same kernel on 2-D contiguous copies and writes the result
 back; 2-D calls (Llama and every non-MLA model) are passed through untouched.
+
+"synthetic": the CPU build's stand-ins for the rejection sampler's Triton kernels (`cpu_triton_utils.py`
+`_rejection_greedy_sample_kernel_impl`, `_rejection_random_sample_kernel_impl`) assert SYNTHETIC_MODE off
+("Synthetic acceptance not supported with CPU sampling"), so `rejection_sample_method: "synthetic"` (05b
+--simulate-accept-lengths) cannot run there. These wrappers run the Triton kernels' synthetic branch in torch when
+SYNTHETIC_MODE is on (`v1/sample/rejection_sampler.py` rejection_greedy_sample_kernel, rejection_random_sample_kernel:
+draft j of a request is accepted while its uniform < the conditional rate of position j and the draft id is >= 0;
+the first rejected position takes the target's argmax (greedy) or the recovered token (sampled); a request that
+accepted every draft gets its bonus token) and call the C++ kernel otherwise. Only 05b's simulated servers load it.
 """
 import os
 
 import torch
 
-FIXES = set(filter(None, os.environ.get("EAGLE3_VLLM_FIXES", "sampling,mla_rope").split(",")))
+FIXES = set(filter(None, os.environ.get("EAGLE3_VLLM_FIXES", "sampling,mla_rope").split(",")))  # synthetic: asked only
 
 
 def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
@@ -50,6 +59,50 @@ def _rotary_on_2d(kernel):
     return forward_cpu
 
 
+def _synthetic_walk(output_token_ids, cu_num_draft_tokens, draft_token_ids, rejected_ids, bonus_token_ids, rows,
+                    uniform_probs, rates):
+    """The synthetic branch of vLLM's rejection kernels for the requests in `rows`: a walk over each one's drafts."""
+    ends = cu_num_draft_tokens.tolist()
+    for i in rows:
+        start = 0 if i == 0 else ends[i - 1]
+        accepted_all = True
+        for pos in range(ends[i] - start):
+            draft = int(draft_token_ids[start + pos])
+            accepted = draft >= 0 and float(uniform_probs[start + pos]) < float(rates[pos])
+            output_token_ids[i, pos] = draft if accepted else int(rejected_ids[start + pos])
+            if not accepted:
+                accepted_all = False
+                break
+        if accepted_all:
+            output_token_ids[i, ends[i] - start] = int(bonus_token_ids.reshape(-1)[i])
+
+
+def _synthetic_greedy(kernel):
+    def greedy(output_token_ids, cu_num_draft_tokens, draft_token_ids, target_argmax, bonus_token_ids, is_greedy,
+               max_spec_len, uniform_probs=None, synthetic_conditional_rates=None, SYNTHETIC_MODE=False):
+        if not SYNTHETIC_MODE:
+            return kernel(output_token_ids, cu_num_draft_tokens, draft_token_ids, target_argmax, bonus_token_ids,
+                          is_greedy, max_spec_len, uniform_probs, synthetic_conditional_rates, SYNTHETIC_MODE=False)
+        rows = [i for i in range(output_token_ids.shape[0]) if is_greedy is None or bool(is_greedy[i])]
+        _synthetic_walk(output_token_ids, cu_num_draft_tokens, draft_token_ids, target_argmax, bonus_token_ids, rows,
+                        uniform_probs, synthetic_conditional_rates)
+    return greedy
+
+
+def _synthetic_random(kernel):
+    def random(output_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, bonus_token_ids,
+               recovered_token_ids, uniform_probs, is_greedy, max_spec_len, vocab_size,
+               synthetic_conditional_rates=None, NO_DRAFT_PROBS=False, SYNTHETIC_MODE=False):
+        if not SYNTHETIC_MODE:
+            return kernel(output_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
+                          bonus_token_ids, recovered_token_ids, uniform_probs, is_greedy, max_spec_len, vocab_size,
+                          synthetic_conditional_rates, NO_DRAFT_PROBS=NO_DRAFT_PROBS, SYNTHETIC_MODE=False)
+        rows = [i for i in range(output_token_ids.shape[0]) if not bool(is_greedy[i])]
+        _synthetic_walk(output_token_ids, cu_num_draft_tokens, draft_token_ids, recovered_token_ids, bonus_token_ids,
+                        rows, uniform_probs, synthetic_conditional_rates)
+    return random
+
+
 if "sampling" in FIXES:
     try:
         from vllm.utils import cpu_triton_utils
@@ -65,3 +118,12 @@ if "mla_rope" in FIXES:
         rotary_base = None
     if rotary_base is not None and hasattr(rotary_base.RotaryEmbedding, "forward_cpu"):
         rotary_base.RotaryEmbedding.forward_cpu = _rotary_on_2d(rotary_base.RotaryEmbedding.forward_cpu)
+
+if "synthetic" in FIXES:
+    try:
+        from vllm.utils import cpu_triton_utils as _cpu_tl
+    except ImportError:  # not vLLM's venv
+        _cpu_tl = None
+    if _cpu_tl is not None and hasattr(_cpu_tl, "_rejection_greedy_sample_kernel_impl"):
+        _cpu_tl._rejection_greedy_sample_kernel_impl = _synthetic_greedy(_cpu_tl._rejection_greedy_sample_kernel_impl)
+        _cpu_tl._rejection_random_sample_kernel_impl = _synthetic_random(_cpu_tl._rejection_random_sample_kernel_impl)
