@@ -53,15 +53,17 @@ class TrainShape:
     ttt_steps: int = 7
 
 
-# The draft forms the check trains: 04's flags -> draft_config's arguments. "mha" is the preset's own form.
-FORMS = {"mha": [], "mla": ["--draft-attention", "mla", "--fc-norm", "--norm-output"]}
+# The draft forms the check trains (04's flags). The preset's form is MLA; "mha" is the Llama form at the heads
+# configs/kimi-k2.5.yaml names for it (56 x 128 = 7168, 8 KV heads), the shape section 2.3's projection used.
+MHA_HEADS = (56, 8)
+FORMS = {"mha": ["--draft-attention", "mha"], "mla": ["--draft-attention", "mla", "--fc-norm", "--norm-output"]}
 
 
 def draft_shape(ts: TrainShape, form: str = "mha") -> dict:
-    """The draft 04 builds for the synthetic target: the preset's heads (or the tiny run's) and MLP; the MLA
-    form keeps the target's heads and MLA dims (04 ignores the head flags' KV count for MLA)."""
+    """The draft 04 builds for the synthetic target: MHA_HEADS (or the tiny run's) and the preset's MLP; the
+    MLA form keeps the target's heads and MLA dims (04 ignores the head flags' KV count for MLA)."""
     preset = load_config(PRESET)
-    heads, kv = ts.draft_heads or (preset["draft-num-attention-heads"], preset["draft-num-key-value-heads"])
+    heads, kv = ts.draft_heads or MHA_HEADS
     tcfg = ts.target_config.get("text_config") or ts.target_config
     if form == "mla":
         return draft_config(tcfg, ts.draft_vocab, None, None, preset.get("draft-intermediate-size"),
@@ -141,12 +143,12 @@ def run_04(work: Path, target: Path, seq_len: int, ts: TrainShape, device: str, 
             "--eval-every", "1000000", "--save-every", "1000000", "--overwrite"]
     if "candidates-per-epoch" in declared_flags(REPO / stage_script(TRAIN)):
         argv += ["--candidates-per-epoch", "0"]   # the preset's checkpoint selection needs an eval split
-    if ts.draft_heads and not form_flags:
-        argv += ["--draft-num-attention-heads", str(ts.draft_heads[0]),
-                 "--draft-num-key-value-heads", str(ts.draft_heads[1])]
-    if form_flags:   # the MLA form keeps the target's heads (the preset's 56/8 are the MHA form's)
-        argv += [*form_flags, "--draft-num-attention-heads", str((ts.target_config.get("text_config")
-                                                                   or ts.target_config)["num_attention_heads"])]
+    tcfg = ts.target_config.get("text_config") or ts.target_config
+    if "mla" in form_flags:   # the MLA form keeps the target's heads
+        argv += [*form_flags, "--draft-num-attention-heads", str(tcfg["num_attention_heads"])]
+    else:
+        heads, kv = ts.draft_heads or MHA_HEADS
+        argv += [*form_flags, "--draft-num-attention-heads", str(heads), "--draft-num-key-value-heads", str(kv)]
     if init_from:
         argv += ["--init-from", str(init_from)]
     stats, log = scratch / "run_04_stats.json", scratch / "run_04.log"

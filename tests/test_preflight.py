@@ -103,3 +103,31 @@ def test_draft_config_against_manifests(export, tmp_path):
         check_draft_files(bad, M02B, M04)
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+
+
+@pytest.mark.parametrize("arch, backend, via, refused", [
+    ("LlamaForCausalLMEagle3", "trtllm_mla", "draft", True),          # sgl-project/sglang issue 23490
+    ("LlamaForCausalLMEagle3", "flashmla", "target", True),           # inherited from the target's backend
+    ("Eagle3DeepseekV2ForCausalLM", "trtllm_mha", "draft", True),
+    ("Eagle3DeepseekV2ForCausalLM", "triton", "draft", False),        # both forms (the SM120 choice)
+    ("LlamaForCausalLMEagle3", "triton", "target", False),
+    ("Eagle3DeepseekV2ForCausalLM", "flashmla", "target", False),     # an MLA draft may inherit an MLA kernel
+])
+def test_sglang_refuses_a_draft_backend_of_the_other_attention_form(tmp_path, arch, backend, via, refused):
+    """The draft's attention form against the backend it will run on (its own flag, else inherited from the
+    target's --attention-backend), for 04's export and every declared draft, before anything launches."""
+    from common.serving.engine import ServedDraft
+    from common.serving.sglang import SGLangEngine
+
+    for name in ("ours", "public"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    kw = ({"draft_attention_backend": backend} if via == "draft"
+          else {"extra_args": ["--attention-backend", backend]})
+    for export, foreign in ((tmp_path / "ours", []), (None, [ServedDraft("public", tmp_path / "public")])):
+        build = lambda: SGLangEngine(tmp_path, export, M02B, M04, foreign=foreign, **kw)  # noqa: E731
+        if refused:
+            with pytest.raises(StageError, match=f"attention backend '{backend}'.*triton"):
+                build()
+        else:
+            build()

@@ -305,6 +305,37 @@ def derived_context_length(target_dir: str | Path) -> int:
     return 2048 if value is None else int(factor * value)
 
 
+# Attention backends by the attention they serve (sglang 0.5.14 speculative/draft_utils.py: the draft takes
+# --speculative-draft-attention-backend, else --decode-attention-backend, else --attention-backend). An MLA draft
+# (Eagle3DeepseekV2ForCausalLM, configs/model_config.py: AttentionArch.MLA) runs on triton, flashinfer (their MLA
+# variants), fa3 and the MLA kernels; an MHA draft (LlamaForCausalLMEagle3) on none of the MLA-only ones.
+MLA_ONLY_BACKENDS = ("trtllm_mla", "flashmla", "cutedsl_mla", "tokenspeed_mla", "dsa", "nsa", "dsv4")
+MHA_ONLY_BACKENDS = ("trtllm_mha",)
+
+
+def draft_backend(draft_backend_flag: str | None, extra_args: list[str]) -> tuple[str | None, str]:
+    """The attention backend SGLang gives the draft, and which flag says so (None: SGLang picks)."""
+    if draft_backend_flag:
+        return draft_backend_flag, "--sglang-draft-attention-backend"
+    for flag in ("--decode-attention-backend", "--attention-backend"):
+        value = flag_value(list(extra_args), flag)
+        if value:
+            return value, f"{flag} in --server-extra-args (the draft inherits it)"
+    return None, ""
+
+
+def check_draft_backend(where: str, draft_config: dict, backend: str | None, source: str) -> None:
+    """Refuse a draft whose attention form the backend cannot run, before anything launches: an MHA draft next
+    to an MLA-only backend fails to start (sgl-project/sglang issue 23490), an MLA draft on an MHA-only one."""
+    mla = "Eagle3DeepseekV2ForCausalLM" in (draft_config.get("architectures") or [])
+    wrong = MHA_ONLY_BACKENDS if mla else MLA_ONLY_BACKENDS
+    if backend in wrong:
+        form, other = ("MLA", "MHA") if mla else ("MHA", "MLA")
+        raise StageError(f"{where} is an {form} draft, and its attention backend {backend!r} ({source}) runs {other} "
+                         f"attention only: give --sglang-draft-attention-backend triton (both forms; the one that "
+                         f"runs on SM120, docs/sglang.md)")
+
+
 def server_command(target: str | Path, port: int, tp_size: int, mem_fraction: float,
                    cuda_graph: bool, draft_dir: str | Path | None = None,
                    setting: tuple[int, int, int] | None = None, python: str = sys.executable,
@@ -603,6 +634,15 @@ class SGLangEngine(Engine):
                    mem_fraction=args.mem_fraction_static, python=args.sglang_python,
                    extra_args=list(args.server_extra_args), min_accept_length=args.min_accept_length,
                    draft_attention_backend=args.sglang_draft_attention_backend, foreign=list(foreign))
+
+    def __post_init__(self):
+        backend, source = draft_backend(self.draft_attention_backend, self.extra_args)
+        if backend is None:
+            return
+        for where, folder in [("04's export", self.export_dir)] + [(f"--draft {d.name}", d.path) for d in self.foreign]:
+            config = Path(folder or "") / "config.json"
+            if folder is not None and config.is_file():
+                check_draft_backend(f"{where} ({folder})", json.loads(config.read_text()), backend, source)
 
     @classmethod
     def refuse_unservable(cls, where, draft, points, default):
