@@ -409,9 +409,17 @@ def test_kimi_preset_matches_the_plans_server_and_draft_heads():
     assert argv[argv.index("--model-path") + 1] == cfg["target-path"]
     assert argv[argv.index("--tp-size") + 1] == str(cfg["sglang-tp-size"])
     kimi = json.loads((REPO / "assets" / "kimi_k25" / "config.json").read_text())["text_config"]
-    draft = draft_config({**kimi, **target_dims(kimi)}, 32000, cfg["draft-num-attention-heads"],
-                         cfg["draft-num-key-value-heads"])
-    assert (draft["num_attention_heads"], draft["num_key_value_heads"], draft["head_dim"]) == (56, 8, 128)
+    # the preset's form: MLA at Kimi's heads and MLA dims (the public K2.5 MLA draft's shape)
+    draft = draft_config({**kimi, **target_dims(kimi)}, 32000, cfg.get("draft-num-attention-heads"),
+                         cfg.get("draft-num-key-value-heads"), attention=cfg["draft-attention"])
+    assert (draft["attention"], draft["num_attention_heads"]) == ("mla", 64)
+    assert [draft[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                               "v_head_dim")] == [1536, 512, 128, 64, 128]
+    # the MHA form the plan names instead: 56 x 128 = 7168 (Kimi's 64 heads would give head_dim 112)
+    flags = re.search(r"`--draft-attention mha --draft-num-attention-heads (\d+) --draft-num-key-value-heads (\d+)`",
+                      plan)
+    mha = draft_config({**kimi, **target_dims(kimi)}, 32000, int(flags[1]), int(flags[2]))
+    assert (mha["num_attention_heads"], mha["num_key_value_heads"], mha["head_dim"]) == (56, 8, 128)
 
 
 class CutOnce:
