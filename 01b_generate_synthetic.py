@@ -322,6 +322,18 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
                             "completion_tokens": sum(b.tokens for b in bars.values()),
                             "errors": dict(sum((b.errors for b in bars.values()), Counter())),
                             "lost_work": server_side.get("lost_work"), "stopped_by": stopped_by, "settings": settings})
+    cache_counts = None if cache is None else {"hits": len(hits), "misses": len(todo)}
+    return settle_dataset(name, args, out, upstream_dir, ids, records, benchmark_only, settled, unattempted,
+                          stopped_by, bars=bars, seconds=seconds, cpu=cpu, server_side=server_side,
+                          mismatches=counts["prompt_token_count_mismatch"], cache_counts=cache_counts)
+
+
+def settle_dataset(name: str, args, out: Path, upstream_dir: Path, ids: dict, records: list, benchmark_only: bool,
+                   settled, unattempted: int, stopped_by, *, bars, seconds, cpu, server_side, mismatches,
+                   cache_counts) -> dict | None:
+    """After a run over one dataset: stop where it was stopped, count what is on disk, and write the manifest
+    once every record is generated or failed for good (its counts), else None (resume later)."""
+    gen_path, fail_path = out / "generated.jsonl", out / "failures.jsonl"
     n_done = sum(b.done for b in bars.values())
     if stopped_by:
         raise StageError(f"stopped by {stopped_by} after {n_done} requests; everything finished is saved. "
@@ -331,11 +343,10 @@ def generate_dataset(name: str, args, tok, target: Path, out: Path, upstream_dir
     assert len({r["id"] for r in rows}) == len(rows), f"duplicate ids in {gen_path}"
     new_rows = [r for r in rows if r["origin"] == "target" and r["id"] not in settled]
     result = {**dataset_counts(records, rows, failures, benchmark_only),
-              "prompt_token_count_mismatch": counts["prompt_token_count_mismatch"],
+              "prompt_token_count_mismatch": mismatches,
               "this_run": this_run_counts(bars, new_rows, seconds, cpu, server_side.pop("requests_per_server", None),
-                                          None if cache is None else {"hits": len(hits), "misses": len(todo)},
-                                          server_side),
-              "all_runs": run_log.totals()}
+                                          cache_counts, server_side),
+              "all_runs": RunLog(out).totals()}
     transient = [f for f in failures if f["reason"] not in PERMANENT_FAILURES]
     if len(transient) > args.max_transient_failures:
         # Leave the dataset incomplete: a re-run keeps every result and retries only these.

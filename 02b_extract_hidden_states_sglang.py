@@ -338,6 +338,15 @@ def main(argv=None):
         if rank != 0:
             return
 
+    finish(args, out, t0, plan, written, meta, calls, upstream=upstream, src=src, device=device,
+           compute_dtype=compute_dtype, points=points, architecture=architecture, layer_ids=layer_ids, dims=dims,
+           features=features, bytes_per_token=bytes_per_token)
+
+
+def finish(args, out, t0, plan, written, meta, calls, *, upstream, src, device, compute_dtype, points, architecture,
+           layer_ids, dims, features, bytes_per_token):
+    """Every shard's rows checked against the plan, then the manifest (the stage's completion mark)."""
+    n_layers, hidden, vocab = dims["num_hidden_layers"], dims["hidden_size"], dims["vocab_size"]
     shards = {}
     for k, members in plan.items():
         expected = sum(m["num_rows"] for m in members)
@@ -356,12 +365,12 @@ def main(argv=None):
         num_samples=len(meta), num_tokens=num_tokens, num_sample_tokens=num_sample_tokens,
         bytes_per_sample_token=round(num_bytes / num_sample_tokens, 1),
         num_supervised_tokens=sum(m["num_supervised"] for m in meta), num_bytes=num_bytes,
-        samples_per_shard=S, shards=shards, tokenizer=upstream["tokenizer"], target=upstream["target"],
+        samples_per_shard=args.samples_per_shard, shards=shards, tokenizer=upstream["tokenizer"], target=upstream["target"],
         inputs=input_manifests(args.work_dir, src),
         this_run={**calls, "seconds": round(calls["seconds"], 2),
                   "tokens_per_s": round(calls["num_tokens"] / calls["seconds"], 1) if calls["seconds"] else None},
         elapsed_s=round(time.time() - t0, 2))
-    print(f"[02b] done: {len(meta)} samples, {num_tokens:,} stored rows, {num_shards} shards, "
+    print(f"[02b] done: {len(meta)} samples, {num_tokens:,} stored rows, {len(plan)} shards, "
           f"{num_bytes / 1e9:.3f} GB in {out} ({time.time() - t0:.1f} s)")
 
 
