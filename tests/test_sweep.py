@@ -738,7 +738,7 @@ def test_a_draft_an_engine_cannot_serve_is_refused_before_any_launch(tmp_path, m
     spec = export_speculators(public, tmp_path / "spec", POINTS, micro_target, ["DeepseekV3ForCausalLM"])
     fake = fake_launches()
     for bad, message in ((wrong, r"vocab_size is 700, expected 600 \(the target's\)"),
-                         (spec, r"SGLang loads EAGLE-3 drafts in its own layout .* the speculators layout")):
+                         (spec, r"SGLang loads EAGLE-3 drafts in its own layouts .* the speculators layout")):
         with pytest.raises(StageError, match=message) as e:
             sweep_05b(tmp_path, "--draft", f"public={public}", f"bad={bad}")
         assert "\n" not in str(e.value) and str(bad) in str(e.value)

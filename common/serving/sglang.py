@@ -646,11 +646,12 @@ class SGLangEngine(Engine):
 
     @classmethod
     def refuse_unservable(cls, where, draft, points, default):
-        """SGLang loads its own layout only (`LlamaForCausalLMEagle3`) and reads the capture points from
-        `eagle_config.eagle_aux_hidden_state_layer_ids` (`default` without them)."""
+        """SGLang loads its own layouts only (`LlamaForCausalLMEagle3`, `Eagle3DeepseekV2ForCausalLM`) and reads
+        the capture points from `eagle_config.eagle_aux_hidden_state_layer_ids` (`default` without them)."""
         if draft.layout != "sglang":
-            raise StageError(f"{where} loads EAGLE-3 drafts in its own layout (LlamaForCausalLMEagle3) only, this "
-                             f"one is in the {draft.layout} layout: give the draft's SGLang-layout folder")
+            raise StageError(f"{where} loads EAGLE-3 drafts in its own layouts (LlamaForCausalLMEagle3, "
+                             f"Eagle3DeepseekV2ForCausalLM) only, this one is in the {draft.layout} layout: give "
+                             "the draft's SGLang-layout folder")
         if draft.sglang_ids is None and list(points) != default:
             raise StageError(f"{where} would feed it h{default} (no eagle_config.eagle_aux_hidden_state_layer_ids: "
                              f"its default), but it reads h{list(points)}: add eagle_config's ids to its config.json")
