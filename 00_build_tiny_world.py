@@ -265,21 +265,7 @@ def build(args, tiny_dir: Path) -> None:
     t = log_time(f"encode ({len(train_seqs)} train samples, {num_tokens} tokens; "
                  f"{len(held_seqs)} held-out; {len(rows)} prompt rows)", t)
 
-    config = deepseek_v3_config(
-        tok, hidden_size=args.tiny_hidden_size, num_hidden_layers=args.tiny_num_hidden_layers,
-        num_attention_heads=args.tiny_num_attention_heads, n_routed_experts=args.tiny_num_experts,
-        num_experts_per_tok=args.tiny_num_experts_per_tok,
-        moe_intermediate_size=args.tiny_moe_intermediate_size,
-        intermediate_size=args.tiny_intermediate_size, kv_lora_rank=args.tiny_kv_lora_rank,
-        qk_rope_head_dim=args.tiny_qk_rope_head_dim, qk_nope_head_dim=args.tiny_qk_nope_head_dim,
-        v_head_dim=args.tiny_v_head_dim, routed_scaling_factor=KIMI_ROUTED_SCALING_FACTOR)
-    torch.manual_seed(args.seed)
-    model = DeepseekV3ForCausalLM(config)
-    tt.init_latent_norm(model, args.tiny_kv_norm_init)
-    num_params = sum(p.numel() for p in model.parameters())
-    print(f"[00] target: DeepseekV3 {config.num_hidden_layers} layers, hidden {config.hidden_size}, MLA latent "
-          f"{config.kv_lora_rank} + {config.qk_rope_head_dim}, {config.n_routed_experts} experts "
-          f"top-{config.num_experts_per_tok}, {num_params / 1e6:.2f} M params")
+    config, model, num_params = new_target(args, tok)
     trained = tt.train_target(model, train_seqs, tok.pad_token_id, args.tiny_train_steps,
                               args.tiny_batch_size, args.tiny_lr, args.seed, args.tiny_loss_on,
                               bias_speed=args.tiny_router_bias_speed)
@@ -292,24 +278,9 @@ def build(args, tiny_dir: Path) -> None:
     model.save_pretrained(str(target_dir))  # safetensors + config.json + generation_config.json
     tok.save_pretrained(str(target_dir))
 
-    n_eval = args.tiny_eval_loss_samples
-    eval_seqs = held_seqs[:: max(1, len(held_seqs) // n_eval)][:n_eval]
-    held = tt.completion_loss(model, eval_seqs, tok.pad_token_id)
-    held_loss = held["loss"]
-    train_eval = train_seqs[:: max(1, 2 * len(train_seqs) // n_eval)][:n_eval // 2]
-    train_loss = tt.completion_loss(model, train_eval, tok.pad_token_id)["loss"]
-    eval_rows = rows[:args.tiny_eval_prompts]
-    prompts = [render_prompt(tok, r["messages"], r.get("tools")) for r in eval_rows]
-    outputs = tt.greedy_outputs(model, tok, prompts, eos_id, args.tiny_eval_new_tokens)
-    quality = tt.diversity(outputs, eos_id)
-    write_jsonl(tiny_dir / "greedy_samples.jsonl",
-                ({"id": r["id"], "prompt": p, "completion": tok.decode(o)}
-                 for r, p, o in zip(eval_rows, prompts, outputs)))
+    quality, outputs = quality_gates(args, model, tok, train_seqs, held_seqs, rows, tiny_dir)
+    held_loss, train_loss = quality["held_out_loss"], quality["train_loss"]
     t = log_time("quality gates", t)
-
-    quality = {"held_out_loss": round(held_loss, 4), "held_out_loss_by_family": held["by_family"],
-               "train_loss": round(train_loss, 4),
-               "held_out_loss_samples": len(eval_seqs), **quality}
     total = time.time() - t_start
     print(f"[00] held-out loss {held_loss:.3f} (train {train_loss:.3f}) | greedy on {len(outputs)} "
           f"held-out prompts: {quality['distinct_token_ids']} distinct ids, repeated 4-grams "
@@ -340,6 +311,50 @@ def build(args, tiny_dir: Path) -> None:
         held_out_functions_sha256=tw.stable_hash("\n".join(sorted(f["qualname"] for f in held_out))),
         quality=quality, build_seconds=round(total, 1))
     print(f"[00] done: {tiny_dir}/manifest.json")
+
+
+def new_target(args, tok):
+    """The untrained DeepSeek-V3 target of the tiny-* dims (Kimi's MLA latent and router), seeded."""
+    config = deepseek_v3_config(
+        tok, hidden_size=args.tiny_hidden_size, num_hidden_layers=args.tiny_num_hidden_layers,
+        num_attention_heads=args.tiny_num_attention_heads, n_routed_experts=args.tiny_num_experts,
+        num_experts_per_tok=args.tiny_num_experts_per_tok,
+        moe_intermediate_size=args.tiny_moe_intermediate_size,
+        intermediate_size=args.tiny_intermediate_size, kv_lora_rank=args.tiny_kv_lora_rank,
+        qk_rope_head_dim=args.tiny_qk_rope_head_dim, qk_nope_head_dim=args.tiny_qk_nope_head_dim,
+        v_head_dim=args.tiny_v_head_dim, routed_scaling_factor=KIMI_ROUTED_SCALING_FACTOR)
+    torch.manual_seed(args.seed)
+    model = DeepseekV3ForCausalLM(config)
+    tt.init_latent_norm(model, args.tiny_kv_norm_init)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"[00] target: DeepseekV3 {config.num_hidden_layers} layers, hidden {config.hidden_size}, MLA latent "
+          f"{config.kv_lora_rank} + {config.qk_rope_head_dim}, {config.n_routed_experts} experts "
+          f"top-{config.num_experts_per_tok}, {num_params / 1e6:.2f} M params")
+    return config, model, num_params
+
+
+def quality_gates(args, model, tok, train_seqs, held_seqs, rows, tiny_dir: Path) -> tuple[dict, list]:
+    """The trained target's held-out and train completion loss, and its greedy answers to the first held-out
+    prompts (written to greedy_samples.jsonl) with their diversity: what the manifest's `quality` holds."""
+    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+    n_eval = args.tiny_eval_loss_samples
+    eval_seqs = held_seqs[:: max(1, len(held_seqs) // n_eval)][:n_eval]
+    held = tt.completion_loss(model, eval_seqs, tok.pad_token_id)
+    held_loss = held["loss"]
+    train_eval = train_seqs[:: max(1, 2 * len(train_seqs) // n_eval)][:n_eval // 2]
+    train_loss = tt.completion_loss(model, train_eval, tok.pad_token_id)["loss"]
+    eval_rows = rows[:args.tiny_eval_prompts]
+    prompts = [render_prompt(tok, r["messages"], r.get("tools")) for r in eval_rows]
+    outputs = tt.greedy_outputs(model, tok, prompts, eos_id, args.tiny_eval_new_tokens)
+    quality = tt.diversity(outputs, eos_id)
+    write_jsonl(tiny_dir / "greedy_samples.jsonl",
+                ({"id": r["id"], "prompt": p, "completion": tok.decode(o)}
+                 for r, p, o in zip(eval_rows, prompts, outputs)))
+
+    quality = {"held_out_loss": round(held_loss, 4), "held_out_loss_by_family": held["by_family"],
+               "train_loss": round(train_loss, 4),
+               "held_out_loss_samples": len(eval_seqs), **quality}
+    return quality, outputs
 
 
 if __name__ == "__main__":

