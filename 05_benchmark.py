@@ -82,8 +82,8 @@ def build_parser():
                         "0.5.14 defaults); textbook = the draft samples from q at T, accepted w.p. min(1, p/q)")
     g.add_argument("--sample-batch-size", type=int, default=smp.DEFAULT_SAMPLE_BATCH_SIZE,
                    help="T > 0: prompts whose sampled target answers are drawn together in one left-padded batch "
-                        "(each with its own seeded generator: the answers do not depend on it; README: "
-                        "16 is ~x2.4 one at a time on SmolLM2, 2-core CPU)")
+                        "(each with its own seeded generator, so the answers do not depend on it; the speed "
+                        "does: benchmarks/bench_batch_sampling.py, README)")
     g.add_argument("--acceptance-loop-prompts", type=int, default=None,
                    help="T > 0: prompts (the first N) that run the real sampled loop, compared with the sampled "
                         "replay (default: --loop-prompts; 0: replay only)")
