@@ -11,7 +11,8 @@ Tiny:   python 05_benchmark.py --config configs/tiny.yaml --work-dir runs/tiny
 
 The HF target and the draft loaded from the SGLang export as an engine does (common/benchmark/reference.py);
 tau by replay against the target's greedy continuation (exact), and under sampling at
---acceptance-temperatures (common/benchmark/sampled.py), with 95% bootstrap intervals, split by segment,
+--acceptance-temperatures (common/benchmark/sampled.py; the target's sampled answers drawn in batches of
+--sample-batch-size), with 95% bootstrap intervals, split by segment,
 output position and source (common/benchmark/segments.py); real speculative decoding on --loop-prompts
 prompts must equal target-only decoding and its statistics the replay's. Float32; a target too large for
 this machine is refused. Each --draft is checked against the target before anything is written and
@@ -29,6 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from common.benchmark import compare as cmp
 from common.benchmark import reference as rb
+from common.benchmark import sampled as smp
 from common.benchmark.formatting import fmt, fmt_ci
 from common.benchmark.inputs import (Repeated, check_shared_flags, drafts_identity, given_mode, load_inputs,
                                      target_and_drafts)
@@ -78,6 +80,10 @@ def build_parser():
     g.add_argument("--acceptance-rule", choices=("engine", "textbook"), default="engine",
                    help="T > 0: engine = the draft proposes its argmax, accepted w.p. p(d) (vLLM 0.32, SGLang "
                         "0.5.14 defaults); textbook = the draft samples from q at T, accepted w.p. min(1, p/q)")
+    g.add_argument("--sample-batch-size", type=int, default=smp.DEFAULT_SAMPLE_BATCH_SIZE,
+                   help="T > 0: prompts whose sampled target answers are drawn together in one left-padded batch "
+                        "(each with its own seeded generator, so the answers do not depend on it; the speed "
+                        "does: benchmarks/bench_batch_sampling.py, README)")
     g.add_argument("--acceptance-loop-prompts", type=int, default=None,
                    help="T > 0: prompts (the first N) that run the real sampled loop, compared with the sampled "
                         "replay (default: --loop-prompts; 0: replay only)")
@@ -187,6 +193,8 @@ def main(argv=None):
         args.num_draft_tokens = [args.num_draft_tokens]
     if any(k < 1 for k in args.num_draft_tokens):
         raise StageError("--num-draft-tokens must be >= 1")
+    if args.sample_batch_size < 1:
+        raise StageError("--sample-batch-size must be >= 1")
     check_shared_flags(args)
     out = stage_dir(args.work_dir, STAGE)
     export_dir, m04, rows, _, _, _ = load_inputs(args.work_dir, args.num_prompts)

@@ -214,7 +214,7 @@ def test_main_reports_greedy_and_sampled_side_by_side(micro_target, target, prom
     assert e["loop_equals_replay_along_its_output"] == 3 and "loop_agrees" in e
     report = (out / "report.md").read_text()
     assert f"tau T={T_SHARP:g}" in report and "tau T=0" in report and "sampled loop" in report
-    assert list((tmp_path / "replay_cache").glob(f"*_T{T_SHARP:g}_topp0.9_seed0.jsonl"))
+    assert list((tmp_path / "replay_cache").glob(f"*_T{T_SHARP:g}_topp0.9_seed0_{smp.SAMPLER_VERSION}.jsonl"))
     assert json.loads((out / "manifest.json").read_text())["tau_by_temperature"][f"{T_SHARP:g}"].keys() == {"2"}
     # the README's block, printed from these files (benchmarks/demo_table.py)
     block = importlib.import_module("benchmarks.demo_table").block(tmp_path)

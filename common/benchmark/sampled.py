@@ -47,28 +47,50 @@ def generator(device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+# How the cached answers were sampled: part of the cache's name. Bump it whenever a change could change the
+# tokens drawn for the same (target, prompt, budget, eos, T, top-p, seed). "batched1": sd.sample_decode_batch
+# (2026-12-05; the one-at-a-time sample_decode's files, named without it, are not read).
+SAMPLER_VERSION = "batched1"
+DEFAULT_SAMPLE_BATCH_SIZE = 32   # benchmarks/bench_batch_sampling.py on SmolLM2 (README): 32 beat 8 and 16
+
+
 def sampled_cache_file(greedy_cache_file: Path, params: sd.SamplingParams, seed: int) -> Path:
-    """Beside the greedy answers (reference.replay_cache_file: same weights / budget / eos key)."""
+    """Beside the greedy answers (reference.replay_cache_file: same weights / budget / eos key), named by
+    T, top-p, seed and SAMPLER_VERSION. Not by the batch size: a row's draws do not depend on its batch
+    (sd.sample_decode_batch); the batch changes only float noise in the logits."""
     stem = greedy_cache_file.name.removesuffix("_greedy.jsonl")
-    return greedy_cache_file.parent / f"{stem}_T{params.temperature:g}_topp{params.top_p:g}_seed{seed}.jsonl"
+    return greedy_cache_file.parent / (f"{stem}_T{params.temperature:g}_topp{params.top_p:g}_seed{seed}_"
+                                       f"{SAMPLER_VERSION}.jsonl")
 
 
 def sampled_continuations(target, rows: list[dict], max_new_tokens: int, eos: set[int], params: sd.SamplingParams,
-                          seed: int, cache_file: Path) -> list[list[int]]:
-    """One target-only sampled answer per row (sd.sample_decode, seed prompt_seed(..., "replay")), cached."""
+                          seed: int, cache_file: Path, batch_size: int = DEFAULT_SAMPLE_BATCH_SIZE
+                          ) -> list[list[int]]:
+    """One target-only sampled answer per row, cached: the prompts not in the cache, by length, in batches of
+    `batch_size` (sd.sample_decode_batch), each answer drawn with its own generator seeded
+    prompt_seed(..., "replay"), so it is the answer sd.sample_decode would draw with that seed alone (up
+    to float near-ties) whatever the batch. The cache is rewritten after every batch."""
     from tqdm import tqdm
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, not {batch_size}")
 
     def key(ids):
         return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
 
     cached = {r["prompt_sha256"]: r["continuation"] for r in iter_jsonl(cache_file)} if cache_file.is_file() else {}
-    missing = [r for r in rows if key(r["prompt_ids"]) not in cached]
-    for r in tqdm(missing, desc=f"[05] target samples T={params.temperature:g}", unit="prompt", disable=not missing):
-        g = generator(target.device, prompt_seed(seed, r["prompt_ids"], params, "replay"))
-        cached[key(r["prompt_ids"])] = sd.sample_decode(target, r["prompt_ids"], max_new_tokens, eos, params, g)
-    if missing:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        write_jsonl(cache_file, ({"prompt_sha256": k, "continuation": v} for k, v in cached.items()))
+    missing = list({key(r["prompt_ids"]): r["prompt_ids"] for r in rows if key(r["prompt_ids"]) not in cached}.values())
+    missing.sort(key=len)                        # less padding in each batch
+    with tqdm(total=len(missing), desc=f"[05] target samples T={params.temperature:g} (batch {batch_size})",
+              unit="prompt", disable=not missing) as bar:
+        for start in range(0, len(missing), batch_size):
+            batch = missing[start:start + batch_size]
+            gens = [generator(target.device, prompt_seed(seed, ids, params, "replay")) for ids in batch]
+            for ids, cont in zip(batch, sd.sample_decode_batch(target, batch, max_new_tokens, eos, params, gens)):
+                cached[key(ids)] = cont
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            write_jsonl(cache_file, ({"prompt_sha256": k, "continuation": v} for k, v in cached.items()))
+            bar.update(len(batch))
     return [cached[key(r["prompt_ids"])] for r in rows]
 
 
@@ -239,7 +261,8 @@ def run_sampled(args, target, drafts: dict, rows: list[dict], points: list[int],
     for temp in sorted({float(t) for t in args.acceptance_temperatures if float(t) > 0}):
         params = sd.SamplingParams(temp, args.acceptance_top_p, args.acceptance_rule)
         conts = sampled_continuations(target, rows, max_new, eos, params, args.bench_seed,
-                                      sampled_cache_file(greedy_cache_file, params, args.bench_seed))
+                                      sampled_cache_file(greedy_cache_file, params, args.bench_seed),
+                                      getattr(args, "sample_batch_size", DEFAULT_SAMPLE_BATCH_SIZE))
         per = {name: {k: [] for k in ks} for name in drafts}
         off_support = 0
         for row, cont in tqdm(list(zip(rows, conts)), desc=f"[05] sampled replay T={temp:g}", unit="prompt"):

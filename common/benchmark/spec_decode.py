@@ -63,12 +63,34 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
     """
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = torch.where(top_p_keep(probs, top_p), probs, torch.zeros_like(probs))
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+TOP_P_CANDIDATES = 256   # tokens top_p_keep looks at before it sorts a whole row
+
+
+def top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., V] probabilities -> the top-p mask of sampling_probs: token i (sorted descending) stays iff
+    the mass strictly above it is < top_p.
+
+    A row whose TOP_P_CANDIDATES most likely tokens hold top_p + 1e-4 or more is decided on those alone
+    (topk: every token below them has at least that mass above it and goes); the others are sorted whole.
+    The same mask either way - the sorted prefix and its cumulative sums are the same numbers (tested
+    against the full sort) - and ~20x cheaper: sorting 49,152 probabilities for every row of a batch or a
+    sequence cost more than SmolLM2's forward on a CPU."""
+    vocab = probs.shape[-1]
+    flat = probs.reshape(-1, vocab)
+    k = min(TOP_P_CANDIDATES, vocab)
+    top, order = flat.topk(k, dim=-1)                                     # sorted, descending
+    cum = top.cumsum(-1)
+    keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, order, (cum - top) < top_p)
+    whole = (cum[:, -1] < top_p + 1e-4).nonzero().flatten() if k < vocab else order.new_zeros(0)
+    if whole.numel():
+        sorted_p, full = flat[whole].sort(dim=-1, descending=True)
+        keep[whole] = torch.zeros_like(keep[whole]).scatter(-1, full, (sorted_p.cumsum(-1) - sorted_p) < top_p)
+    return keep.reshape(probs.shape)
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -366,6 +388,57 @@ def sample_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: s
             break
         ids = torch.tensor([[nxt]], device=target.device)
     return out
+
+
+@torch.no_grad()
+def sample_decode_batch(target, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
+                        sampling: SamplingParams, generators: list[torch.Generator], pad_id: int = 0
+                        ) -> list[list[int]]:
+    """sample_decode on several prompts in one left-padded batch with one KV cache: answer i is sampled with
+    generators[i] alone, one multinomial draw per token from its own row of the batch's logits, so it
+    depends on its prompt and generator only, never on the batch's other rows; where the batched and the
+    one-at-a-time forwards give the same logits the two draw the same tokens (float noise between them can
+    move a near-tie of the draw or the top-p edge, nothing else). Each row stops on its own (end of turn,
+    the budget); finished rows leave the batch and its cache (DynamicCache.batch_select_indices).
+
+    Left padding: the pads are masked out of attention (attention_mask) and each row's positions count
+    its own tokens from 0 (position_ids), so a row sees what it would see alone."""
+    assert len(generators) == len(prompts) and all(prompts), "one generator per non-empty prompt"
+    device = target.device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, device=device)
+        mask[i, width - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = new_target_cache(target)
+    params = inspect.signature(type(target).forward).parameters
+    # Only the last position's logits (the prefill's [B, width, V] would be gigabytes); the keyword is
+    # checked, as forward swallows unknown ones (cache_keyword).
+    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    live = list(range(len(prompts)))          # batch row -> prompt index
+    out: list[list[int]] = [[] for _ in prompts]
+    while True:
+        logits = target(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        **{cache_keyword(target): cache}, **keep_last).logits[:, -1]
+        probs = sampling_probs(logits, sampling.temperature, sampling.top_p)
+        stay, nxt = [], []
+        for row, i in enumerate(live):
+            tok = _sample(probs[row], generators[i])
+            out[i].append(tok)
+            if tok not in eos_ids and len(out[i]) < max_new_tokens:
+                stay.append(row)
+                nxt.append(tok)
+        if not stay:
+            return out
+        if len(stay) < len(live):
+            rows = torch.tensor(stay, device=device)
+            cache.batch_select_indices(rows)
+            mask, positions, live = mask[rows], positions[rows], [live[r] for r in stay]
+        ids = torch.tensor(nxt, device=device)[:, None]
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+        positions = positions[:, -1:] + 1
 
 
 def acceptance_stats(results: list[SpecResult], num_draft_tokens: int) -> dict:
