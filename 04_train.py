@@ -50,7 +50,7 @@ from common.training.data import (Prefetcher, ShardData, epoch_order, is_eval, l
                                   make_batches, schedule, to_device)
 from common.training.distributed import (Ranks, all_max, all_sum, barrier, broadcast_flag, make_optimizer,
                                          optimizer_state, setup, shard_optimizer_wanted, teardown, unwrap, wrap_model)
-from common.training.loss import TTTMeter, ttt_loss
+from common.training.loss import OBJECTIVES, TTTMeter, ttt_loss
 from common.training.plot import plot_training_curves
 from common.training.precision import choose_bf16
 from common.training.selection import (candidate_steps, choose_candidate, drop_candidates, save_candidate,
@@ -93,7 +93,7 @@ def build_parser():
     r.add_argument("--loss-normalization", choices=("supervised", "batch"), default="supervised",
                    help="divide each TTT step's summed soft-CE by its supervised positions, or by samples x "
                         "padded length of the batch (B*T, as SpecForge)")
-    r.add_argument("--loss", choices=("kl", "lk_alpha", "lk_lambda"), default="kl",
+    r.add_argument("--loss", choices=OBJECTIVES, default="kl",
                    help="per-position TTT objective: kl = soft cross-entropy against the teacher (EAGLE); the LK "
                         "losses of arXiv 2602.23881 target the acceptance rate alpha = sum_v min(p, q) directly: "
                         "lk_alpha = -log alpha, lk_lambda = lam*KL + (1-lam)*(1-alpha), lam = exp(-3 * mean "
@@ -191,7 +191,7 @@ def run_batch(model, lm_head, batch: dict, args, ranks, autocast):
     with autocast():
         hidden = model(batch["aux"], batch["input_ids"], k, start=batch.get("start"))
         loss, stats = ttt_loss(hidden, core.logits, teach, mask, denominators.float(),
-                               objective=getattr(args, "loss", "kl"),  # hand-built namespaces: kl
+                               objective=args.loss,
                                reduce=lambda x: all_sum(x, ranks))     # lk_lambda's lam: the global batch's
     return loss * ranks.world, stats
 

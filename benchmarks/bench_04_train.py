@@ -172,7 +172,7 @@ def make_step(args, seq_len: int, variant: str):
                                            masked_attention=variant == "today")
             return legacy_ttt_loss(logits, teach, batch["loss_mask"])
     else:
-        opts = SimpleNamespace(ttt_steps=args.ttt_steps, loss_normalization="supervised")
+        opts = SimpleNamespace(ttt_steps=args.ttt_steps, loss_normalization="supervised", loss="kl")
         ranks = Ranks(device=device)
 
         def step():

@@ -102,7 +102,7 @@ def step_04(result: dict, device: str, cfg: dict, seq_len: int, ttt_steps: int) 
     teachers = {"final": {"final": torch.randn(b, t, h, generator=g)},
                 "topk": {"topk_ids": topk_ids,
                          "topk_logits": torch.randn(b, t, 8, generator=g).sort(-1, descending=True).values}}
-    opts = SimpleNamespace(ttt_steps=ttt_steps, loss_normalization="supervised")
+    opts = SimpleNamespace(ttt_steps=ttt_steps, loss_normalization="supervised", loss="kl")
 
     def grads(where: str, bf16: bool, teacher: str):
         m = copy.deepcopy(model).to(where).train()

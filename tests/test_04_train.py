@@ -251,7 +251,7 @@ def test_run_batch_divides_each_step_as_asked(normalization):
     from common.training.distributed import Ranks
     model, batch, lm_head = micro_batch()
     b, t, mask = 3, 9, batch["loss_mask"]
-    args = SimpleNamespace(ttt_steps=3, loss_normalization=normalization)
+    args = SimpleNamespace(ttt_steps=3, loss_normalization=normalization, loss="kl")
     loss, stats = train.run_batch(model, lm_head, batch, args, Ranks(), contextlib.nullcontext)
     denom = [max(int(n), 1) for n in stats["num_loss"]] if normalization == "supervised" else [b * t] * 3
     want = sum(0.8 ** k * float(stats["loss_sum"][k]) / denom[k] for k in range(3))
