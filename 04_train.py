@@ -62,9 +62,23 @@ STAGE = TRAIN
 PLAN = "(resume refuses a change)"   # in a group's title: its flags are the plan a checkpoint was made with
 
 
+class PlanGroup:
+    """An argument group whose flags are the plan: a checkpoint's data cursor, schedule or weights mean nothing
+    under other values of them, so resume refuses a change. Each flag added is recorded in `keys`."""
+
+    def __init__(self, parser, title: str, keys: list):
+        self.group, self.keys = parser.add_argument_group(f"{title} {PLAN}"), keys
+
+    def add_argument(self, *names, **kw):
+        action = self.group.add_argument(*names, **kw)
+        self.keys.append(action.dest)
+        return action
+
+
 def build_parser():
     p = base_parser(__doc__)
-    d = p.add_argument_group(f"draft shape and init {PLAN}")
+    p.plan_keys = []   # filled by the PlanGroups below (plan_keys)
+    d = PlanGroup(p, "draft shape and init", p.plan_keys)
     d.add_argument("--draft-attention", choices=ATTENTIONS, default="mha",
                    help="the draft layer's attention: mha = Llama multi-head attention (LlamaForCausalLMEagle3); "
                         "mla = DeepSeek-V2 multi-head latent attention (Eagle3DeepseekV2ForCausalLM, the public "
@@ -84,7 +98,7 @@ def build_parser():
                    help="weights of the draft's linear layers: PyTorch's default init or normal(0, --init-std)")
     d.add_argument("--init-std", type=float, default=0.02, help="std of --init normal")
     d.add_argument("--train-seed", type=int, default=0, help="seed of the init and the data order")
-    r = p.add_argument_group(f"recipe {PLAN}")
+    r = PlanGroup(p, "recipe", p.plan_keys)
     r.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll depth (steps)")
     r.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW peak learning rate")
     r.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("BETA1", "BETA2"),
@@ -98,7 +112,7 @@ def build_parser():
                         "losses of arXiv 2602.23881 target the acceptance rate alpha = sum_v min(p, q) directly: "
                         "lk_alpha = -log alpha, lk_lambda = lam*KL + (1-lam)*(1-alpha), lam = exp(-3 * mean "
                         "alpha) per step (common/training/loss.py)")
-    s = p.add_argument_group(f"data and schedule {PLAN}")
+    s = PlanGroup(p, "data and schedule", p.plan_keys)
     s.add_argument("--num-epochs", type=int, default=10, help="passes over the training samples")
     s.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (the schedule ends there)")
     s.add_argument("--max-train-samples", type=int, default=None,
@@ -113,7 +127,7 @@ def build_parser():
                    help="longest sample used (tokens); 01c drops longer ones, 04 truncates any left")
     s.add_argument("--eval-fraction", type=float, default=0.02,
                    help="share of samples held out for eval, chosen by a hash of the sample id")
-    w = p.add_argument_group(f"warm start and checkpoint selection (docs/design.md section 12) {PLAN}")
+    w = PlanGroup(p, "warm start and checkpoint selection (docs/design.md section 12)", p.plan_keys)
     w.add_argument("--init-from", type=Path, default=None,
                    help="fine-tune this EAGLE-3 draft (SGLang layout, e.g. a public Kimi draft or 04's "
                         "export_sglang/, or the speculators layout); checked against the target and the 02b "
@@ -155,9 +169,8 @@ def build_parser():
 
 
 def plan_keys(parser) -> tuple[str, ...]:
-    """The flags of the groups marked PLAN: a checkpoint's data cursor, schedule or weights mean nothing
-    under other values of them, so resume refuses a change (a flag added to such a group is covered)."""
-    return tuple(a.dest for g in parser._action_groups if g.title.endswith(PLAN) for a in g._group_actions)
+    """The flags of the PlanGroups (a flag added to such a group is covered)."""
+    return tuple(parser.plan_keys)
 
 
 PLAN_KEYS = plan_keys(build_parser())
