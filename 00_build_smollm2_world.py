@@ -31,13 +31,11 @@ from pathlib import Path
 
 from common.config import base_parser, parse_args
 from common.generation.hf_engine import hf_generator
-from common.generation.response_cache import cache_identity, write_response_cache
+from common.generation.response_cache import pack_responses
 from common.io import atomic_path, write_jsonl
-from common.stage import (GENERATE, REPO_ROOT, SMOLLM2_WORLD, StageError, stage_dir, start_stage, target_identity,
-                          tokenizer_identity, torch_threads, write_manifest)
+from common.stage import (REPO_ROOT, SMOLLM2_WORLD, StageError, start_stage, target_identity, tokenizer_identity,
+                          torch_threads, write_manifest)
 from common.text.chat_format import render_prompt
-from common.text.target_format import load_target_format
-from common.text.tokenizer import load_tokenizer
 from common.worlds import smollm2 as sm
 from common.worlds.smollm2_general_prompts import make_prompts as make_general_prompts
 from common.worlds.smollm2_prompts import FUNCTION_FAMILIES, make_prompts
@@ -161,17 +159,6 @@ def build(args, out: Path) -> None:
         counts={split: dict(Counter(r["family"] for r in rows)) for split, rows in prompts.items()},
         build_seconds=round(time.time() - t0, 1))
     print(f"[00] done: {out}/manifest.json ({time.time() - t0:.0f} s)")
-
-
-def pack_responses(work_dirs: list[Path], target_dir: Path, asset: Path, generator: str) -> None:
-    """Rewrite a response-cache asset from finished 01b outputs, for the generator that made them."""
-    paths = [p for w in work_dirs for p in sorted(stage_dir(w, GENERATE).glob("*/generated.jsonl"))]
-    if not paths:
-        raise StageError(f"no 01b output under {', '.join(map(str, work_dirs))}: run 01/01b first")
-    tok = load_tokenizer(target_dir)
-    identity = cache_identity(target_dir, load_target_format(target_dir, tok), generator)
-    counts = write_response_cache(paths, asset, identity, tok)
-    print(f"[00] packed {len(paths)} 01b outputs into {asset}: {counts}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,10 @@ CPU, but training amplifies each CPU's float rounding, so the default settings a
 build made with them is shipped (assets/tiny_kimi/, hashes and quality gates in world.json) and
 unpacked, and every machine runs the demo on the same target. --retrain builds anyway; --pack-asset
 writes a finished build as the asset. Cached: a folder with manifest.json is reused unless --overwrite.
+The target's greedy answers to the demo's prompts ship too (assets/tiny_kimi/responses.jsonl.gz, 01b
+--response-cache in configs/tiny.yaml; --pack-responses WORK_DIR rewrites it from a finished 01b): the
+tiny target's transformers MLA re-expands its whole latent cache every step, so generating them costs
+~10 minutes of a 2-core machine; answers under another target or generator are never served from it.
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ import torch
 from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
 from common.config import base_parser, parse_args
+from common.generation.hf_engine import hf_generator
+from common.generation.response_cache import pack_responses
 from common.io import write_jsonl
 from common.stage import (StageError, TINY_WORLD, host_info, package_versions, read_manifest, sha256_file, start_stage,
                           target_identity, tokenizer_identity, torch_threads, write_manifest)
@@ -56,7 +62,9 @@ BUILD_FIELDS = ("model", "training", "counts", "held_out_functions_sha256", "qua
 MODEL_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "topk_method",
                 "scoring_func", "routed_scaling_factor")
 # Flags that do not change what is built.
-NOT_SETTINGS = ("config", "overwrite", "tiny_dir", "tiny_threads", "tiny_asset", "retrain", "pack_asset")
+NOT_SETTINGS = ("config", "overwrite", "tiny_dir", "tiny_threads", "tiny_asset", "retrain", "pack_asset",
+                "pack_responses")
+RESPONSES = "responses.jsonl.gz"   # in --tiny-asset: the target's greedy answers (01b --response-cache)
 
 
 def build_parser():
@@ -70,6 +78,9 @@ def build_parser():
     g.add_argument("--retrain", action="store_true", help="build and train even when the asset matches")
     g.add_argument("--pack-asset", action="store_true",
                    help="write the complete world in --tiny-dir as the asset in --tiny-asset, then stop")
+    g.add_argument("--pack-responses", type=Path, nargs="+", default=None, metavar="WORK_DIR",
+                   help=f"write the greedy answers of the finished 01b runs in these work dirs (transformers, "
+                        f"float32 on the CPU) as --tiny-asset's {RESPONSES}, then stop")
     g.add_argument("--seed", type=int, default=0, help="seed of the tokenizer, tasks, init and training")
     g.add_argument("--tiny-train-steps", type=int, default=400,
                    help="target training steps (optimizer steps)")
@@ -196,6 +207,9 @@ def main(argv=None):
     tiny_dir = Path(args.tiny_dir)
     if args.pack_asset:
         return pack_asset(tiny_dir, args.tiny_asset)
+    if args.pack_responses is not None:
+        return pack_responses(args.pack_responses, tiny_dir / "target", args.tiny_asset / RESPONSES,
+                              hf_generator("cpu"))
     if args.tiny_num_hidden_layers < 8:
         raise StageError("--tiny-num-hidden-layers must be >= 8 (capture points 2, N//2, N-3 distinct)")
     settings = build_settings(args)

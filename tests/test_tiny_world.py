@@ -158,6 +158,58 @@ def test_default_settings_unpack_the_shipped_world(tmp_path, monkeypatch):
     assert all(b.abs().max() > 0.01 for b in biases)
 
 
+
+def test_shipped_answers_are_the_shipped_targets_and_regenerate_identically(tmp_path, monkeypatch):
+    """configs/tiny.yaml's response cache holds the shipped target's greedy answer to every demo prompt under
+    the demo's cap (01b serves them instead of ~10 minutes of generation), and three of them (the shortest,
+    and the longest that stops) come out of 01b's hf engine again token for token."""
+    import torch
+
+    from common.config import load_config, parse_args
+    from common.generation.hf_engine import HFEngine, hf_generator
+    from common.generation.response_cache import ResponseCache, cache_identity, prompt_sha256
+    from common.generation.jobs import make_jobs
+    from common.io import iter_jsonl
+    from common.stage import GENERATE, PREPARE, stage_dir
+    from common.text.target_format import load_target_format
+    from common.text.tokenizer import load_tokenizer
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "tiny-kimi"
+    stage.main(["--tiny-dir", str(out), "--config", str(REPO / "configs" / "tiny.yaml")])
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    assert Path(cfg["response-cache"]) == Path("assets") / "tiny_kimi" / stage.RESPONSES
+    target = out / "target"
+    tok = load_tokenizer(target)
+    fmt = load_target_format(target, tok)
+    cache = ResponseCache.load(REPO / cfg["response-cache"], cache_identity(target, fmt, hf_generator("cpu")), tok)
+    assert not cache.mismatch, cache.mismatch   # the shipped target's answers
+    work = tmp_path / "work"   # 01 on the world's prompts, then 01b's own rendering of them
+    importlib.import_module(PREPARE).main(["--config", str(REPO / "configs" / "tiny.yaml"), "--work-dir", str(work),
+                                           "--target-path", str(target),
+                                           "--datasets", json.dumps([{**cfg["datasets"][0],
+                                                                      "path": str(out / "data" / "prompts.jsonl")}])])
+    records = list(iter_jsonl(stage_dir(work, PREPARE) / cfg["datasets"][0]["name"] / "records.jsonl"))
+    gen = parse_args(importlib.import_module(GENERATE).build_parser(),
+                     ["--config", str(REPO / "configs" / "tiny.yaml"), "--work-dir", str(work)])
+    jobs, _, _ = make_jobs(records, tok, fmt, max_new_tokens=gen.max_new_tokens, max_context=gen.max_context,
+                           long_context=gen.long_context)
+    texts = {prompt_sha256(j["prompt"]): j["prompt"] for j in jobs}
+    entries = [e for e in cache.entries.values() if e["prompt_sha256"] in texts]
+    assert len(entries) == len(cache.entries) >= 0.95 * len(texts)
+    assert {e["max_new_tokens"] for e in entries} <= {j["max_new"] for j in jobs}
+    by_length = sorted(entries, key=lambda e: len(e["completion_ids"]))
+    stopped = [e for e in by_length if e["finish_reason"] == "stop"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = HFEngine(target, tok, fmt.stop_ids)
+        for e in by_length[:2] + stopped[-1:]:
+            got = engine.generate_batch([texts[e["prompt_sha256"]]], [e["max_new_tokens"]])[0]
+            assert got["completion_ids"] == e["completion_ids"] and got["finish_reason"] == e["finish_reason"]
+    finally:
+        torch.set_num_threads(before)
+
 def test_pack_unpack_round_trip_and_a_bad_asset_is_refused(built, tmp_path):
     from common.stage import StageError
 

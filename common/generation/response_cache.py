@@ -9,6 +9,8 @@ API (used by 01b `--response-cache PATH` and by world builders that ship a finis
       `generated`: 01b generated.jsonl paths and/or row dicts (mixed); rows the target wrote (origin
       "target" or "cache") with `completion_ids` and `max_new_tokens` become entries, others are counted
       in `skipped` by reason. Written atomically, byte-identical for the same entries.
+  pack_responses(work_dirs, target_dir, asset, generator)
+      a world builder's `--pack-responses`: every finished 01b output under the work dirs into `asset`.
   cache = ResponseCache.load(path, identity, tokenizer)
       `cache.lookup(prompt_text, max_new_tokens)` -> None or {"completion", "completion_ids",
       "finish_reason", "num_completion_tokens"}; `cache.mismatch` lists the identity fields that differ
@@ -184,3 +186,18 @@ def compare_with_cache(generated, path: str | Path) -> dict:
                             "generated_tokens": len(ids), "cached_tokens": len(ref)})
     return {"num_compared": compared, "num_exact": exact, "exact_share": exact / compared if compared else None,
             "not_in_cache": missing, "divergences": divergences}
+
+
+def pack_responses(work_dirs: list[Path], target_dir: Path, asset: Path, generator: str) -> None:
+    """Rewrite a response-cache asset from finished 01b outputs, for the generator that made them."""
+    from common.stage import GENERATE, stage_dir
+    from common.text.target_format import load_target_format
+    from common.text.tokenizer import load_tokenizer
+
+    paths = [p for w in work_dirs for p in sorted(stage_dir(w, GENERATE).glob("*/generated.jsonl"))]
+    if not paths:
+        raise StageError(f"no 01b output under {', '.join(map(str, work_dirs))}: run 01/01b first")
+    tok = load_tokenizer(target_dir)
+    identity = cache_identity(target_dir, load_target_format(target_dir, tok), generator)
+    counts = write_response_cache(paths, asset, identity, tok)
+    print(f"[00] packed {len(paths)} 01b outputs into {asset}: {counts}")
