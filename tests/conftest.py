@@ -12,8 +12,30 @@ sys.path.insert(0, str(REPO))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "engine: needs the serving engine's venv (build/vllm-venv); "
-                            "`make test-fast` deselects these")
+    config.addinivalue_line("markers", "engine: needs the serving engine's venv (build/vllm-venv); every test "
+                            "in tests/engine/ gets it, no test elsewhere may have it; `make test-fast` leaves them out")
+
+
+def tier_of(path) -> str:
+    """The tier a test file belongs to: its first folder below tests/ (tests/README.md)."""
+    try:
+        parts = Path(path).resolve().relative_to(REPO / "tests").parts
+    except ValueError:
+        return "other"
+    return parts[0] if len(parts) > 1 else "tests"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The engine tier is a folder: its tests are marked `engine` here, and an `engine` test elsewhere is refused
+    (it would run in `make test-fast`, which has no engine venv)."""
+    strays = []
+    for item in items:
+        if tier_of(item.path) == "engine":
+            item.add_marker(pytest.mark.engine)
+        elif item.get_closest_marker("engine"):
+            strays.append(item.nodeid)
+    if strays:
+        raise pytest.UsageError(f"tests marked `engine` outside tests/engine/ (move them there): {strays}")
 
 
 def stdlib_texts(limit: int) -> list[str]:
