@@ -28,7 +28,7 @@ COMPAT_STAMP := $(COMPAT_VENV)/.installed
 CORE_TESTS := tests/stages/test_05_benchmark.py tests/units/benchmark/test_replay.py tests/units/draft/test_eagle3.py tests/stages/test_02b_extract.py \
               tests/units/target/test_feature_formats.py
 
-.PHONY: demo test test-fast setup engine clean-demo bench-real bench-ref bench-serve
+.PHONY: demo test test-fast test-times setup engine clean-demo bench-real bench-ref bench-serve
 
 setup: $(STAMP)
 
@@ -78,6 +78,10 @@ test: $(STAMP) $(SMOLLM2) $(ENGINE_STAMP) $(COMPAT_STAMP)
 # The edit-test loop: every tier but the engine's (tests/engine/, marked `engine`: tests/README.md), main venv only.
 test-fast: $(STAMP) $(SMOLLM2)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=8 --ignore=tests/engine tests
+
+# README's and tests/README.md's test times, rendered from docs/test_times.json (.ci/run writes it).
+test-times: $(STAMP)
+	$(PY) scripts/test_times.py --write
 
 clean-demo:
 	rm -rf $(WORK)

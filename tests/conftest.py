@@ -10,19 +10,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests import times  # noqa: E402 (after the path): per-tier durations with TEST_TIMES (its clock starts here)
+from tests.paths import tier_of  # noqa: E402
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "engine: needs the serving engine's venv (build/vllm-venv); every test "
                             "in tests/engine/ gets it, no test elsewhere may have it; `make test-fast` leaves them out")
-
-
-def tier_of(path) -> str:
-    """The tier a test file belongs to: its first folder below tests/ (tests/README.md)."""
-    try:
-        parts = Path(path).resolve().relative_to(REPO / "tests").parts
-    except ValueError:
-        return "other"
-    return parts[0] if len(parts) > 1 else "tests"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,6 +30,22 @@ def pytest_collection_modifyitems(config, items):
             strays.append(item.nodeid)
     if strays:
         raise pytest.UsageError(f"tests marked `engine` outside tests/engine/ (move them there): {strays}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With TEST_TIMES=FILE (.ci/run sets it), add this session's per-tier durations to FILE (tests/times.py)."""
+    import os
+
+    if os.environ.get("TEST_TIMES"):
+        times.record(session, os.environ["TEST_TIMES"], tier_of)
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup + call + teardown seconds and outcome, for pytest_sessionfinish (TEST_TIMES)."""
+    import os
+
+    if os.environ.get("TEST_TIMES"):
+        times.add_report(report)
 
 
 def stdlib_texts(limit: int) -> list[str]:
