@@ -86,7 +86,7 @@ class AgreementCheck:
                        # sampled, and the probability gate's relative band on p(d)
     out: Path
     sampling: tuple = ()   # sd.SamplingParams per temperature > 0: the sampled check after the greedy one
-    seed: int = 0          # 05's --seed: the per-request seeds (sampled.prompt_seed, stream "engine")
+    seed: int = 0          # 05b's --bench-seed: the per-request seeds (sampled.prompt_seed, stream "engine")
 
     def __post_init__(self):
         self._models = None
