@@ -10,47 +10,37 @@ with drafts this pipeline trained. Nothing here is a stub:
   (runs silently at chance), capture ids off by one (an SGLang-style config read by vLLM), and a draft
   that is not 04's export.
 If the engine venv or the SmolLM2 world is missing, these tests FAIL (make test builds both first).
-About 5 minutes on the 2-core box: one small chain (40 samples, 100 steps) and 7 server starts, three
-of them side by side.
+One small chain (40 samples, 100 steps) and 5 server starts of its own (two side by side with the baseline,
+which tests/engine/conftest.py shares with test_vllm_simulated.py; 05b's three EAGLE-3 servers one at a time);
+its time: tests/README.md (docs/test_times.json).
 """
 from __future__ import annotations
 
 import importlib
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 
 from common.draft.manifest import DraftManifest
 from common.io import iter_jsonl
-from common.serving import process, vllm
+from common.serving import vllm
 from common.stage import EXTRACT, GENERATE, MERGE, PREPARE, SERVE_BENCH, StageError, TRAIN, VOCAB, stage_dir
 from common.target.manifests import HiddenStatesManifest
-from tests.paths import REPO
+from tests.engine.servers import SMOLLM2_TARGET, Served, free_port, need_engine, settings
+from tests.paths import ENGINE_PY, REPO
 
 pytestmark = pytest.mark.engine   # the real-engine tier: `make test` runs it, `make test-fast` leaves it out
 
-ENGINE_PY = REPO / "build" / "vllm-venv" / "bin" / "python"
 WORLD = REPO / "build" / "smollm2"
-TARGET = WORLD / "target"
+TARGET = SMOLLM2_TARGET
 SHIPPED = REPO / "assets" / "smollm2" / "responses.jsonl.gz"
 SERVED = "smollm2"
 POINTS = [2, 15, 27]
 BUDGET = 48  # new tokens per benchmark answer
 stage = {name: importlib.import_module(name) for name in (PREPARE, GENERATE, MERGE, EXTRACT, VOCAB, TRAIN,
                                                           SERVE_BENCH)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def settings() -> vllm.VllmSettings:
-    return vllm.VllmSettings(python=str(ENGINE_PY), kv_cache_space_gib=1)
 
 
 def datasets(num_train: int, num_heldout: int) -> str:
@@ -78,53 +68,33 @@ def build_chain(work: Path) -> None:
                        "--eval-fraction", "0", "--log-every", "50"])
 
 
-class Served:
-    """A vLLM server this module started: url, process, log."""
-
-    def __init__(self, name: str, logs: Path, draft: Path | None = None, k: int | None = None,
-                 method: str = "eagle3"):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = logs / f"{name}.log"
-        # prefix caching off, as 05b launches its own: 05b refuses an attached server that caches
-        cmd = vllm.server_command(TARGET, self.port, settings(), False, draft, k, served_name=SERVED, method=method,
-                                  prefix_cache=False)
-        self.proc = process.launch_server(cmd, self.log, vllm.server_env(settings()))
-
-    def ready(self):
-        process.wait_ready(self.url, self.proc, 600, log_path=self.log)
-        return self
-
-
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The chain's work dir and three servers started side by side: a baseline, the `eagle` method with
-    the speculators export (the classic failure), and the SGLang export without vLLM's top-level ids
-    (vLLM then reads SGLang's ids, one layer early)."""
-    if not ENGINE_PY.is_file():
-        pytest.fail(f"{ENGINE_PY} is missing: build the engine venv with `make engine` (make test does)")
-    if not (TARGET / "config.json").is_file():
-        pytest.fail(f"{TARGET} is missing: run `python 00_build_smollm2_world.py --config configs/smollm2.yaml`")
+def world(tmp_path_factory, smollm2_baseline):
+    """The chain's work dir, the shared SmolLM2 baseline (tests/engine/conftest.py) and two servers started beside
+    it: the `eagle` method with the speculators export (the classic failure), and the SGLang export without vLLM's
+    top-level ids (vLLM then reads SGLang's ids, one layer early)."""
+    need_engine(TARGET)
     root = tmp_path_factory.mktemp("vllm_real")
     logs = root / "logs"
-    servers = {"baseline": Served("baseline", logs)}
+    servers = {}
     try:
         work = root / "work"
-        build_chain(work)
+        build_chain(work)   # while the baseline starts
         draft = stage_dir(work, TRAIN)
         sglang_ids = root / "sglang_ids_only"
         shutil.copytree(draft / "export_sglang", sglang_ids)
         cfg = json.loads((sglang_ids / "config.json").read_text())
         del cfg["eagle_aux_hidden_state_layer_ids"]  # what a SpecForge-style SGLang config holds
         (sglang_ids / "config.json").write_text(json.dumps(cfg))
-        servers["eagle"] = Served("eagle", logs, draft / "export_speculators", 3, method="eagle")
-        servers["ids"] = Served("ids", logs, sglang_ids, 3)
-        for s in servers.values():
+        servers["eagle"] = Served("eagle", TARGET, logs, draft / "export_speculators", 3, method="eagle",
+                                  served_name=SERVED)
+        servers["ids"] = Served("ids", TARGET, logs, sglang_ids, 3, served_name=SERVED)
+        for s in (smollm2_baseline, *servers.values()):
             s.ready()
-        yield {"work": work, "root": root, "sglang_ids": sglang_ids, **servers}
+        yield {"work": work, "root": root, "sglang_ids": sglang_ids, "baseline": smollm2_baseline, **servers}
     finally:
         for s in servers.values():
-            process.stop_server(s.proc)
+            s.stop()
 
 
 def test_01b_against_a_real_vllm_server(world):

