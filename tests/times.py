@@ -65,10 +65,10 @@ def record(session, path: str, tier_of) -> None:
         tier[t["outcome"]] += 1
         rel = str(Path(t["path"]).resolve().relative_to(REPO))
         files[rel] = files.get(rel, 0.0) + t["seconds"]
-    venv = Path(sys.prefix).resolve()
+    venv = Path(sys.prefix)   # as invoked: a venv linked into the checkout is named by its place here
     doc["sessions"].append({
         "command": "pytest " + " ".join(session.config.invocation_params.args),
-        "venv": str(venv.relative_to(REPO.resolve())) if venv.is_relative_to(REPO.resolve()) else str(venv),
+        "venv": str(venv.relative_to(REPO)) if venv.is_relative_to(REPO) else str(venv),
         "transformers": transformers.__version__, "exit_status": int(session.exitstatus),
         "wall_s": round(time.time() - START, 1), "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
         "tiers": {k: {**v, "seconds": round(v["seconds"], 1)} for k, v in sorted(tiers.items())},
