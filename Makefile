@@ -1,5 +1,6 @@
 # make demo: the chain but 05b (no engine) on the tiny Kimi-shaped world (CPU). make test: the suite (CI's).
-# make test-fast: the suite without the real-engine tier (no engine venv needed), for the edit-test loop.
+# make test-fast: the suite without the engine tier (tests/engine/: no engine venv needed), for the edit-test loop.
+# Tiers, venvs and times: tests/README.md; .ci/run records them in docs/test_times.json (make test-times: README).
 # make bench-real: the whole chain on SmolLM2-135M-Instruct, the real small target (CPU, ~55-65 min: an estimate, README).
 # make engine: the serving engine's own venv (vLLM's CPU build, build/vllm-venv); make test needs it.
 # make bench-ref: after bench-real, its 05 (the reference benchmark) again, --overwrite (e.g. after retraining 04).
@@ -24,10 +25,10 @@ ENGINE_STAMP := $(ENGINE_VENV)/.installed
 # environments bring: 5.8.1 (sglang 0.5.14's pin, build/compat-venv) and 5.19 (the engine venv's).
 COMPAT_VENV := build/compat-venv
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
-CORE_TESTS := tests/test_05_benchmark.py tests/test_replay.py tests/test_eagle3.py tests/test_02b_extract.py \
-              tests/test_feature_formats.py
+CORE_TESTS := tests/stages/test_05_benchmark.py tests/units/benchmark/test_replay.py tests/units/draft/test_eagle3.py tests/stages/test_02b_extract.py \
+              tests/units/target/test_feature_formats.py
 
-.PHONY: demo test test-fast setup engine clean-demo bench-real bench-ref bench-serve
+.PHONY: demo test test-fast test-times setup engine clean-demo bench-real bench-ref bench-serve
 
 setup: $(STAMP)
 
@@ -74,9 +75,13 @@ test: $(STAMP) $(SMOLLM2) $(ENGINE_STAMP) $(COMPAT_STAMP)
 	@echo "== core tests under transformers $$($(ENGINE_VENV)/bin/python -c 'import transformers; print(transformers.__version__)') ($(ENGINE_VENV))"
 	OMP_NUM_THREADS=1 $(ENGINE_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS)
 
-# The edit-test loop: everything that needs no engine venv (tests marked `engine` are left out), main venv only.
+# The edit-test loop: every tier but the engine's (tests/engine/, marked `engine`: tests/README.md), main venv only.
 test-fast: $(STAMP) $(SMOLLM2)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=8 -m "not engine" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=8 --ignore=tests/engine tests
+
+# README's and tests/README.md's test times, rendered from docs/test_times.json (.ci/run writes it).
+test-times: $(STAMP)
+	$(PY) scripts/test_times.py --write
 
 clean-demo:
 	rm -rf $(WORK)

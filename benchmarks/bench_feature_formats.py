@@ -9,7 +9,7 @@ The format rows are written by 02b's own encoder (shards.write_shard) from the b
 not by capturing the target again: fp8 is encoded from bf16 states (02b encodes from the compute
 dtype; the extra bf16 rounding is 2^-8 against fp8's 2^-4), and the top-k logits come from the stored
 bf16 final state through the target's lm_head (computed once at the largest k; a smaller k is its
-prefix, which is exactly the smaller top-k). tests/test_feature_formats.py runs the formats through
+prefix, which is exactly the smaller top-k). tests/units/target/test_feature_formats.py runs the formats through
 02b itself. Needs a base work dir with 01c, 02b (bf16 + final, no window) and 03 complete.
 Writes: OUT/formats/<row>/{02b_hidden_states,04_draft}, OUT/results.json, OUT/table.md.
 Run:    python benchmarks/bench_feature_formats.py --base runs/smollm2 --out runs/formats --max-train-samples 400

@@ -5,7 +5,7 @@ error and the next section runs, and the summary is rewritten after every sectio
 what it had):
   preflight    torch, the device, the packages the code paths import
   ttt_kernel   TTT attention forward + backward on the device against the float64 masked reference,
-               fp32 and bf16, at the CPU test's tolerances (tests/test_eagle3.py)
+               fp32 and bf16, at the CPU test's tolerances (tests/units/draft/test_eagle3.py)
   step_04      one 04 step (04's run_batch + backward, both teachers) on the device against the CPU in
                fp32; the same step in bf16 autocast against it within bf16 bounds
   replay_05    05's replay (common/benchmark/reference.py ReplaySet) on the device against the CPU in
@@ -24,7 +24,7 @@ Kimi-shaped target, shards, 11.5 GB checkpoints) go to --scratch (default: a tem
 the end), never to OUT or the repo. Needs torch, transformers (with its tqdm and pyyaml) and safetensors.
 Writes: OUT/gpu_check.json, OUT/gpu_check.md
 GPU:    bash scripts/gpu_check.sh OUT                    (one H200: ~5 min, <= 8)
-CPU:    bash scripts/gpu_check.sh --device cpu --tiny OUT   (tiny shapes, ~1 min: tests/test_gpu_check.py)
+CPU:    bash scripts/gpu_check.sh --device cpu --tiny OUT   (tiny shapes, ~1 min: tests/tools/test_gpu_check.py)
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from bench_04_train import random_vocab_mapping
 from common.io import read_json
 from common.stage import EXTRACT, TRAIN
 
-# The CPU test's TTT attention tolerances (tests/test_eagle3.py test_ttt_attention_kernel_level_fp32_and_bf16):
+# The CPU test's TTT attention tolerances (tests/units/draft/test_eagle3.py test_ttt_attention_kernel_level_fp32_and_bf16):
 # outputs within atol, gradients within 4 x atol.
 KERNEL_ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 

@@ -12,6 +12,6 @@ files) and imports nothing else of `common`. Then:
                  serving   05b: engines (SGLang, vLLM) behind one interface, their launch and preflight,
                            the server sweep, the agreement check, deploy (imports benchmark)
   world          worlds    the embedded CPU worlds (tiny Kimi-shaped target, SmolLM2)  (00)
-Imports go downward only and never in a loop; nothing imports a stage script. tests/test_layout.py
+Imports go downward only and never in a loop; nothing imports a stage script. tests/units/test_layout.py
 enforces both.
 """

@@ -48,7 +48,7 @@ def _flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
 
 def declared_flags(script: Path) -> set[str]:
     """The `--name` flags a script declares: string arguments of its add_argument calls, read from its
-    source (and `--no-name` for a BooleanOptionalAction). tests/test_common.py checks this equals each
+    source (and `--no-name` for a BooleanOptionalAction). tests/units/test_common.py checks this equals each
     stage's real parser."""
     names = set()
     for node in ast.walk(ast.parse(script.read_text(), str(script))):

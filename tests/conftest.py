@@ -10,10 +10,42 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests import times  # noqa: E402 (after the path): per-tier durations with TEST_TIMES (its clock starts here)
+from tests.paths import tier_of  # noqa: E402
+
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "engine: needs the serving engine's venv (build/vllm-venv); "
-                            "`make test-fast` deselects these")
+    config.addinivalue_line("markers", "engine: needs the serving engine's venv (build/vllm-venv); every test "
+                            "in tests/engine/ gets it, no test elsewhere may have it; `make test-fast` leaves them out")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The engine tier is a folder: its tests are marked `engine` here, and an `engine` test elsewhere is refused
+    (it would run in `make test-fast`, which has no engine venv)."""
+    strays = []
+    for item in items:
+        if tier_of(item.path) == "engine":
+            item.add_marker(pytest.mark.engine)
+        elif item.get_closest_marker("engine"):
+            strays.append(item.nodeid)
+    if strays:
+        raise pytest.UsageError(f"tests marked `engine` outside tests/engine/ (move them there): {strays}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With TEST_TIMES=FILE (.ci/run sets it), add this session's per-tier durations to FILE (tests/times.py)."""
+    import os
+
+    if os.environ.get("TEST_TIMES"):
+        times.record(session, os.environ["TEST_TIMES"], tier_of)
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup + call + teardown seconds and outcome, for pytest_sessionfinish (TEST_TIMES)."""
+    import os
+
+    if os.environ.get("TEST_TIMES"):
+        times.add_report(report)
 
 
 def stdlib_texts(limit: int) -> list[str]:

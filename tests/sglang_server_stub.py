@@ -12,7 +12,7 @@ ValueError). `fail_first` answers the first N requests with 503. A speculative s
 `accept_length` tokens per round, so completion_tokens / spec_verify_ct = accept_length.
 
 An engine behind the documents (`answer_fn`): `answer_fn(input_ids, sampling_params) -> (output_ids,
-spec_verify_ct)` answers /generate instead of the deterministic stand-in (tests/test_agreement_engines.py runs
+spec_verify_ct)` answers /generate instead of the deterministic stand-in (tests/units/serving/test_agreement_engines.py runs
 the speculative loop of a real micro target and draft there, counted as SGLang counts: one verify a round, the
 round cut at the budget); its answer streams in chunks of up to 4 tokens with the final meta_info.
 

@@ -36,7 +36,7 @@ from common.io import iter_jsonl, write_jsonl
 
 
 def prompt_seed(seed: int, prompt_ids: list[int], params: sd.SamplingParams, stream: str) -> int:
-    """The seed of one prompt's random draws: a function of 05's --seed, the prompt's ids, T, top-p and the
+    """The seed of one prompt's random draws: a function of 05's and 05b's --bench-seed, the prompt's ids, T, top-p and the
     stream ("replay": the continuation replay walks; "loop/k5": the sampled loop at k = 5), never of the
     prompt's place in the list, so --num-prompts subsets and reruns draw the same numbers."""
     key = json.dumps([seed, prompt_ids, params.temperature, params.top_p, stream]).encode()

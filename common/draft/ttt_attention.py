@@ -3,7 +3,7 @@
 Step k's queries see the step-0 keys causally and, of steps 1..k, only the key at the same position
 (ttt_attention_mask). ttt_attention computes that without the masked-out work (a causal flash call
 plus k per-position dot products, one softmax over both, with a custom backward);
-ttt_attention_masked is the plain masked SDPA it is tested against (tests/test_eagle3.py).
+ttt_attention_masked is the plain masked SDPA it is tested against (tests/units/draft/test_eagle3.py).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A server's answer holds its text, its token ids (vLLM's `token_ids`; SGLang's /v
 and its own count (`usage.completion_tokens`). 01c trains on the ids, so they must be the tokens of the
 text: decoded with the target's tokenizer (special tokens kept) they give the text back. Comparing them
 with the text's re-tokenization instead would refuse right answers: a model may emit a non-canonical
-split of its own text (the random micro target does it often; tests/test_01c_merge.py), which decodes to
+split of its own text (the random micro target does it often; tests/stages/test_01c_merge.py), which decodes to
 the same text. What decoding cannot tell apart: detokenizers write a cut multi-byte character (at the
 token cap, or mid-answer in a random model's bytes) as one or more U+FFFD, or hold it back; U+FFFD is left
 out of both sides before they are compared.

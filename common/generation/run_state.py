@@ -11,7 +11,7 @@ generation settings, and totals over all runs.
   drop_duplicate_ids(path)   repair a generated.jsonl that holds an id twice (first record wins).
   generation_settings(...)   what decides a record's text: engine, the model the server reported,
                              --max-new-tokens, --max-context, --long-context (they cap every request),
-                             --temperature, --top-p and --seed (sampling only), the tokenizer and
+                             --temperature, --top-p and --generation-seed (sampling only), the tokenizer and
                              chat template (their hash) and the stop strings. Stored in every record
                              and the manifest; `settings_conflicts` finds records made otherwise, and
                              01b refuses such a resume unless --allow-mixed-settings.

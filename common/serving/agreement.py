@@ -86,7 +86,7 @@ class AgreementCheck:
                        # sampled, and the probability gate's relative band on p(d)
     out: Path
     sampling: tuple = ()   # sd.SamplingParams per temperature > 0: the sampled check after the greedy one
-    seed: int = 0          # 05's --seed: the per-request seeds (sampled.prompt_seed, stream "engine")
+    seed: int = 0          # 05b's --bench-seed: the per-request seeds (sampled.prompt_seed, stream "engine")
 
     def __post_init__(self):
         self._models = None
@@ -526,10 +526,10 @@ def judged_drafts(accepted: list[int], pred: list[list[int]], probs, num_prompt:
 # p(d)): E[A] lies in [S(1 - b), S(1 + b)] for every engine within it, and z_band = (A - the nearest point of
 # that band) / sqrt(V) exceeds Z_MAX with probability at most P(|N(0, 1)| > Z_MAX) = 6e-5 for it, whatever the
 # number of prompts: the gate grows no stricter with more of them. It fails an engine whose relative deviation
-# exceeds b + Z_MAX sqrt(V) / S (`resolution`, reported: 25% on the ~110 judged drafts of tests/test_sampled.py,
+# exceeds b + Z_MAX sqrt(V) / S (`resolution`, reported: 25% on the ~110 judged drafts of tests/units/benchmark/test_sampled.py,
 # so a 1.2x temperature passes there; it shrinks like 1 / sqrt(n) down to b). Z_MAX = 4: 3 (2.7e-3) would stop a correct
 # engine every few hundred checks (a sweep runs settings x temperatures of them), while an engine off by a
-# factor in temperature lands far past 4 (tests/test_sampled.py, 3x the temperature: z -11 to -17 over 20
+# factor in temperature lands far past 4 (tests/units/benchmark/test_sampled.py, 3x the temperature: z -11 to -17 over 20
 # seeds, the right engine |z| <= 2.0). The normal law is worst where p is near 0 or 1 (the count is then
 # Poisson-like and skewed): with V >= 10 a Poisson count still exceeds 4 standard deviations less than 3e-4 of
 # the time, so below that the gate reports and does not judge.

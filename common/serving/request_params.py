@@ -7,7 +7,7 @@ snapshot's generation config may set temperature, top-p or a repetition penalty,
 "temperature 1" could be timed under another distribution on one server than on the next. Every request
 therefore sets temperature, top-p, top-k (off), min-p (off), repetition penalty (off) and a seed.
 
-Seeds are derived as sampled.prompt_seed derives its own (05's --seed, the prompt's ids, T, top-p, a stream
+Seeds are derived as sampled.prompt_seed derives its own (05b's --bench-seed, the prompt's ids, T, top-p, a stream
 name), never from a prompt's place in the list or the clock, so every server and every rerun sends the same
 seed with the same prompt at the same temperature.
 """

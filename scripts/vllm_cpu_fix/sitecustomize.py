@@ -13,7 +13,7 @@ rope dim], and a key view [tokens, 1, rope dim] cut from the fused latent projec
 (`model_executor/layers/mla.py` forward). The CPU rotary kernel behind `RotaryEmbedding.forward_cpu`
 (`torch.ops._C.rotary_embedding`) reads a 2-D [tokens, heads x rope dim] layout: given the 3-D views it rotates
 the wrong elements at the wrong positions, so an MLA model whose rope is that class (rope_type default: the
-tiny Kimi-shaped world, DeepSeek-V2-Lite) attends with garbled positions on the CPU build (tests/test_vllm_tiny.py
+tiny Kimi-shaped world, DeepSeek-V2-Lite) attends with garbled positions on the CPU build (tests/engine/test_vllm_tiny.py
 shows it against forward_native). YaRN, Kimi-K2.5's own rope, is `DeepseekScalingRotaryEmbedding`, which has no
 forward_cpu and takes forward_native. This runs the same kernel on 2-D contiguous copies and writes the result
 back; 2-D calls (Llama and every non-MLA model) are passed through untouched.
