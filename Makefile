@@ -26,7 +26,7 @@ ENGINE_STAMP := $(ENGINE_VENV)/.installed
 COMPAT_VENV := build/compat-venv
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 CORE_TESTS := tests/stages/test_05_benchmark.py tests/units/benchmark/test_replay.py tests/units/draft/test_eagle3.py tests/stages/test_02b_extract.py \
-              tests/units/target/test_feature_formats.py
+              tests/units/target/test_feature_formats.py tests/units/benchmark/test_batched_sampling.py
 
 .PHONY: demo test test-fast test-times setup engine clean-demo bench-real bench-ref bench-serve
 

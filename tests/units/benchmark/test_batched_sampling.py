@@ -8,7 +8,6 @@ benchmarks/bench_batch_sampling.py compares whole answers and times both.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +15,12 @@ import torch
 from common.benchmark import sampled as smp
 from common.benchmark import spec_decode as sd
 from common.io import iter_jsonl
+from tests.paths import REPO
 from tests.spec_helpers import TEXTS
 
 PARAMS = sd.SamplingParams(1.0, 0.95)
 MAX_NEW = 24
-SMOLLM2 = Path(__file__).resolve().parent.parent / "build" / "smollm2"
+SMOLLM2 = REPO / "build" / "smollm2"
 
 
 @pytest.fixture(scope="module")
