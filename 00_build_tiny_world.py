@@ -17,10 +17,7 @@ CPU, but training amplifies each CPU's float rounding, so the default settings a
 build made with them is shipped (assets/tiny_kimi/, hashes and quality gates in world.json) and
 unpacked, and every machine runs the demo on the same target. --retrain builds anyway; --pack-asset
 writes a finished build as the asset. Cached: a folder with manifest.json is reused unless --overwrite.
-The target's greedy answers to the demo's prompts ship too (assets/tiny_kimi/responses.jsonl.gz, 01b
---response-cache in configs/tiny.yaml; --pack-responses WORK_DIR rewrites it from a finished 01b): the
-tiny target's transformers MLA re-expands its whole latent cache every step, so generating them costs
-~10 minutes of a 2-core machine; answers under another target or generator are never served from it.
+Its greedy demo answers ship too (responses.jsonl.gz, configs/tiny.yaml's response-cache; --pack-responses).
 """
 from __future__ import annotations
 
