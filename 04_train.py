@@ -64,10 +64,12 @@ PLAN = "(resume refuses a change)"   # in a group's title: its flags are the pla
 
 class PlanGroup:
     """An argument group whose flags are the plan: a checkpoint's data cursor, schedule or weights mean nothing
-    under other values of them, so resume refuses a change. Each flag added is recorded in `keys`."""
+    under other values of them, so resume refuses a change. Each flag added is recorded in the parser's
+    `plan_keys` (plan_keys)."""
 
-    def __init__(self, parser, title: str, keys: list):
-        self.group, self.keys = parser.add_argument_group(f"{title} {PLAN}"), keys
+    def __init__(self, parser, title: str):
+        self.group = parser.add_argument_group(f"{title} {PLAN}")
+        self.keys = vars(parser).setdefault("plan_keys", [])
 
     def add_argument(self, *names, **kw):
         action = self.group.add_argument(*names, **kw)
@@ -77,8 +79,7 @@ class PlanGroup:
 
 def build_parser():
     p = base_parser(__doc__)
-    p.plan_keys = []   # filled by the PlanGroups below (plan_keys)
-    d = PlanGroup(p, "draft shape and init", p.plan_keys)
+    d = PlanGroup(p, "draft shape and init")
     d.add_argument("--draft-attention", choices=ATTENTIONS, default="mha",
                    help="the draft layer's attention: mha = Llama multi-head attention (LlamaForCausalLMEagle3); "
                         "mla = DeepSeek-V2 multi-head latent attention (Eagle3DeepseekV2ForCausalLM, the public "
@@ -98,7 +99,7 @@ def build_parser():
                    help="weights of the draft's linear layers: PyTorch's default init or normal(0, --init-std)")
     d.add_argument("--init-std", type=float, default=0.02, help="std of --init normal")
     d.add_argument("--train-seed", type=int, default=0, help="seed of the init and the data order")
-    r = PlanGroup(p, "recipe", p.plan_keys)
+    r = PlanGroup(p, "recipe")
     r.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll depth (steps)")
     r.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW peak learning rate")
     r.add_argument("--adam-betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("BETA1", "BETA2"),
@@ -112,7 +113,7 @@ def build_parser():
                         "losses of arXiv 2602.23881 target the acceptance rate alpha = sum_v min(p, q) directly: "
                         "lk_alpha = -log alpha, lk_lambda = lam*KL + (1-lam)*(1-alpha), lam = exp(-3 * mean "
                         "alpha) per step (common/training/loss.py)")
-    s = PlanGroup(p, "data and schedule", p.plan_keys)
+    s = PlanGroup(p, "data and schedule")
     s.add_argument("--num-epochs", type=int, default=10, help="passes over the training samples")
     s.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (the schedule ends there)")
     s.add_argument("--max-train-samples", type=int, default=None,
@@ -127,7 +128,7 @@ def build_parser():
                    help="longest sample used (tokens); 01c drops longer ones, 04 truncates any left")
     s.add_argument("--eval-fraction", type=float, default=0.02,
                    help="share of samples held out for eval, chosen by a hash of the sample id")
-    w = PlanGroup(p, "warm start and checkpoint selection (docs/design.md section 12)", p.plan_keys)
+    w = PlanGroup(p, "warm start and checkpoint selection (docs/design.md section 12)")
     w.add_argument("--init-from", type=Path, default=None,
                    help="fine-tune this EAGLE-3 draft (SGLang layout, e.g. a public Kimi draft or 04's "
                         "export_sglang/, or the speculators layout); checked against the target and the 02b "
@@ -327,7 +328,10 @@ def warm_start(args, d: ImportedDraft, inputs: Inputs, embed, d2t, t2d):
     model, warm = init_from(d, args.init_vocab, embed, d2t, t2d,
                             None if counts is None else counts[torch.arange(len(d2t)) + d2t])
     cov = warm.coverage
-    print(f"[04] warm start from {d.path} ({d.layout} layout, {d.dtype}, sha256 {d.sha256[:12]}); vocab "
+    form = d.config.get("attention", "mha") + (" + EAGLE-3.1" if d.config.get("fc_norm") or d.config.get("norm_output")
+                                               else "")
+    print(f"[04] warm start from {d.path} ({d.layout} layout, {d.dtype}, sha256 {d.sha256[:12]}; its form {form} "
+          f"and shape, not the flags'); vocab "
           f"{args.init_vocab}: {cov['rows_found']}/{cov['rows']} draft rows from the imported lm_head"
           + (f" ({100 * cov['count_share']:.1f}% of 03's supervised tokens)" if "count_share" in cov else "")
           + "".join(f"; {n}" for n in d.notes))

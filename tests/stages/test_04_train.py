@@ -149,7 +149,7 @@ def test_the_plan_is_every_flag_of_the_marked_groups():
     assert not plan & {"eval_every", "save_every", "keep_checkpoints", "log_every", "stop_at_step", "device",
                        "precision", "prefetch_batches", "shard_optimizer", "target_path", "work_dir", "overwrite"}
     p = train.build_parser()
-    train.PlanGroup(p, "recipe", p.plan_keys).add_argument("--new-recipe-knob", type=float, default=1.0)
+    train.PlanGroup(p, "recipe").add_argument("--new-recipe-knob", type=float, default=1.0)
     assert set(train.plan_keys(p)) == plan | {"new_recipe_knob"}
     assert f"recipe {train.PLAN}" in p.format_help()   # --help marks the plan's groups
 
