@@ -32,8 +32,8 @@ from common.benchmark import compare as cmp
 from common.benchmark import reference as rb
 from common.benchmark import sampled as smp
 from common.benchmark.formatting import fmt, fmt_ci
-from common.benchmark.inputs import (Repeated, check_shared_flags, drafts_identity, given_mode, load_inputs,
-                                     target_and_drafts)
+from common.benchmark.inputs import (add_benchmark_flags, check_shared_flags, drafts_identity, given_mode,
+                                     load_inputs, target_and_drafts)
 from common.benchmark.segments import plot_tau_by_position
 from common.benchmark.spec_decode import LosslessError
 from common.config import base_parser, parse_args
@@ -58,25 +58,16 @@ def build_parser():
     g.add_argument("--num-draft-tokens", type=int, nargs="+", default=[5],
                    help="tokens k the draft proposes per verify round (several values = a sweep); "
                         "SGLang topk 1: --speculative-num-steps k, --speculative-num-draft-tokens k+1")
-    g.add_argument("--draft", nargs="+", action=Repeated, default=[], metavar="NAME=PATH",
-                   help="another EAGLE-3 draft folder (SGLang or speculators layout: a public Kimi draft, SpecForge "
-                        "output, an earlier 04 export) replayed next to 04's on the same prompts; repeatable; a "
-                        "preset gives a list of NAME=PATH strings (05b_serve_benchmark.py serves them instead)")
-    g.add_argument("--benchmark-max-new-tokens", type=int, default=256,
-                   help="generation cap per benchmark response (tokens)")
-    g.add_argument("--num-prompts", type=int, default=None,
-                   help="use N held-out prompts, taken in turn from each source (default: all)")
-    g.add_argument("--target-path", type=Path, default=None,
-                   help="target model folder; read from the 04 manifest, and when given it must match")
-    g.add_argument("--bench-seed", type=int, default=0,
-                   help="seed of the untrained contrast draft's init, the bootstrap intervals and the sampled "
-                        "continuations / loops (per prompt: common/benchmark/sampled.py prompt_seed)")
-    g.add_argument("--acceptance-temperatures", type=float, nargs="+", default=[0.0],
-                   help="sampling temperatures tau is measured at, side by side (0 = greedy, the exact replay; "
-                        "T > 0: the target samples at T and --acceptance-top-p, docs/design.md section 11). Not "
-                        "01b's --temperature, which is the generation temperature")
-    g.add_argument("--acceptance-top-p", type=float, default=1.0,
-                   help="top-p (0-1] of the target's sampling at every temperature > 0")
+    add_benchmark_flags(
+        g, draft="another EAGLE-3 draft folder (SGLang or speculators layout: a public Kimi draft, SpecForge output, "
+                 "an earlier 04 export) replayed next to 04's on the same prompts; repeatable; a preset gives a list "
+                 "of NAME=PATH strings (05b_serve_benchmark.py serves them instead)",
+        num_prompts="use N held-out prompts, taken in turn from each source (default: all)",
+        bench_seed="seed of the untrained contrast draft's init, the bootstrap intervals and the sampled "
+                   "continuations / loops (per prompt: common/benchmark/sampled.py prompt_seed)",
+        acceptance_temperatures="sampling temperatures tau is measured at, side by side (0 = greedy, the exact "
+                                "replay; T > 0: the target samples at T and --acceptance-top-p, docs/design.md "
+                                "section 11). Not 01b's --temperature, which is the generation temperature")
     g.add_argument("--acceptance-rule", choices=("engine", "textbook"), default="engine",
                    help="T > 0: engine = the draft proposes its argmax, accepted w.p. p(d) (vLLM 0.32, SGLang "
                         "0.5.14 defaults); textbook = the draft samples from q at T, accepted w.p. min(1, p/q)")

@@ -30,8 +30,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common.benchmark.inputs import (Repeated, check_shared_flags, drafts_identity, given_mode, load_inputs,
-                                     load_inputs_without_04, target_and_drafts)
+from common.benchmark.inputs import (Repeated, add_benchmark_flags, check_shared_flags, drafts_identity, given_mode,
+                                     load_inputs, load_inputs_without_04, target_and_drafts)
 from common.draft.manifest import DraftManifest
 from common.config import base_parser, parse_args
 from common.io import read_json
@@ -50,27 +50,17 @@ STAGE = SERVE_BENCH
 def build_parser():
     p = base_parser(__doc__)
     g = p.add_argument_group("benchmark")
-    g.add_argument("--draft", nargs="+", action=Repeated, default=[], metavar="NAME=PATH",
-                   help="another EAGLE-3 draft folder (a public Kimi draft, SpecForge output, an earlier 04 export) "
-                        "served at every setting next to 04's, against the same baseline (SGLang loads the SGLang "
-                        "layout only); repeatable; a preset gives a list of NAME=PATH strings")
-    g.add_argument("--benchmark-max-new-tokens", type=int, default=256,
-                   help="generation cap of every timed and agreement request (tokens)")
-    g.add_argument("--num-prompts", type=int, default=None,
-                   help="timed held-out prompts, taken in turn from each source (default: all but the warm-up ones)")
-    g.add_argument("--target-path", type=Path, default=None,
-                   help="target model folder the servers load; read from the 04 manifest, and when given it must "
-                        "match")
-    g.add_argument("--bench-seed", type=int, default=0,
-                   help="seed of every sampled request (per prompt: common/serving/request_params.py) and of the "
-                        "sampled agreement check's replay")
-    g.add_argument("--acceptance-temperatures", type=float, nargs="+", default=[0.0],
-                   help="the serving temperatures: every run is timed greedily and at each T > 0 of these, with "
-                        "--acceptance-top-p (docs/design.md section 11); vllm: the agreement check also sends "
-                        "sampled requests at each T > 0. Not 01b's --temperature, which is the generation "
-                        "temperature")
-    g.add_argument("--acceptance-top-p", type=float, default=1.0,
-                   help="top-p (0-1] of every request at a temperature > 0")
+    add_benchmark_flags(
+        g, draft="another EAGLE-3 draft folder (a public Kimi draft, SpecForge output, an earlier 04 export) served "
+                 "at every setting next to 04's, against the same baseline (SGLang loads the SGLang layout only); "
+                 "repeatable; a preset gives a list of NAME=PATH strings",
+        num_prompts="timed held-out prompts, taken in turn from each source (default: all but the warm-up ones)",
+        bench_seed="seed of every sampled request (per prompt: common/serving/request_params.py) and of the "
+                   "sampled agreement check's replay",
+        acceptance_temperatures="the serving temperatures: every run is timed greedily and at each T > 0 of these, "
+                                "with --acceptance-top-p (docs/design.md section 11); vllm: the agreement check "
+                                "also sends sampled requests at each T > 0. Not 01b's --temperature, which is the "
+                                "generation temperature")
     s = p.add_argument_group("servers (SGLang or vLLM; docs/sglang.md, docs/serving.md)")
     s.add_argument("--engine", choices=ENGINES, default="sglang",
                    help="serving engine: sglang (the GPU box) or vllm (its CPU build serves the CPU worlds)")

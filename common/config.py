@@ -48,10 +48,29 @@ def _flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
 
 def declared_flags(script: Path) -> set[str]:
     """The `--name` flags a script declares: string arguments of its add_argument calls, read from its
-    source (and `--no-name` for a BooleanOptionalAction). tests/units/test_common.py checks this equals each
-    stage's real parser."""
+    source (and `--no-name` for a BooleanOptionalAction), and those of the functions it imports from
+    `common` and calls, where flags two stages share are declared once (common/benchmark/inputs.py
+    add_benchmark_flags). tests/units/test_common.py checks this equals each stage's real parser."""
+    tree = ast.parse(script.read_text(), str(script))
+    names = own_flags(tree)
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    for node in tree.body:   # base_parser's flags (this module's) are every stage's: all_stage_flags adds them
+        if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common.")
+                and node.module != "common.config"):
+            continue
+        source = REPO_ROOT / f"{node.module.replace('.', '/')}.py"
+        wanted = {a.name for a in node.names} & called
+        text = source.read_text() if wanted and source.is_file() else ""
+        if "add_argument" in text:   # parse only a module that declares flags
+            names |= set().union(*(own_flags(f) for f in ast.parse(text, str(source)).body
+                                   if isinstance(f, ast.FunctionDef) and f.name in wanted))
+    return names
+
+
+def own_flags(tree: ast.AST) -> set[str]:
+    """The `--name` flags of the add_argument calls in `tree` itself (declared_flags)."""
     names = set()
-    for node in ast.walk(ast.parse(script.read_text(), str(script))):
+    for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
             continue
         flags = [a.value[2:] for a in node.args

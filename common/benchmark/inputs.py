@@ -25,6 +25,23 @@ class Repeated(argparse.Action):
         setattr(namespace, self.dest, ([] if fresh else current) + list(values))
 
 
+def add_benchmark_flags(group, *, draft: str, num_prompts: str, bench_seed: str, acceptance_temperatures: str) -> None:
+    """The flags 05 and 05b both take, declared once: their names, types, defaults and units are the same in
+    both stages (one flat preset feeds both). Each keyword is that flag's help in the calling stage, where
+    its use differs (05 replays the drafts in-process; 05b serves them)."""
+    group.add_argument("--draft", nargs="+", action=Repeated, default=[], metavar="NAME=PATH", help=draft)
+    group.add_argument("--benchmark-max-new-tokens", type=int, default=256,
+                       help="generation cap of every measured answer (tokens)")
+    group.add_argument("--num-prompts", type=int, default=None, help=num_prompts)
+    group.add_argument("--target-path", type=Path, default=None,
+                       help="target model folder; read from the 04 manifest, and when given it must match")
+    group.add_argument("--bench-seed", type=int, default=0, help=bench_seed)
+    group.add_argument("--acceptance-temperatures", type=float, nargs="+", default=[0.0],
+                       help=acceptance_temperatures)
+    group.add_argument("--acceptance-top-p", type=float, default=1.0,
+                       help="top-p (0-1] of the sampling at every --acceptance-temperatures T > 0")
+
+
 def given_mode(argv: list[str]) -> str | None:
     """The value of a `--mode` on the command line, '' without one after it, None when absent: 05 had a
     --mode (reference | server) until the serving benchmark became 05b, and old command lines still say it."""
