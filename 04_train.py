@@ -56,7 +56,7 @@ from common.training.precision import choose_bf16
 from common.training.selection import (candidate_steps, choose_candidate, drop_candidates, save_candidate,
                                        selection_tau, step0_candidate)
 from common.training.teacher import step_counts, teacher_from_topk, teacher_targets
-from common.training.warm_start import VOCAB_MODES, WarmStart, anchors, init_from, l2sp_penalty
+from common.training.warm_start import VOCAB_MODES, WarmStart, anchors, l2sp_penalty, warm_start_model
 
 STAGE = TRAIN
 PLAN = "(resume refuses a change)"   # in a group's title: its flags are the plan a checkpoint was made with
@@ -95,9 +95,9 @@ def build_parser():
                    help="draft KV heads (default: min(8, heads) when it divides heads, else heads)")
     d.add_argument("--draft-intermediate-size", type=int, default=None,
                    help="draft MLP width (default: the target's dense intermediate_size)")
-    d.add_argument("--init", choices=("default", "normal"), default="default",
-                   help="weights of the draft's linear layers: PyTorch's default init or normal(0, --init-std)")
-    d.add_argument("--init-std", type=float, default=0.02, help="std of --init normal")
+    d.add_argument("--init-scheme", choices=("default", "normal"), default="default",
+                   help="weights of a from-scratch draft's linear layers: PyTorch's default or normal(0, --init-std)")
+    d.add_argument("--init-std", type=float, default=0.02, help="std of --init-scheme normal")
     d.add_argument("--train-seed", type=int, default=0, help="seed of the init and the data order")
     r = PlanGroup(p, "recipe")
     r.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll depth (steps)")
@@ -176,6 +176,9 @@ def plan_keys(parser) -> tuple[str, ...]:
 
 PLAN_KEYS = plan_keys(build_parser())
 PLAN_DEFAULTS = {k: build_parser().get_default(k) for k in PLAN_KEYS}
+# Plan keys a checkpoint of an older 04 holds under another name, compared under today's: its state.json
+# is sha256-checked by its marker, so it cannot be edited, and refusing it would throw away its steps.
+RENAMED_PLAN_KEYS = {"init": "init_scheme"}
 
 
 def cosine_with_warmup(warmup: int, total: int):
@@ -295,7 +298,7 @@ def build_draft(args, inputs: Inputs, imported: ImportedDraft | None, device, bf
                            args.draft_attention, args.fc_norm, args.norm_output)
         torch.manual_seed(args.train_seed)
         model = Eagle3DraftModel(cfg)
-        if args.init == "normal":
+        if args.init_scheme == "normal":
             model.init_normal_(args.init_std)
         with torch.no_grad():
             model.embed_tokens.weight.copy_(embed.float())
@@ -309,7 +312,7 @@ def build_draft(args, inputs: Inputs, imported: ImportedDraft | None, device, bf
     return model, (lm_head.to(device) if lm_head is not None else None), cfg, warm
 
 
-def read_init(args, inputs: Inputs) -> ImportedDraft | None:
+def read_imported(args, inputs: Inputs) -> ImportedDraft | None:
     """--init-from read and checked against the target and the 02b capture points, before anything is
     written (a mismatch stops with one line)."""
     if args.init_from is None:
@@ -325,8 +328,8 @@ def warm_start(args, d: ImportedDraft, inputs: Inputs, embed, d2t, t2d):
     """The checked imported draft as the init (its vocab kept or mapped onto 03's)."""
     counts_file = inputs.vocab_dir / "token_counts.safetensors"
     counts = load_file(str(counts_file))["counts"] if counts_file.is_file() else None
-    model, warm = init_from(d, args.init_vocab, embed, d2t, t2d,
-                            None if counts is None else counts[torch.arange(len(d2t)) + d2t])
+    model, warm = warm_start_model(d, args.init_vocab, embed, d2t, t2d,
+                                   None if counts is None else counts[torch.arange(len(d2t)) + d2t])
     cov = warm.coverage
     form = d.config.get("attention", "mha") + (" + EAGLE-3.1" if d.config.get("fc_norm") or d.config.get("norm_output")
                                                else "")
@@ -406,7 +409,8 @@ def resume(ckpt_root: Path, log_path: Path, plan: dict, model, opt, sched, ranks
     if found >= 0:
         path = ckpt_root / f"step_{found:06d}"
         state = json.loads((path / "state.json").read_text())
-        made = {**PLAN_DEFAULTS, **state["plan"]}   # a flag added since then was at its default
+        made = {**PLAN_DEFAULTS,   # a flag added since then was at its default
+                **{RENAMED_PLAN_KEYS.get(k, k): v for k, v in state["plan"].items()}}
         if made != plan:
             changed = sorted(k for k in plan if made.get(k) != plan[k])
             raise StageError(f"{path} was made with other settings ({', '.join(changed)}); "
@@ -542,7 +546,8 @@ def export(args, model, cfg: dict, inputs: Inputs, dp: DataPlan, final_eval: dic
                    export_speculators_dir=None if spec_dir is None else str(spec_dir),
                    export_files={d.name: file_digests(d) for d in (export_dir, spec_dir) if d is not None},
                    train_curves=None if curves is None else str(curves), **run, selection=selection,
-                   init=None if warm is None else warm.identity(), tokenizer=m02b.tokenizer, target=m02b.target,
+                   init_from=None if warm is None else warm.identity(), tokenizer=m02b.tokenizer,
+                   target=m02b.target,
                    inputs=input_manifests(args.work_dir, inputs.hs_dir, inputs.vocab_dir))
     print(f"[04] exported {export_dir}")
 
@@ -568,7 +573,7 @@ def main(argv=None):
 def train(args, ranks) -> None:
     out = stage_dir(args.work_dir, STAGE)
     inputs = load_inputs(args)
-    imported = read_init(args, inputs)
+    imported = read_imported(args, inputs)
     go = True
     if ranks.main:
         if args.overwrite and out.exists() and not (out / "manifest.json").exists():

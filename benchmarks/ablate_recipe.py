@@ -25,7 +25,7 @@ import draft_rows as dr  # noqa: E402
 from common.stage import EXTRACT, MERGE, VOCAB  # noqa: E402
 
 ESTABLISHED = {"max-samples-per-batch": 1, "learning-rate": "1e-4", "adam-betas": ["0.9", "0.999"],
-               "init": "normal", "init-std": "0.02", "loss-normalization": "batch"}
+               "init-scheme": "normal", "init-std": "0.02", "loss-normalization": "batch"}
 ROWS = {
     "established": ESTABLISHED,
     "preset": {},
@@ -34,7 +34,7 @@ ROWS = {
     "1 sample/step": {"max-samples-per-batch": 1},
     "batch 8K tokens": {"batch-tokens": 8192},
     "betas 0.999": {"adam-betas": ["0.9", "0.999"]},
-    "init normal": {"init": "normal"},
+    "init normal": {"init-scheme": "normal"},
     "loss per batch": {"loss-normalization": "batch"},
     "warmup 0.1": {"warmup-ratio": "0.1"},
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -90,8 +91,9 @@ def all_stage_flags() -> frozenset[str]:
     return frozenset(names)
 
 
-# Flags that were renamed, for a one-line hint when an old config still says them.
-RENAMED_FLAGS = {"generation-backend": "generation-engine", "capture-backend": "capture-engine"}
+# Flags that were renamed, for a one-line hint when an old config or command line still says them.
+RENAMED_FLAGS = {"generation-backend": "generation-engine", "capture-backend": "capture-engine",
+                 "init": "init-scheme"}
 
 
 def load_config(path: str | Path, known: frozenset[str] | set[str] | None = None) -> dict:
@@ -138,9 +140,19 @@ def _given_on_command_line(parser: argparse.ArgumentParser, argv) -> set[str]:
             if dest in dests and getattr(seen, dest, marker) is not marker}
 
 
+def refuse_renamed_flags(argv: list[str]) -> None:
+    """An old flag name on the command line stops with its new one (argparse would only say "unrecognized
+    arguments": base_parser takes no abbreviation, so `--init` is not read as a prefix of `--init-scheme`)."""
+    for word in argv:
+        name = word[2:].partition("=")[0] if word.startswith("--") else None
+        if name in RENAMED_FLAGS:
+            raise StageError(f"--{name} is now --{RENAMED_FLAGS[name]}")
+
+
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Parse argv, with defaults from the --config files. Keys that are no stage's flag are an error;
     keys of other stages are ignored (a shared preset)."""
+    refuse_renamed_flags(sys.argv[1:] if argv is None else argv)
     pre, _ = parser.parse_known_args(argv)
     if getattr(pre, "config", None):
         own = _flag_names(parser)

@@ -1,12 +1,13 @@
 """04's manifest (04_draft/manifest.json) read once into a frozen dataclass, `DraftManifest`, for 05, 05b
 and the benchmarks. 04 still WRITES it as plain JSON (common.stage.write_manifest). A field an older
-manifest lacks reads as None, as the dict reads did with `.get`; `raw` keeps the whole dict.
+manifest lacks reads as None, as the dict reads did with `.get`; `raw` keeps the whole dict. A key since
+renamed stops with its new name.
 Imports only the stage contract."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.stage import TRAIN, TypedManifest
+from common.stage import StageError, TRAIN, TypedManifest
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,14 @@ class DraftManifest(TypedManifest):
     export_dir: str | None = None            # export_sglang/
     export_speculators_dir: str | None = None
     selection: dict | None = None
-    init: dict | None = None                 # --init-from's identity; None from scratch
+    init_from: dict | None = None            # --init-from's identity (the warm start); None from scratch
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_dict(cls, d: dict) -> DraftManifest:
+        if "init" in d:   # an older 04's name: "init" also named the --init-scheme of the linear layers
+            raise StageError("04_draft/manifest.json says `init`, a key now named `init_from`: rename it there "
+                             "(an older 04 wrote it), or re-run 04_train.py --overwrite")
         points, dv, v = d.get("capture_points"), d.get("draft_vocab_size"), d.get("vocab_size")
         return cls(draft_config=dict(d.get("draft_config") or {}),
                    capture_points=None if points is None else tuple(int(p) for p in points),
@@ -39,5 +43,5 @@ class DraftManifest(TypedManifest):
                    num_steps=d.get("num_steps"), num_train_samples=d.get("num_train_samples"),
                    num_eval_samples=d.get("num_eval_samples"), final_eval=d.get("final_eval"),
                    export_dir=d.get("export_dir"), export_speculators_dir=d.get("export_speculators_dir"),
-                   selection=d.get("selection"), init=d.get("init"), raw=d)
+                   selection=d.get("selection"), init_from=d.get("init_from"), raw=d)
 

@@ -58,8 +58,8 @@ def map_lm_head(d: ImportedDraft, d2t: torch.Tensor, counts: torch.Tensor | None
     return out, coverage
 
 
-def init_from(d: ImportedDraft, vocab: str, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
-              counts: torch.Tensor | None = None) -> tuple[Eagle3DraftModel, WarmStart]:
+def warm_start_model(d: ImportedDraft, vocab: str, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
+                     counts: torch.Tensor | None = None) -> tuple[Eagle3DraftModel, WarmStart]:
     """The draft initialised from `d` (float32, with the target's embedding `embed`); with `map`, on the
     draft vocab d2t/t2d (03's)."""
     if vocab == "map":

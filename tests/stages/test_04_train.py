@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common.training import data as train_data
+from common.training.checkpoints import CKPT_MARKER, write_marker
 from common.stage import EXTRACT, StageError, TRAIN, VOCAB, file_digests, is_complete, stage_dir
 from tests.train_helpers import DV, FLAGS, POINTS, fresh_work, make_upstream, micro_batch
 
@@ -77,7 +78,15 @@ def test_resume_equals_uninterrupted(upstream, tmp_path):
     (stage_dir(b, TRAIN) / "checkpoints" / "step_000009").mkdir()
     with pytest.raises(StageError, match="batch_tokens"):
         train.main(["--work-dir", str(b), *flags, "--batch-tokens", "128"])
-    for changed, name in ((["--adam-betas", "0.9", "0.999"], "adam_betas"), (["--init", "normal"], "init"),
+    # an older 04's checkpoint names --init-scheme's key "init": compared under the new name, not refused
+    ckpt = stage_dir(b, TRAIN) / "checkpoints" / "step_000006"
+    state = json.loads((ckpt / "state.json").read_text())
+    state["plan"]["init"] = state["plan"].pop("init_scheme")
+    (ckpt / "state.json").write_text(json.dumps(state))
+    (ckpt / CKPT_MARKER).unlink()
+    write_marker(ckpt)
+    for changed, name in ((["--adam-betas", "0.9", "0.999"], "adam_betas"),
+                          (["--init-scheme", "normal"], "init_scheme"),
                           (["--loss-normalization", "batch"], "loss_normalization"),
                           (["--max-samples-per-batch", "1"], "max_samples_per_batch"),
                           (["--grad-clip", "1.0"], "grad_clip")):
@@ -226,12 +235,13 @@ def test_prefetcher_same_order_bounded_and_raises_where_it_failed():
 
 
 def test_recipe_flags_reach_the_run(upstream, tmp_path):
-    """--max-samples-per-batch 1 makes one optimizer step per sample; --init normal changes the start;
+    """--max-samples-per-batch 1 makes one optimizer step per sample; --init-scheme normal changes the start;
     --adam-betas reaches the optimizer (its checkpointed state)."""
     base = [*FLAGS, "--num-epochs", "1", "--eval-every", "100", "--save-every", "100", "--log-every", "1",
             "--max-steps", "4", "--stop-at-step", "3"]
     rows = {}
-    for name, extra in (("a", []), ("b", ["--adam-betas", "0.9", "0.999", "--init", "normal", "--init-std", "0.02"]),
+    for name, extra in (("a", []), ("b", ["--adam-betas", "0.9", "0.999", "--init-scheme", "normal",
+                               "--init-std", "0.02"]),
                         ("c", ["--max-samples-per-batch", "1"])):
         work = fresh_work(upstream, tmp_path / name)
         train.main(["--work-dir", str(work), *base, *extra])

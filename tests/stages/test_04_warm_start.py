@@ -43,7 +43,8 @@ def test_zero_steps_export_the_imported_draft_exactly(upstream, trained, tmp_pat
     got = load_file(str(stage_dir(tmp_path / "w", TRAIN) / "export_sglang" / "model.safetensors"))
     want = load_file(str(trained / "model.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
-    assert man["init"]["sha256"] == read_draft(trained).sha256 and man["init"]["vocab"] == "keep"
+    warm = man["init_from"]
+    assert warm["sha256"] == read_draft(trained).sha256 and warm["vocab"] == "keep"
     assert man["num_steps"] == 0 and man["train_curves"] is None
 
 
@@ -59,7 +60,7 @@ def test_warm_start_trains_resumes_and_refuses_another_init(upstream, trained, t
         train.main(["--work-dir", str(work), *FLAGS, "--save-every", "4", "--init-from", str(other),
                     "--num-epochs", "2", "--l2sp-weight", "0.01"])
     man = run(work, *argv)
-    assert man["init"]["path"] == str(trained) and man["final_eval"]["tau"] > 1.0
+    assert man["init_from"]["path"] == str(trained) and man["final_eval"]["tau"] > 1.0
 
 
 def test_init_vocab_map_moves_rows_by_target_id_and_reports_coverage(upstream, micro_target, tmp_path):
@@ -76,7 +77,7 @@ def test_init_vocab_map_moves_rows_by_target_id_and_reports_coverage(upstream, m
     model.set_vocab_mapping(kept - torch.arange(len(kept)), t2d)
     imp = export_sglang(model, tmp_path / "imp", POINTS)
     man = run(fresh_work(upstream, tmp_path), "--init-from", str(imp), "--init-vocab", "map", "--max-steps", "0")
-    cov = man["init"]["coverage"]
+    cov = man["init_from"]["coverage"]
     assert (cov["rows"], cov["rows_found"]) == (DV, DV // 2) and man["draft_vocab_size"] == DV
     got = load_file(str(stage_dir(tmp_path / "w", TRAIN) / "export_sglang" / "model.safetensors"))
     src = load_file(str(imp / "model.safetensors"))["lm_head.weight"]
@@ -208,7 +209,8 @@ def test_a_run_killed_before_its_first_checkpoint_leaves_no_candidate_behind(ups
 
     plain = stage_dir(tmp_path / "plain" / "w", TRAIN)
     man = run(tmp_path / "plain" / "w", "--num-epochs", "1")   # not the `trained` fixture's run: 2 epochs
-    assert man["init"] is None and man["selection"] is None and not list((plain / "candidates").glob("step_*"))
+    assert man["init_from"] is None and man["selection"] is None
+    assert not list((plain / "candidates").glob("step_*"))
     assert not [r for r in map(json.loads, (plain / "train_log.jsonl").read_text().splitlines()) if r["split"] == "select"]
     got = load_file(str(plain / "export_sglang" / "model.safetensors"))
     last = torch.load(plain / "checkpoints" / f"step_{man['num_steps']:06d}" / "model.pt")
@@ -218,7 +220,7 @@ def test_a_run_killed_before_its_first_checkpoint_leaves_no_candidate_behind(ups
 
     man = run(tmp_path / "selecting" / "w", "--num-epochs", "1", "--candidates-per-epoch", "1")
     steps = [c["step"] for c in man["selection"]["candidates"]]
-    assert 0 not in steps and man["selection"]["chosen_step"] in steps and man["init"] is None
+    assert 0 not in steps and man["selection"]["chosen_step"] in steps and man["init_from"] is None
 
 
 def test_final_eval_describes_the_exported_candidate(upstream, tmp_path, monkeypatch):

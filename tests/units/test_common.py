@@ -41,6 +41,22 @@ def test_config_defaults_cli_wins_unknown_key_fails(tmp_path):
         config.parse_args(parser, ["--config", str(cfg)])
 
 
+@pytest.mark.parametrize("given", [["--init", "normal"], ["--init=normal"], "config"])
+def test_a_renamed_flag_stops_with_its_new_name(given, tmp_path):
+    """04's --init (the weight scheme) is --init-scheme: an old command line or config stops with one line
+    naming it, not argparse's "unrecognized arguments"."""
+    import importlib
+
+    parser = importlib.import_module(stage.TRAIN).build_parser()
+    if given == "config":
+        (tmp_path / "c.yaml").write_text("init: normal\n")
+        given, match = ["--config", str(tmp_path / "c.yaml")], "init is now init-scheme"
+    else:
+        match = "--init is now --init-scheme"
+    with pytest.raises(stage.StageError, match=match):
+        config.parse_args(parser, ["--work-dir", str(tmp_path), *given])
+
+
 def test_an_abbreviated_flag_is_refused(capsys):
     """`--datasets x` on a stage that has only `--datasets-only` must fail, not run one source."""
     parser = config.base_parser("t")

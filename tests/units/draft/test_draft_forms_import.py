@@ -302,7 +302,8 @@ def test_04_init_from_and_zero_steps_export_the_draft_bit_for_bit(upstream, micr
     assert b.config == a.config and b.model_type == a.model_type and b.carried == a.carried
     assert b.unservable == a.unservable and b.embed is None
     assert check_draft(b, read_target_text_config(micro_target), DEEPSEEK, POINTS) == POINTS
-    assert man["init"]["sha256"] == a.sha256 and man["init"]["attention"] == a.config["attention"]
+    warm = man["init_from"]
+    assert warm["sha256"] == a.sha256 and warm["attention"] == a.config["attention"]
     if a.config["attention"] == "mla":
         assert man["export_speculators_dir"] is None and not (out / "export_speculators").exists()
     else:

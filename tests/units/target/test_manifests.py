@@ -45,3 +45,12 @@ def test_an_older_manifest_reads_with_todays_fallbacks():
     assert hs.feature_format == FeatureFormat() and hs.target_architecture is None and hs.num_supervised_tokens is None
     m04 = DraftManifest.from_dict({"tokenizer": {}, "something_new": True})
     assert m04.capture_points is None and m04.draft_vocab_size is None and m04.raw["something_new"]
+
+
+def test_an_older_04_manifests_renamed_key_stops_with_its_new_name():
+    """04 once wrote the warm start's identity as `init`, the word --init-scheme also used: today it is
+    `init_from`, and a manifest that still says `init` stops with one line naming it."""
+    warm = {"path": "/d", "sha256": "ef", "vocab": "keep"}
+    assert DraftManifest.from_dict({**IDENT, "init_from": warm}).init_from == warm
+    with pytest.raises(StageError, match="`init`, a key now named `init_from`"):
+        DraftManifest.from_dict({**IDENT, "init": warm})
