@@ -48,11 +48,35 @@ def _flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
 
 def declared_flags(script: Path) -> set[str]:
     """The `--name` flags a script declares: string arguments of its add_argument calls, read from its
-    source (and `--no-name` for a BooleanOptionalAction). tests/units/test_common.py checks this equals each
-    stage's real parser."""
+    source (and `--no-name` for a BooleanOptionalAction); a script that hands its parser to the serving engines
+    (`add_engine_flags(`: 05b) declares their flags too (engine_flags). tests/units/test_common.py checks this
+    equals each stage's real parser."""
+    tree = ast.parse(script.read_text(), str(script))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    engines = any(getattr(n.func, "attr", getattr(n.func, "id", None)) == "add_engine_flags" for n in calls)
+    return _added_flags(calls) | (engine_flags() if engines else set())
+
+
+# Where every serving engine's module lives (common/serving/<engine>.py): each declares its own 05b flags in
+# its Engine subclass's `add_flags` (common/serving/engine.py), read here from the source like a stage's.
+ENGINE_MODULES = REPO_ROOT / "common" / "serving"
+
+
+@lru_cache(maxsize=1)
+def engine_flags() -> frozenset[str]:
+    """The flags declared inside an `add_flags` function of a module in ENGINE_MODULES."""
     names = set()
-    for node in ast.walk(ast.parse(script.read_text(), str(script))):
-        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
+    for module in sorted(ENGINE_MODULES.glob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text(), str(module))):
+            if isinstance(node, ast.FunctionDef) and node.name == "add_flags":
+                names |= _added_flags([n for n in ast.walk(node) if isinstance(n, ast.Call)])
+    return frozenset(names)
+
+
+def _added_flags(calls: list[ast.Call]) -> set[str]:
+    names = set()
+    for node in calls:
+        if getattr(node.func, "attr", None) != "add_argument":
             continue
         flags = [a.value[2:] for a in node.args
                  if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--")]

@@ -22,7 +22,7 @@ from common.draft.model import Eagle3DraftModel, draft_config
 from common.io import write_jsonl
 from common.serving import drafts, http, process, settings
 from common.serving import sglang as srv
-from common.serving.sglang import SGLangEngine, parse_meta
+from common.serving.sglang import SGLangEngine, generate_stream, parse_meta
 from common.serving.sweep import run_prompts, summarize
 from common.serving.vllm import VllmEngine
 from common.stage import (BENCH, EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, stage_dir, stage_script,
@@ -121,7 +121,7 @@ def test_adaptive_setting_launched_checked_and_kept_out_of_the_cost_model(tmp_pa
 def test_a_launched_server_that_dropped_adaptive_is_refused(tmp_path):
     """SGLang turns --speculative-adaptive off with a warning (topk, DP attention, ...): a launched
     server whose info document says another setting than 05 asked for is refused, quoting its log."""
-    from common.serving.sweep import run_server_benchmark
+    from common.serving.sweep import run_server_benchmark, sweep_plan
 
     class StubEngine(SGLangEngine):
         def command(self, port, graph, setting, draft=None):
@@ -145,15 +145,14 @@ def test_a_launched_server_that_dropped_adaptive_is_refused(tmp_path):
         with socket.socket() as sk:
             sk.bind(("127.0.0.1", 0))
             ports.append(sk.getsockname()[1])
-    args = argparse.Namespace(cuda_graph=["on"], spec_settings=["3,1,4,adaptive"], bench_concurrency=[],
-                              warmup_requests=1, benchmark_max_new_tokens=4, request_timeout=10,
-                              baseline_url=None, eagle3_url=None, baseline_port=ports[0], eagle3_port=ports[1],
-                              server_timeout=60, max_retried_requests=0, acceptance_temperatures=[0],
-                              acceptance_top_p=1.0, instant_temperature=None, bench_seed=0, bench_repeats=1)
+    plan = sweep_plan(load_05b().build_parser().parse_args([
+        "--work-dir", str(tmp_path), "--cuda-graph", "on", "--spec-settings", "3,1,4,adaptive", "--warmup-requests", "1",
+        "--benchmark-max-new-tokens", "4", "--request-timeout", "10", "--baseline-port", str(ports[0]),
+        "--eagle3-port", str(ports[1]), "--server-timeout", "60", "--bench-repeats", "1", "--bench-concurrency", "1"]))
     engine = StubEngine(Path("t"), Path("e"), *NO_MANIFESTS)
     with pytest.raises(StageError, match=r"runs setting 3-1-4/graph, but 05 launched 3-1-4-adaptive/graph "
                                          r"\(its log: WARNING speculative_adaptive disabled: enable_pdmux"):
-        run_server_benchmark(args, tmp_path, engine, [[1, 2, 3]], warm=[[4, 5]])
+        run_server_benchmark(plan, tmp_path, engine, [[1, 2, 3]], warm=[[4, 5]])
 
 
 def test_parse_meta_and_summary():
@@ -169,10 +168,10 @@ def test_parse_meta_and_summary():
 
 def test_run_prompts_against_stub():
     with StubServer(StubState(algorithm="EAGLE3", draft_path="/d", accept_length=4.0)) as url:
-        s = run_prompts(url, [[1, 2], [3], [4, 5, 6]], 32, 2, 30)
+        s = run_prompts(url, [[1, 2], [3], [4, 5, 6]], 32, 2, 30, generate_stream)
     assert s["num_requests"] == 3 and s["completion_tokens"] == 96 and s["accept_length_pooled"] == 4.0
     with StubServer(StubState()) as url:  # baseline: no spec_verify_ct in meta_info
-        s = run_prompts(url, [[1, 2]], 8, 1, 30)
+        s = run_prompts(url, [[1, 2]], 8, 1, 30, generate_stream)
     assert s["accept_length_pooled"] is None and s["completion_tokens"] == 8
 
 
@@ -528,38 +527,6 @@ def test_quantized_target_keeps_its_quantization_off_the_draft(tmp_path):
     srv.check_server_info({**info, "speculative_draft_model_quantization": None}, draft, kimi, "http://box:30020")
 
 
-def test_report_says_what_the_windowed_server_tau_includes(tmp_path):
-    """SGLang's reset zeroes the lifetime counters, not the per-interval ones: the report says the server's
-    windowed number may hold up to 39 decode iterations from before the run."""
-    from common.serving.sweep import write_report
-    run = {"output_tokens_per_s": 10.0, "ttft_mean_s": 0.1, "accept_length_mean": 2.0, "accept_length_pooled": 2.0,
-           "server_accept_length": 2.1, "speed_ratio": 1.2}
-    m = {"engine": "sglang", "target": "t", "draft": "d", "num_prompts": 1, "max_new_tokens": 8,
-         "runs": {"3-1-4/graph": {"by_concurrency": {"1": run}}}, "preflight": {}}
-    write_report(tmp_path, m)
-    text = (tmp_path / "report.md").read_text()
-    assert "up to 39 decode iterations from before the run" in text and "Per-request tau is exact" in text
-
-
-def test_sampled_agreement_rows_name_an_engine_defect():
-    """The report's sampled agreement: a row that disagrees because the engine build cannot verify sampled
-    drafts says so (with the reason) instead of blaming the draft; one that disagrees otherwise says DISAGREE."""
-    from common.serving.agreement import probability_gate
-    from common.serving.sweep import sampled_agreement_lines
-    gate = probability_gate([(0, 0.5, True), (0, 0.5, False), (1, 0.25, False)] * 20, 3, 0.05)
-    x = {"expected": {"engine_tau": 1.0, "replay_tau": 1.43, "difference": -0.43, "ci": [-0.5, -0.36], "agree": False,
-                      "along_answers": gate}, "top_p": 0.95, "per_prompt": [{"z": -1.25}, {"z": 0.5}, {"z": None}]}
-    lines = sampled_agreement_lines({"3-1-4/nograph": {"sampled": {"1": {**x, "engine_defect": "its expand drops floats"}}},
-                                     "5-1-6/nograph": {"sampled": {"1": {**x, "engine_defect": None}}},
-                                     "7-1-8/nograph": {}})
-    text = "\n".join(lines)
-    assert "| 3-1-4/nograph | 1 | 0.95 | 1.000 | 1.430 | -0.430 [-0.500, -0.360] | engine defect* |" in text
-    assert ("| 5-1-6/nograph | 1 | 0.95 | 1.000 | 1.430 | -0.430 [-0.500, -0.360] | DISAGREE | 20 / 25.0 | -1.35 (-1.01, "
-            "band +-5%) | 64% | -1.2, +0.5 |") in text, text  # A 20, S 25, V 13.75
-    assert text.endswith("*its expand drops floats") and "7-1-8" not in text
-    assert sampled_agreement_lines({"3-1-4/nograph": {"exact": True}}) == []
-
-
 # ---------------------------------------------------------------- declared drafts (--draft NAME=PATH) served
 def other_draft(work: Path, target: Path, name: str, seed: int) -> Path:
     """Another EAGLE-3 draft for the target (SGLang layout, 04's shape, other weights; draft ids = the first
@@ -796,11 +763,11 @@ def test_counts_are_held_against_the_ids_received_and_the_servers_own_tau():
     window; an adaptive setting may reach SGLang's deepest candidate chain."""
     from common.serving.sweep import answer_fault, round_bound, server_tau_fault
     with StubServer(StubState(algorithm="EAGLE3", draft_path="/d", accept_length=2.0, count_scale=2)) as url:
-        s = run_prompts(url, [[1, 2], [3]], 24, 1, 30, bound=4)  # 48 in 12 rounds: under the bound
+        s = run_prompts(url, [[1, 2], [3]], 24, 1, 30, generate_stream, bound=4)  # 48 in 12 rounds: under the bound
     assert s["refused"] == f"{url}: request 1 of 2: completion_tokens 48, but 24 token ids came back"
     assert s["completion_tokens"] is None and s["output_tokens_per_s"] is None
     with StubServer(StubState(algorithm="EAGLE3", draft_path="/d", accept_length=2.0)) as url:
-        assert "refused" not in run_prompts(url, [[1, 2], [3]], 24, 1, 30, bound=4)
+        assert "refused" not in run_prompts(url, [[1, 2], [3]], 24, 1, 30, generate_stream, bound=4)
     assert answer_fault({"completion_tokens": 3, "output_ids": None, "token_chunks": 5, "spec_verify_ct": None},
                         None) == "completion_tokens 3, but 5 streamed chunks carried tokens"
     assert round_bound((3, 1, 4)) == 4 and round_bound((3, 4, 8)) == 4 and round_bound((3, 1, 4, "adaptive")) == 8
