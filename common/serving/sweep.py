@@ -70,9 +70,8 @@ def run_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: int, co
                 timeout: float, request_fn, tags: list[dict] | None = None,
                 bound: int | None = None, sampling: list[dict] | None = None) -> dict:
     """All prompts at a given concurrency through `request_fn` (an engine's `request`); the summary over the
-    wall time of the whole set, with one
-    record per request in prompt order (`tags[i]`: prompt i's source / thinking; its temperature) for the
-    deploy section. `sampling[i]`: prompt i's parameters (request_params.timed_sampling; None: greedy).
+    wall time of the whole set, with one record per request in prompt order (`tags[i]`: prompt i's source /
+    thinking; its temperature) for the deploy section. `sampling[i]`: prompt i's parameters (request_params.timed_sampling; None: greedy).
     Refused (`refused`) when an answer's counts are not believed (answer_fault; `bound`: tokens a verify
     round can commit on a speculative server, round_bound)."""
     sampling = sampling or [None] * len(prompts)
@@ -497,7 +496,6 @@ class SweepPlan:
 
 def sweep_plan(args) -> SweepPlan:
     """05b's flags (checked by 05b's check_flags) -> the sweep's plan; the one place the sweep reads them."""
-    opt = lambda xs: None if xs is None else tuple(xs)   # noqa: E731
     return SweepPlan(
         spec_settings=tuple(args.spec_settings), graphs=tuple({"on": True, "off": False}[m] for m in args.cuda_graph),
         levels=tuple(serve_levels(args.acceptance_temperatures)),
@@ -511,7 +509,8 @@ def sweep_plan(args) -> SweepPlan:
         server_timeout=args.server_timeout, max_retried_requests=args.max_retried_requests,
         baseline_url=args.baseline_url, eagle3_url=args.eagle3_url, baseline_port=args.baseline_port,
         eagle3_port=args.eagle3_port, simulate_accept_lengths=tuple(args.simulate_accept_lengths),
-        simulate_settings=opt(args.simulate_settings), simulate_draft=args.simulate_draft,
+        simulate_settings=None if args.simulate_settings is None else tuple(args.simulate_settings),
+        simulate_draft=args.simulate_draft,
         known_tau=tuple(args.known_tau))
 
 
