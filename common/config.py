@@ -49,9 +49,10 @@ def _flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
 
 def declared_flags(script: Path) -> set[str]:
     """The `--name` flags a script declares: string arguments of its add_argument calls, read from its
-    source (and `--no-name` for a BooleanOptionalAction), and those of the functions it imports from
-    `common` and calls, where flags two stages share are declared once (common/benchmark/inputs.py
-    add_benchmark_flags). tests/units/test_common.py checks this equals each stage's real parser."""
+    source (and `--no-name` for a BooleanOptionalAction); those of the functions it imports from `common` and
+    calls, where flags two stages share are declared once (common/benchmark/inputs.py add_benchmark_flags); and,
+    for a script that hands its parser to the serving engines (`add_engine_flags(`: 05b), the engines' own
+    (engine_flags). tests/units/test_common.py checks this equals each stage's real parser."""
     tree = ast.parse(script.read_text(), str(script))
     names = own_flags(tree)
     called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
@@ -65,7 +66,24 @@ def declared_flags(script: Path) -> set[str]:
         if "add_argument" in text:   # parse only a module that declares flags
             names |= set().union(*(own_flags(f) for f in ast.parse(text, str(source)).body
                                    if isinstance(f, ast.FunctionDef) and f.name in wanted))
-    return names
+    engines = any(getattr(n.func, "attr", None) == "add_engine_flags" for n in ast.walk(tree) if isinstance(n, ast.Call))
+    return names | (engine_flags() if engines or "add_engine_flags" in called else set())
+
+
+# Where every serving engine's module lives (common/serving/<engine>.py): each declares its own 05b flags in
+# its Engine subclass's `add_flags` (common/serving/engine.py), read here from the source like a stage's.
+ENGINE_MODULES = REPO_ROOT / "common" / "serving"
+
+
+@lru_cache(maxsize=1)
+def engine_flags() -> frozenset[str]:
+    """The flags declared inside an `add_flags` function of a module in ENGINE_MODULES."""
+    names = set()
+    for module in sorted(ENGINE_MODULES.glob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text(), str(module))):
+            if isinstance(node, ast.FunctionDef) and node.name == "add_flags":
+                names |= own_flags(node)
+    return frozenset(names)
 
 
 def own_flags(tree: ast.AST) -> set[str]:

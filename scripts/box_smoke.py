@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from common.serving.registry import engine_class  # noqa: E402
 from common.stage import (BENCH, EXTRACT, GENERATE, MERGE, PREPARE, SERVE_BENCH, SMOLLM2_WORLD, TRAIN,  # noqa: E402
                           VOCAB, stage_dir, stage_script)
 
@@ -82,6 +83,22 @@ class Settings:
     top_p: float = 0.95
 
     @property
+    def on_cpu(self) -> bool:
+        """vLLM's CPU build: every stage on this machine, 02b through transformers alone. SGLang: the GPU box, where
+        02b also captures through SGLang and the two captures are compared."""
+        return self.engine == "vllm"
+
+    @property
+    def engine_py(self) -> str:
+        """The python of the serving engine's venv (VLLM_PY on the CPU, SGLANG_PY on the box)."""
+        return self.vllm_py if self.on_cpu else self.sglang_py
+
+    @property
+    def label(self) -> str:
+        """The engine's name for people (Engine.label)."""
+        return engine_class(self.engine).label
+
+    @property
     def work_hf(self) -> Path:  # 02b through transformers on the same 01c output
         return self.work.parent / (self.work.name + "_hf")
 
@@ -117,23 +134,10 @@ def data_specs(s: Settings) -> str:
     ])
 
 
-def vllm_settings(s: Settings):
-    from common.serving.vllm import VllmSettings
-
-    return VllmSettings(python=s.vllm_py, max_model_len=4096)
-
-
 def target_server_command(s: Settings) -> tuple[list[str], dict]:
-    """The server 01b generates against (the target alone, served under SERVED_NAME) and its env."""
-    if s.engine == "vllm":
-        from common.serving import vllm
-
-        return (vllm.server_command(s.target, s.port, vllm_settings(s), served_name=SERVED_NAME),
-                vllm.server_env(vllm_settings(s), s.target))
-    from common.serving.sglang import server_command
-
-    return server_command(s.target, s.port, 1, s.mem_fraction, True, python=s.sglang_py,
-                          extra_args=["--served-model-name", SERVED_NAME, "--context-length", "4096"]), {}
+    """The server 01b generates against (the target alone, served under SERVED_NAME) and its env: the engine's
+    own (Engine.target_server)."""
+    return engine_class(s.engine).target_server(s.target, s.port, s.engine_py, SERVED_NAME, 4096, s.mem_fraction)
 
 
 def stage_steps(s: Settings) -> dict[str, list[Step]]:
@@ -142,7 +146,7 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
     bench = ["--num-prompts", str(s.num_heldout), "--benchmark-max-new-tokens", str(s.bench_new_tokens)]
     # one timed pass: the smoke compares tau and agreement, not speed (05 then decides no speed ratio)
     once = ["--bench-repeats", "1"]
-    label = {"sglang": "SGLang", "vllm": "vLLM"}[s.engine]
+    label = s.label
     steps = {
         "build": [Step("00 build the small target", [py, stage_script(SMOLLM2_WORLD), "--config",
                                                         "configs/smollm2.yaml"], "the small-target build (00)")],
@@ -159,7 +163,7 @@ def stage_steps(s: Settings) -> dict[str, list[Step]]:
                  "merge and tokenization (01c)")
     vocab = Step("03 draft vocab", [py, stage_script(VOCAB), "--work-dir", w, "--draft-vocab-size", "4096"],
                  "draft vocabulary (03)")
-    if s.engine == "vllm":  # all on this machine's CPU, float32 where numbers are compared
+    if s.on_cpu:  # all on this machine's CPU, float32 where numbers are compared
         steps["capture"] = [merge, Step("02b capture through transformers", [
             py, stage_script(EXTRACT), "--work-dir", w, "--capture-engine", "hf", "--device", "cpu"],
             "transformers capture (02b --capture-engine hf)")]
@@ -372,7 +376,7 @@ def check_sglang_agreement(server_metrics: dict, temperature: float) -> dict:
 def serve_target_for_01b(s: Settings, steps: dict, dry_run: bool) -> None:
     from common.serving import process, sglang
 
-    label = {"sglang": "SGLang", "vllm": "vLLM"}[s.engine]
+    label = s.label
     cmd, env = target_server_command(s)
     shown = " ".join(f"{k}={v}" for k, v in env.items())
     print(f"==> {label} server for 01b\n    {shown + ' ' if shown else ''}{shlex.join(cmd)}", flush=True)
@@ -402,7 +406,7 @@ def main(argv=None, environ=os.environ) -> None:
     s = settings_from_env(environ, args.engine)
     steps = stage_steps(s)
     t0 = time.time()
-    dirs = [s.work] if s.engine == "vllm" else [s.work, s.work_hf]
+    dirs = [s.work] if s.on_cpu else [s.work, s.work_hf]
     print(f"[smoke] engine {s.engine}, target {s.target}, work dirs {' and '.join(map(str, dirs))}; "
           f"{'DRY RUN' if args.dry_run else ''}")
     if not args.dry_run:
@@ -419,12 +423,12 @@ def main(argv=None, environ=os.environ) -> None:
     answers = None if args.dry_run else compare_answers(s)
 
     run_step(steps["capture"][0], args.dry_run)  # 01c
-    if s.engine == "sglang" and not args.dry_run:  # the hf capture reads the same 01c output
+    if not s.on_cpu and not args.dry_run:  # the hf capture reads the same 01c output
         s.work_hf.mkdir(parents=True, exist_ok=True)
         shutil.copytree(stage_dir(s.work, MERGE), stage_dir(s.work_hf, MERGE))
     for step in steps["capture"][1:]:
         run_step(step, args.dry_run)
-    if s.engine == "sglang" and not args.dry_run:
+    if not s.on_cpu and not args.dry_run:
         compare_shards(stage_dir(s.work, EXTRACT), stage_dir(s.work_hf, EXTRACT), s.shard_rel_tol)
     for step in steps["train"] + steps["benchmark"]:
         run_step(step, args.dry_run)
@@ -432,7 +436,7 @@ def main(argv=None, environ=os.environ) -> None:
         return
     bench = stage_dir(s.work, BENCH).parent
     server = json.loads((bench / "server" / "metrics.json").read_text())
-    if s.engine == "vllm":
+    if s.on_cpu:
         result = {"engine": "vllm", "answers_vs_shipped": answers, "agreement": check_agreement(server),
                   "reference_tau": {k: e["tau"] for k, e in json.loads(
                       (bench / "reference" / "metrics.json").read_text())["by_num_draft_tokens"].items()}}

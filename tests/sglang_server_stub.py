@@ -213,7 +213,8 @@ class StubServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
 
     def __enter__(self) -> str:
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        # __exit__'s shutdown waits for serve_forever's next poll (0.5 s by default, per server)
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     def __exit__(self, *exc):

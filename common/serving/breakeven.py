@@ -49,10 +49,10 @@ CURVES_FILE = "breakeven_curves.png"
 
 
 # ---------------------------------------------------------------- what the map serves
-def map_settings(args, engine) -> list[tuple]:
+def map_settings(plan, engine) -> list[tuple]:
     """The chains the map simulates (--simulate-settings, default: the fixed chains of --spec-settings), each as
     the engine parses it; a setting that is not a plain chain is refused (its rounds are not one shape)."""
-    texts = args.simulate_settings or [s for s in args.spec_settings if is_chain(engine.parse_setting(s))]
+    texts = plan.simulate_settings or [s for s in plan.spec_settings if is_chain(engine.parse_setting(s))]
     out = []
     for text in texts:
         setting = engine.parse_setting(text)
@@ -67,26 +67,28 @@ def is_chain(setting) -> bool:
     return fixed_chain(setting) and setting[1] == 1
 
 
-def map_draft(args, engine):
+def map_draft(plan, engine):
     """The draft whose shape the simulated servers serve (--simulate-draft NAME; default 04's, else the first
     declared one)."""
     drafts = engine.drafts
     if not drafts:
         raise StageError("--simulate-accept-lengths needs a draft of the shape to serve: 04's export or a --draft")
-    name = args.simulate_draft or drafts[0].name
+    name = plan.simulate_draft or drafts[0].name
     found = [d for d in drafts if d.name == name]
     if not found:
         raise StageError(f"--simulate-draft {name!r} is none of the served drafts ({', '.join(d.name for d in drafts)})")
     return found[0]
 
 
-def simulations(args, engine) -> list[tuple]:
-    """(simulated setting, draft) of every server the map launches for `engine`, [] without the map."""
-    lengths = getattr(args, "simulate_accept_lengths", None) or []
+def simulations(plan, engine) -> list[tuple]:
+    """(simulated setting, draft) of every server the map launches for `engine`, [] without the map. `plan`: the
+    sweep's plan (sweep.SweepPlan: --simulate-accept-lengths, --simulate-settings, --simulate-draft, --known-tau,
+    --spec-settings), as in map_settings, map_draft and board."""
+    lengths = plan.simulate_accept_lengths
     if not lengths:
         return []
-    draft = map_draft(args, engine)
-    return [(simulated(s, length), draft) for s in map_settings(args, engine) for length in lengths]
+    draft = map_draft(plan, engine)
+    return [(simulated(s, length), draft) for s in map_settings(plan, engine) for length in lengths]
 
 
 def check_lengths(lengths: list[float]) -> None:
@@ -95,15 +97,15 @@ def check_lengths(lengths: list[float]) -> None:
                          "round commits, the bonus token included)")
 
 
-def board(metrics: dict, args, engine) -> dict:
+def board(metrics: dict, plan, engine) -> dict:
     """metrics["map"]'s record of `engine` (created with the map's own record on first use): where the Sweep puts
     the engine's simulated runs and its baseline's map passes, kept apart from metrics["runs"]."""
-    m = metrics.setdefault("map", {"simulated": True, "lengths": [float(x) for x in args.simulate_accept_lengths],
+    m = metrics.setdefault("map", {"simulated": True, "lengths": [float(x) for x in plan.simulate_accept_lengths],
                                    "temperature": f"{serving_level(metrics['temperatures']):s}",
-                                   "known_taus": parse_known_taus(getattr(args, "known_tau", None) or []),
+                                   "known_taus": parse_known_taus(plan.known_tau),
                                    "engines": {}})
     return m["engines"].setdefault(engine.name, {"label": engine.label, "simulates": engine.simulates,
-                                                 "draft": map_draft(args, engine).name, "runs": {}, "commands": {}})
+                                                 "draft": map_draft(plan, engine).name, "runs": {}, "commands": {}})
 
 
 def parse_known_taus(items: list[str]) -> list[dict]:

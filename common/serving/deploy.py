@@ -1,4 +1,4 @@
-"""What 05b tells a user to deploy, from the sweep's own numbers (sweep.write_report),
+"""What 05b tells a user to deploy, from the sweep's own numbers (report.write_report),
 per temperature level of the sweep (greedy, and each serving temperature of the preset: every run's
 `by_temperature`); the recommendation is the serving temperature's (the highest level above 0, the one the
 model is served at; greedy for a greedy preset), the other levels shown beside it:
@@ -45,14 +45,6 @@ from common.serving import load_model
 from common.serving.context import SHORT, context_level, measured_buckets
 from common.serving.registry import engine_class
 from common.serving.settings import fixed_chain, is_adaptive, is_block
-
-# What 05 adds for its own measurement, not for serving: the preflight's info document (vLLM dev mode),
-# per-request acceptance, unbuffered logs, prefix caching off (so repeated timed passes are fresh prefills;
-# a deployment keeps its cache); and the test box's host/port (a deployment picks its own).
-MEASUREMENT_ENV = ("VLLM_SERVER_DEV_MODE", "TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED")
-MEASUREMENT_FLAGS = {"--host": 1, "--port": 1, "--per-request-spec-decode-metrics": 1, "--disable-radix-cache": 0,
-                     "--no-enable-prefix-caching": 0, "--logprobs-mode": 1}
-
 
 def request_record(result: dict, tag: dict | None) -> dict:
     """The per-request numbers the report needs (timing, rounds, the prompt's source / thinking)."""
@@ -165,22 +157,23 @@ def best_settings(metrics: dict) -> dict:
 
 def launch_line(engine: str, command, speculative: bool) -> str:
     """The command a user types: the engine's argv as 05 ran it, minus 05's measurement-only flags and
-    environment and the test box's --host/--port, the interpreter as `python`. Refuses (ValueError) a
-    speculative command that is not EAGLE-3 by the engine's own rule (Engine.check_launch_line: SGLang
-    `--speculative-algorithm EAGLE3`, vLLM method `eagle3`); an engine 05b does not know is refused too."""
-    check_launch_line = engine_class(engine).check_launch_line
+    environment and the test box's --host/--port (the engine's measurement_flags and measurement_env), the
+    interpreter as `python`. Refuses (ValueError) a speculative command that is not EAGLE-3 by the engine's own
+    rule (Engine.check_launch_line: SGLang `--speculative-algorithm EAGLE3`, vLLM method `eagle3`); an engine
+    05b does not know is refused too."""
+    cls = engine_class(engine)
     argv, env = (command["argv"], command.get("env") or {}) if isinstance(command, dict) else (command, {})
     argv = ["python"] + list(argv[1:])
     kept, i = [], 0
     while i < len(argv):
-        if argv[i] in MEASUREMENT_FLAGS:
-            i += 1 + MEASUREMENT_FLAGS[argv[i]]
+        if argv[i] in cls.measurement_flags:
+            i += 1 + cls.measurement_flags[argv[i]]
             continue
         kept.append(argv[i])
         i += 1
     if speculative:
-        check_launch_line(kept)
-    prefix = [f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in MEASUREMENT_ENV]
+        cls.check_launch_line(kept)
+    prefix = [f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in cls.measurement_env]
     return " ".join(prefix + [shlex.join(kept)])
 
 

@@ -56,12 +56,29 @@ class Engine:
     # How the engine simulates acceptance (05b --simulate-accept-lengths, common/serving/breakeven.py): the
     # knob its `command` sets for a simulated setting (settings.simulated), in words for the report and docs
     simulates = ""
+    # What 05 adds to this engine's servers for its own measurement, not for serving (deploy.launch_line drops
+    # them from the line it recommends): {flag: number of values after it}, and environment variable names
+    measurement_flags: dict[str, int] = {}
+    measurement_env: tuple[str, ...] = ()
+
+    @classmethod
+    def add_flags(cls, group) -> None:
+        """Declare this engine's own 05b flags in `group` (05b gives each engine of registry.ENGINES an argument
+        group, "<label> servers (--engine <name>)"); `from_args` reads them. None by default."""
 
     @classmethod
     def from_args(cls, args, export_dir: Path, m02b: HiddenStatesManifest, m04: DraftManifest,
                   target_dir: Path, work_dir: Path, foreign: list[ServedDraft]) -> Engine:
         """This engine as 05b's flags set it up (registry.engine_from_args): 04's SGLang export and the
         manifests, the target, the work dir, and the declared drafts served next to 04's."""
+        raise NotImplementedError
+
+    @classmethod
+    def target_server(cls, target: Path, port: int, python: str, served_name: str, context_length: int,
+                      memory_share: float) -> tuple[list[str], dict]:
+        """(argv, environment) of a server of `target` alone, no draft, started from `python`, named `served_name`
+        in its OpenAI API and admitting `context_length` tokens; `memory_share`: of the GPU's memory (0-1; an
+        engine on the CPU ignores it). What the smoke run's 01b generates against (scripts/box_smoke.py)."""
         raise NotImplementedError
 
     @classmethod
@@ -93,6 +110,12 @@ class Engine:
     def simulated_length(argv=(), env: dict | None = None, info: dict | None = None) -> float | None:
         """The accept length a launch line and environment, or an info document, tell the server to simulate
         (None: none it says; the info document of an engine that does not report it says nothing)."""
+        return None
+
+    @staticmethod
+    def setting_note(log: Path | None) -> str | None:
+        """What a launched server's log says about why it runs another setting than the one launched (SGLang turns
+        --speculative-adaptive off at start-up and says so), None when it says nothing."""
         return None
 
     def parse_setting(self, text: str) -> tuple:

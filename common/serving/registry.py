@@ -1,6 +1,6 @@
-"""The engines 05b can sweep, by the name --engine takes (ENGINES), and what goes through that name: the
-Engine built from 05b's flags (`engine_from_args`) and the declared drafts it can serve (`check_servable`).
-An unknown name stops with one line here (`engine_class`), never falling through to another engine's rules.
+"""The engines 05b can sweep, by the name --engine takes (ENGINES), and what goes through that name: each
+engine's flags in 05b's parser (`add_engine_flags`), the Engine built from 05b's flags (`engine_from_args`) and
+the declared drafts it can serve (`check_servable`). An unknown name stops with one line here (`engine_class`), never falling through to another engine's rules.
 """
 from __future__ import annotations
 
@@ -27,6 +27,16 @@ def engine_class(name: str) -> type[Engine]:
         raise StageError(f"unknown serving engine {name!r}: 05b serves through {', '.join(map(repr, ENGINES))} "
                          "(common/serving/registry.py; docs/serving.md, 'Adding an engine')")
     return ENGINES[name]
+
+
+def add_engine_flags(parser) -> None:
+    """Each engine's own 05b flags (Engine.add_flags) in its own argument group, "<label> servers (--engine
+    <name>)"; an engine that inherits its add_flags (a subclass of another engine) reads its parent's flags."""
+    declared = set()
+    for cls in ENGINES.values():
+        if cls.add_flags.__func__ not in declared:
+            declared.add(cls.add_flags.__func__)
+            cls.add_flags(parser.add_argument_group(f"{cls.label} servers (--engine {cls.name})"))
 
 
 def engine_from_args(args, export_dir: Path, m02b: HiddenStatesManifest, m04: DraftManifest, target_dir: Path,

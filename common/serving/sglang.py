@@ -627,6 +627,21 @@ class SGLangEngine(Engine):
                        "(`cuda_graph_config.decode.backend`).")
     simulates = (f"the environment SGLANG_SIMULATE_ACC_LEN=L, SGLANG_SIMULATE_ACC_METHOD={SIMULATE_METHOD} "
                  "(speculative/spec_utils.py; every verified token becomes id 100)")
+    # prefix caching off (repeated timed passes are fresh prefills; a deployment keeps its cache) and the test
+    # box's host/port (a deployment picks its own)
+    measurement_flags = {"--host": 1, "--port": 1, "--disable-radix-cache": 0}
+
+    @classmethod
+    def add_flags(cls, group):
+        group.add_argument("--sglang-tp-size", type=int, default=1, help="SGLang tensor-parallel size (GPUs)")
+        group.add_argument("--mem-fraction-static", type=float, default=0.85,
+                           help="SGLang mem_fraction_static: share of GPU memory for weights + KV pool (0-1)")
+        group.add_argument("--sglang-draft-attention-backend", default=None,
+                           help="the draft's attention backend (--speculative-draft-attention-backend); unset, the "
+                                "draft inherits the target's: an MHA draft fails next to an MLA-only one such as "
+                                "trtllm_mla. A backend of the other attention form than the draft's is refused before "
+                                "launching")
+        group.add_argument("--sglang-python", default=sys.executable, help="python that has sglang installed")
 
     @classmethod
     def from_args(cls, args, export_dir, m02b, m04, target_dir, work_dir, foreign):
@@ -634,6 +649,11 @@ class SGLangEngine(Engine):
                    mem_fraction=args.mem_fraction_static, python=args.sglang_python,
                    extra_args=list(args.server_extra_args), min_accept_length=args.min_accept_length,
                    draft_attention_backend=args.sglang_draft_attention_backend, foreign=list(foreign))
+
+    @classmethod
+    def target_server(cls, target, port, python, served_name, context_length, memory_share):
+        return server_command(target, port, 1, memory_share, True, python=python,
+                              extra_args=["--served-model-name", served_name, "--context-length", str(context_length)]), {}
 
     def __post_init__(self):
         backend, source = draft_backend(self.draft_attention_backend, self.extra_args)
@@ -667,6 +687,10 @@ class SGLangEngine(Engine):
     @staticmethod
     def simulated_length(argv=(), env=None, info=None):
         return simulated_length(argv, env, info)
+
+    @staticmethod
+    def setting_note(log):
+        return adaptive_disabled_line(log)
 
     def parse_setting(self, text):
         setting = parse_spec_setting(text)

@@ -1,5 +1,7 @@
 """05b (05b_serve_benchmark.py): the same prompts against a baseline and EAGLE-3 servers of one engine
-(common/serving/engine.py: SGLang or vLLM); tok/s, TTFT, tau, the agreement check's hook.
+(common/serving/engine.py: SGLang or vLLM); tok/s, TTFT, tau, the agreement check's hook. What the sweep reads
+of 05b's flags is one SweepPlan (sweep_plan), what it times one Workload; every answer comes through the engine's
+own request. Its metrics become report.md and the plots in common/serving/report.py.
 
 SGLang's side: requests in common/serving/sglang.py; the server-wide tau
 (`avg_spec_accept_length`) is a ratio of lifetime counters, so two readings cannot be subtracted; each
@@ -40,17 +42,16 @@ import json
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.benchmark.formatting import fmt
-from common.draft import OURS
 from common.serving import breakeven, deploy, process
-from common.serving.context import SHORT, bucket_words, context_level, longest_bucket
+from common.serving.context import SHORT, context_level, longest_bucket
 from common.serving.engine import confirm_simulated, refuse_lossy
 from common.serving.registry import engine_class, engine_from_args
 from common.serving.request_params import request_seed, timed_sampling
 from common.serving.settings import ADAPTIVE_STEPS, is_adaptive, simulated_length, timed_levels
-from common.serving.sglang import adaptive_disabled_line, generate_stream
 from common.stage import StageError
 from common.target.manifests import HiddenStatesManifest
 
@@ -66,11 +67,11 @@ WARMUP_TOKENS = 64  # the preflight's warm-up requests: short, sequential, greed
 
 
 def run_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int,
-                timeout: float, request_fn=generate_stream, tags: list[dict] | None = None,
+                timeout: float, request_fn, tags: list[dict] | None = None,
                 bound: int | None = None, sampling: list[dict] | None = None) -> dict:
-    """All prompts at a given concurrency; the summary over the wall time of the whole set, with one
-    record per request in prompt order (`tags[i]`: prompt i's source / thinking; its temperature) for the
-    deploy section. `sampling[i]`: prompt i's parameters (request_params.timed_sampling; None: greedy).
+    """All prompts at a given concurrency through `request_fn` (an engine's `request`); the summary over the
+    wall time of the whole set, with one record per request in prompt order (`tags[i]`: prompt i's source /
+    thinking; its temperature) for the deploy section. `sampling[i]`: prompt i's parameters (request_params.timed_sampling; None: greedy).
     Refused (`refused`) when an answer's counts are not believed (answer_fault; `bound`: tokens a verify
     round can commit on a speculative server, round_bound)."""
     sampling = sampling or [None] * len(prompts)
@@ -163,14 +164,14 @@ def summarize(results: list[dict], wall_s: float, concurrency: int) -> dict:
 
 
 def warm_up(base_url: str, prompts: list[list[int]], max_new_tokens: int, timeout: float,
-            request_fn=generate_stream) -> list[dict]:
+            request_fn) -> list[dict]:
     """The warm-up every server gets before it is timed, the baseline included: each warm-up prompt alone,
     greedy (the preflight judges an EAGLE-3 server's acceptance on these answers: warmup)."""
     return [request_fn(base_url, ids, max_new_tokens, timeout) for ids in prompts]
 
 
 def warmup(base_url: str, prompts: list[list[int]], max_new_tokens: int, timeout: float,
-           request_fn=generate_stream, bound: int | None = None) -> float:
+           request_fn, bound: int | None = None) -> float:
     """Pooled tau over the warm-up's answers (the preflight's acceptance probe). Each answer's counts are
     checked as a timed run's are (answer_fault; `bound`: round_bound of the server's setting): a tau the
     setting cannot reach, or a count that is not the ids that came back, stops the preflight in one line."""
@@ -282,153 +283,10 @@ def run_fault(run: dict | None, name: str, max_retried: int) -> str | None:
 
 
 
-def write_report(out: Path, metrics: dict, reference: dict | None = None) -> None:
-    """report.md; its deploy section (common/serving/deploy.py) from metrics["deploy"], computed here
-    when absent (`reference`: 05 reference metrics of the same draft, for the per-depth tau)."""
-    engine = metrics.get("engine", "sglang")
-    label, tau_note = engine_class(engine).label, engine_class(engine).server_tau_note
-    if "deploy" not in metrics:
-        metrics["deploy"] = deploy.summary(metrics, reference)   # metrics["runs"] only: never the map's
-    if "map" in metrics:
-        metrics["map"]["breakeven"] = breakeven.summary(metrics, reference)
-    drafts = metrics.get("drafts") or {}
-    shown = (f"drafts {', '.join(f'{n} `{p}`' for n, p in drafts.items())} (each at every setting, against the "
-             "same baseline)" if len(drafts) > 1 else f"draft `{metrics['draft']}`")
-    lines = [f"# 05 server benchmark ({label})", "",
-             f"Target `{metrics['target']}`, {shown}, {metrics['num_prompts']} timed prompts, "
-             f"max {metrics['max_new_tokens']} new tokens, {sweep_words(metrics)} Preflight: "
-             f"`{json.dumps(metrics.get('preflight', {}))}`."
-             + (f" Engine fixes loaded: {'; '.join(metrics['engine_fixes'])}." if metrics.get("engine_fixes") else ""),
-             ""]
-    refused = []
-    buckets = metrics.get("context_buckets") or {}
-    for ctx in [SHORT, *[b for b in buckets if b != SHORT]]:
-        if len(buckets) > 1:  # one table per prompt bucket once the sweep has several
-            lines += [f"### Timed on {bucket_words(ctx, buckets.get(ctx))}", ""]
-        lines += run_table(metrics, ctx, refused) + [""]
-    if refused:
-        lines += [f"* {r}" for r in refused] + [""]
-    lines += ["tau = completion_tokens / verify rounds per request (the bonus token and the prefill token "
-              "included: SGLang's definition); " + tau_note + " Launch commands: `commands.json`."]
-    if metrics.get("agreement"):
-        lines += ["", "## Agreement with replay", "",
-                  "Each EAGLE-3 server answered the warm-up prompts one at a time; its per-round accepted counts "
-                  "are compared with replay of the same draft on the same tokens (common/serving/agreement.py). "
-                  "tau here = 1 + accepted / rounds (the engine's definition)."
-                  + (" 04's draft only: the declared drafts are not replayed here." if len(drafts) > 1 else ""), "",
-                  "| setting | prompts | rounds (engine / replay) | accepted per position (engine) | (replay) "
-                  "| tau (engine / replay) | every round equal |", "|---|---|---|---|---|---|---|"]
-        for key, a in metrics["agreement"].items():
-            if not a.get("judged", True):
-                lines.append(f"| {key} | {a['prompts']} | not judged: {a['why']} | | | | |")
-                continue
-            e, r = a["engine"], a["replay"]
-            lines.append(f"| {key} | {len(a['per_prompt'])} | {e['num_rounds']} / {r['num_rounds']} | "
-                         f"{e['accepted_per_position'] or '-'} | {r['accepted_per_position']} | {e['tau']:.4f} / "
-                         f"{r['tau']:.4f} | {'yes' if a['exact'] else 'no'} |")
-        lines += sampled_agreement_lines(metrics["agreement"])
-    lines += deploy.report_lines(metrics["deploy"], label)
-    lines += breakeven.report_lines(metrics)   # its own section: the measured tables above never read it
-    (out / "report.md").write_text("\n".join(lines) + "\n")
-
-
-def run_table(metrics: dict, ctx: str, refused: list[str]) -> list[str]:
-    """The measurements of one prompt bucket, a row per (run, T, concurrency); a refused ratio's reason is
-    added to `refused` (the footnotes)."""
-    lines = ["| draft | setting | T | concurrency | output tok/s | x baseline | 95% CI (passes) | TTFT mean (s) "
-             "| tau (mean) | tau (pooled) | server tau | retried requests |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    where = "" if ctx == SHORT else f" context {ctx}"
-    for key, entry in metrics["runs"].items():
-        draft = "-" if key.startswith("baseline") else entry.get("draft", OURS)
-        setting = key if draft in ("-", OURS) else key[len(draft) + 1:]
-        for t, _, c, s in (x for x in cells(entry) if x[1] == ctx):
-            ratio = fmt(s.get("speed_ratio")) if "ratio_refused" not in s else "refused*"
-            ci = s.get("speed_ratio_ci95")
-            if "ratio_refused" in s:
-                refused.append(f"{key} T={t}{where} c={c}: {s['ratio_refused']}")
-            lines.append(f"| {draft} | {setting} | {t} | {c} | {fmt(s['output_tokens_per_s'], 1)} | {ratio} "
-                         f"| {f'[{fmt(ci[0])}, {fmt(ci[1])}]' if ci else '-'} "
-                         f"| {fmt(s['ttft_mean_s'], 3)} | {fmt(s['accept_length_mean'])} "
-                         f"| {fmt(s['accept_length_pooled'])} | {fmt(s.get('server_accept_length'))} "
-                         f"| {s.get('retried_requests', 0)} |")
-    return lines
-
-
-def sweep_words(metrics: dict) -> str:
-    """How the sweep timed its runs, in one sentence for the report's head."""
-    temps = metrics.get("temperatures") or ["0"]
-    sampled = [t for t in temps if float(t) > 0]
-    instant = metrics.get("instant_temperature")
-    return ("greedy" + (f" and at T {', '.join(sampled)} (top-p {fmt(metrics.get('top_p'))}, top-k and min-p off, "
-                        "repetition penalty 1, a fixed seed per request"
-                        + (f"; thinking-off prompts at T {instant:g}" if instant is not None else "") + ")"
-                        if sampled else "")
-            + f", {metrics.get('repeats', 1)} timed passes of each (setting, T, concurrency), prefix caching off on "
-            "every server, the same warm-up on every server, on prompts never timed.")
-
-
-def sampled_agreement_lines(agreement: dict) -> list[str]:
-    """The sampled half of the agreement check (agreement.check_sampled_answers), one row per setting and
-    temperature, with the engine defect that voids a row when the engine has one."""
-    rows = [(key, t, x) for key, a in agreement.items() for t, x in (a.get("sampled") or {}).items()]
-    if not rows:
-        return []
-    lines = ["", "Sampled (a seed per request): the engine's tau against the sampled replay's prediction on the "
-             "same prompts, with its paired 95% interval (reported, not enforced); the probability gate along the "
-             "engine's own answers (enforced: drafts accepted against sum p(d), z, z outside the band, the deviation "
-             "it resolves; docs/serving.md, 'The probability gate'), and the spread of the prompts' own z.", "",
-             "| setting | T | top-p | engine tau | replay tau | difference [95% CI] | verdict | gate: accepted / "
-             "expected | z (outside band) | resolves | z per prompt (min, max) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for key, t, x in rows:
-        e, g = x["expected"], x["expected"]["along_answers"]
-        verdict = "agree" if e["agree"] else ("engine defect*" if x.get("engine_defect") else "DISAGREE")
-        zs = [r["z"] for r in x.get("per_prompt", []) if r.get("z") is not None]
-        lines.append(f"| {key} | {t} | {fmt(x.get('top_p'))} | {fmt(e['engine_tau'], 3)} | {fmt(e['replay_tau'], 3)} | "
-                     f"{e['difference']:+.3f} [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}] | {verdict} | "
-                     f"{sum(g['accepted'])} / {sum(g['expected']):.1f} | {fmt(g['z'])} ({fmt(g.get('z_band'))}, "
-                     f"band +-{g.get('band', 0):.0%}) | "
-                     f"{'-' if g.get('resolution') is None else format(g['resolution'], '.0%')} | "
-                     f"{f'{min(zs):+.1f}, {max(zs):+.1f}' if zs else '-'} |")
-    defects = dict.fromkeys(x["engine_defect"] for _, _, x in rows if x.get("engine_defect"))
-    return lines + [f"\n*{d}" for d in defects]
-
-
-def plot(out: Path, metrics: dict) -> None:
-    """tokens_per_s.png (bars per setting, one group per concurrency) and accept_length.png, at the serving
-    temperature (the level the recommendation comes from), of the measured runs; the break-even map's own
-    (breakeven.plot) when the map ran."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    t = deploy.serving_level(deploy.temperature_levels(metrics))
-    runs = deploy.at_temperature(metrics, t)["runs"]
-    keys = list(runs)
-    concs = sorted({int(c) for e in runs.values() for c in e["by_concurrency"]})
-    for fname, field, ylabel, only_spec in (("tokens_per_s.png", "output_tokens_per_s", "output tok/s", False),
-                                            ("accept_length.png", "accept_length_pooled", "tau", True)):
-        shown = [k for k in keys if not (only_spec and k.startswith("baseline"))]
-        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shown)), 4))
-        width = 0.8 / max(1, len(concs))
-        for j, c in enumerate(concs):
-            vals = [(runs[k]["by_concurrency"].get(str(c)) or {}).get(field) or 0 for k in shown]
-            ax.bar([i + j * width for i in range(len(shown))], vals, width, label=f"concurrency {c}")
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shown))])
-        ax.set_xticklabels(shown, rotation=30, ha="right")
-        ax.set_ylabel(f"{ylabel} ({'greedy' if t == '0' else f'T {t}'})")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / fname, dpi=100)
-        plt.close(fig)
-    breakeven.plot(out, metrics)
-
-
-def serve_levels(args) -> list[float]:
+def serve_levels(acceptance_temperatures) -> list[float]:
     """The temperature levels every run is timed at: greedy, and each temperature above 0 of the preset's
     --acceptance-temperatures (the serving temperatures: Kimi-K2.5 is served at T 1.0, top-p 0.95)."""
-    return [0.0] + sorted({float(t) for t in args.acceptance_temperatures if float(t) > 0})
+    return [0.0] + sorted({float(t) for t in acceptance_temperatures if float(t) > 0})
 
 
 def mirror_agreement(url: str, check, request_fn) -> None:
@@ -471,12 +329,11 @@ class Sweep:
     nowhere else, so no tau table, ratio table or deploy choice of measured drafts ever reads them. `map_only`:
     an engine measured for the map alone (--map-engines): its baseline's map passes and its simulated servers."""
 
-    def __init__(self, args, out: Path, engine, metrics: dict, request_fn, agreement, plan: dict,
+    def __init__(self, plan: SweepPlan, work: Workload, out: Path, engine, metrics: dict, request_fn, agreement,
                  board: dict | None = None, map_only: bool = False):
-        self.args, self.out, self.engine, self.metrics, self.request_fn = args, out, engine, metrics, request_fn
-        self.agreement, self.board, self.map_only, self.collected = agreement, board, map_only, {}
-        self.levels, self.repeats, self.concs = plan["levels"], plan["repeats"], plan["concs"]
-        self.buckets, self.sampling, self.warm_requests = plan["buckets"], plan["sampling"], plan["warm_requests"]
+        self.plan, self.work, self.out, self.engine, self.metrics = plan, work, out, engine, metrics
+        self.request_fn, self.agreement, self.board, self.map_only, self.collected = request_fn, agreement, board, \
+            map_only, {}
 
     def check(self, url: str, speculative: bool, draft=None, simulated: float | None = None) -> tuple:
         if not speculative:
@@ -486,22 +343,22 @@ class Sweep:
 
     def warmup_fn(self, setting):
         """The preflight's warm-up probe: pooled tau, or for a simulated server its answers (check_simulated_tau)."""
-        a = self.args
+        warm, timeout = self.work.warm_requests, self.plan.request_timeout
         if simulated_length(setting) is not None:
-            return lambda u: warm_up(u, self.warm_requests, WARMUP_TOKENS, a.request_timeout, self.request_fn)
-        return lambda u: warmup(u, self.warm_requests, WARMUP_TOKENS, a.request_timeout, self.request_fn,
-                                round_bound(setting))
+            return lambda u: warm_up(u, warm, WARMUP_TOKENS, timeout, self.request_fn)
+        return lambda u: warmup(u, warm, WARMUP_TOKENS, timeout, self.request_fn, round_bound(setting))
 
     def prepare(self, url: str, key: str, graph: bool, setting, log: Path | None, draft) -> list[tuple[str, dict]]:
         """The server's checks and its warm-up, the same requests on every server, before any timed pass; the
         (key, entry) pairs to time: a measured run, the map's, or both (a baseline with the map on)."""
         engine, sim = self.engine, simulated_length(setting)
         entry = {"cuda_graph": graph, "setting": setting, "url": url, "sampling_defaults": engine.sampling_defaults(
-                 url, log), "by_temperature": {}, "timed_levels": timed_levels(setting, self.levels, self.levels[-1])}
+                 url, log), "by_temperature": {}, "timed_levels": timed_levels(setting, self.plan.levels,
+                                                                               self.plan.levels[-1])}
         print(f"[05b] {key}: the server's own sampling defaults {json.dumps(entry['sampling_defaults'])} (every request "
               "05 sends sets temperature, top-p, top-k, min-p, repetition penalty and seed itself)")
         if setting is None:
-            warm_up(url, self.warm_requests, WARMUP_TOKENS, self.args.request_timeout, self.request_fn)
+            warm_up(url, self.work.warm_requests, WARMUP_TOKENS, self.plan.request_timeout, self.request_fn)
         else:
             entry["draft"] = draft.name
             entry["preflight"] = engine.preflight(url, log, self.warmup_fn(setting), draft,
@@ -514,7 +371,7 @@ class Sweep:
             self.metrics["runs"][key] = entry
             served.append((key, entry))
         if self.board is not None and (sim is not None or setting is None):
-            mapped = {**entry, "by_temperature": {}, "timed_levels": [self.levels[-1]], "map": True,
+            mapped = {**entry, "by_temperature": {}, "timed_levels": [self.plan.levels[-1]], "map": True,
                       **({"simulated": {"accept_length": sim, "how": engine.simulates}} if sim is not None else {})}
             self.board["runs"][key] = mapped
             served.append((key, mapped))
@@ -538,10 +395,10 @@ class Sweep:
     def timed_pass(self, key: str, entry: dict, level: float, ctx: str, c: int, r: int) -> None:
         engine, url, setting, t = self.engine, entry["url"], entry["setting"], f"{level:g}"
         start = engine.window_start(url) if setting is not None else None
-        ps, ts = self.buckets[ctx]
-        sampling = [{**x, "ignore_eos": True} for x in self.sampling[(level, ctx)]] if entry.get("map") \
-            else self.sampling[(level, ctx)]
-        s = run_prompts(url, ps, self.args.benchmark_max_new_tokens, c, self.args.request_timeout, self.request_fn, ts,
+        ps, ts = self.work.buckets[ctx]
+        sampling = [{**x, "ignore_eos": True} for x in self.work.sampling[(level, ctx)]] if entry.get("map") \
+            else self.work.sampling[(level, ctx)]
+        s = run_prompts(url, ps, self.plan.benchmark_max_new_tokens, c, self.plan.request_timeout, self.request_fn, ts,
                         bound=round_bound(setting) if setting is not None else None, sampling=sampling)
         s.update(engine.window_end(url, start) if setting is not None else {"server_accept_length": None})
         why = None if "refused" in s else server_tau_fault(s, c, engine.server_tau_slop)
@@ -551,7 +408,7 @@ class Sweep:
         where = {"run": key, "temperature": t, "context": ctx, "concurrency": c, "pass": r}
         self.metrics["pass_order"].append({**where, **({"map": self.engine.name} if entry.get("map") else {})})
         said = (f"[05b] {'map ' + engine.name + ' ' if entry.get('map') else ''}{key} T={t}"
-                f"{'' if ctx == SHORT else f' context {ctx}'} c={c} pass {r + 1}/{self.repeats}")
+                f"{'' if ctx == SHORT else f' context {ctx}'} c={c} pass {r + 1}/{self.plan.repeats}")
         if "refused" in s:  # one line; the sweep goes on, and the report and deploy leave the run out
             print(f"{said}: REFUSED, its counts are not believed: {s['refused']}")
             return
@@ -565,17 +422,17 @@ class Sweep:
         level of its own (timed_levels), prompt bucket and concurrency level; then each (T, context, c)'s passes
         merged: the short prompts' under by_temperature[T].by_concurrency (where they always were), a prompt-length
         bucket's under by_temperature[T].by_context[L].by_concurrency."""
-        for r in range(self.repeats):
+        for r in range(self.plan.repeats):
             for key, entry in served:
                 for level in entry["timed_levels"]:
-                    for ctx in self.buckets:
-                        for c in self.concs:
+                    for ctx in self.work.buckets:
+                        for c in self.plan.concurrency:
                             self.timed_pass(key, entry, level, ctx, c, r)
         for key, entry in served:
             for level in entry["timed_levels"]:
                 t, cell = f"{level:g}", (key, bool(entry.get("map")))
                 merged = {ctx: {"by_concurrency": {str(c): merge_passes(self.collected.pop((*cell, t, ctx, str(c))))
-                                                   for c in self.concs}} for ctx in self.buckets}
+                                                   for c in self.plan.concurrency}} for ctx in self.work.buckets}
                 entry["by_temperature"][t] = {**merged.pop(SHORT), **({"by_context": merged} if merged else {})}
 
     def launched(self, port: int, graph: bool, setting, draft=None) -> None:
@@ -589,13 +446,13 @@ class Sweep:
         log = self.out / "server_logs" / ((f"map_{self.engine.name}_" if own else "") + key.replace("/", "_") + ".log")
         proc = process.launch_server(cmd, log, env)
         try:
-            process.wait_ready(url, proc, self.args.server_timeout, log_path=log)
+            process.wait_ready(url, proc, self.plan.server_timeout, log_path=log)
             reported_graph, reported, _ = self.check(url, setting is not None, draft, sim)
             if reported_graph != graph:
                 raise StageError(f"{url} reports decode CUDA graphs {'on' if reported_graph else 'off'}, "
                                  f"but 05 launched it with them {'on' if graph else 'off'}; see {log}")
             if setting is not None and tuple(reported) != tuple(setting):
-                said = adaptive_disabled_line(log)
+                said = self.engine.setting_note(log)
                 raise StageError(f"{url} runs setting {setting_name(reported, graph)}, but 05 launched "
                                  f"{setting_name(setting, graph)}" + (f" (its log: {said})" if said else "")
                                  + f"; see {log}")
@@ -604,24 +461,84 @@ class Sweep:
             process.stop_server(proc)
 
 
-def sweep_plan(args, engine, prompts, tags, warm, contexts) -> dict:
-    """What every server of the sweep is timed on, the same for every engine: temperature levels, passes,
-    concurrency levels, prompt buckets with each request's pinned sampling, and the warm-up requests."""
-    levels = serve_levels(args)
+@dataclass(frozen=True)
+class SweepPlan:
+    """What the sweep reads of 05b's flags, read once (sweep_plan) and handed down instead of the Namespace; the
+    same for every engine (an engine's own flags are its own: Engine.from_args). A field named like a flag is
+    that flag as given (lists as tuples); the break-even map's fields are breakeven.py's."""
+    spec_settings: tuple[str, ...]
+    graphs: tuple[bool, ...]               # --cuda-graph: the graph modes launched servers run in, in order
+    levels: tuple[float, ...]              # serve_levels: greedy, then each --acceptance-temperatures above 0
+    acceptance_temperatures: tuple[float, ...]
+    acceptance_top_p: float
+    instant_temperature: float | None
+    bench_seed: int
+    concurrency: tuple[int, ...]           # --bench-concurrency with batch 1, sorted
+    repeats: int                           # --bench-repeats
+    benchmark_max_new_tokens: int
+    bench_context: tuple[str, ...]
+    bench_context_prompts: int | None
+    warmup_requests: int
+    agreement_prompts: int
+    agreement_tolerance: float
+    request_timeout: float
+    server_timeout: float
+    max_retried_requests: int
+    baseline_url: str | None
+    eagle3_url: str | None
+    baseline_port: int
+    eagle3_port: int
+    simulate_accept_lengths: tuple[float, ...]
+    simulate_settings: tuple[str, ...] | None
+    simulate_draft: str | None
+    known_tau: tuple[str, ...]
+
+
+def sweep_plan(args) -> SweepPlan:
+    """05b's flags (checked by 05b's check_flags) -> the sweep's plan; the one place the sweep reads them."""
+    return SweepPlan(
+        spec_settings=tuple(args.spec_settings), graphs=tuple({"on": True, "off": False}[m] for m in args.cuda_graph),
+        levels=tuple(serve_levels(args.acceptance_temperatures)),
+        acceptance_temperatures=tuple(args.acceptance_temperatures), acceptance_top_p=args.acceptance_top_p,
+        instant_temperature=args.instant_temperature, bench_seed=args.bench_seed,
+        concurrency=tuple(sorted({1, *[int(c) for c in args.bench_concurrency]})),
+        repeats=max(1, int(args.bench_repeats)), benchmark_max_new_tokens=args.benchmark_max_new_tokens,
+        bench_context=tuple(args.bench_context), bench_context_prompts=args.bench_context_prompts,
+        warmup_requests=args.warmup_requests, agreement_prompts=args.agreement_prompts or 0,
+        agreement_tolerance=args.agreement_tolerance, request_timeout=args.request_timeout,
+        server_timeout=args.server_timeout, max_retried_requests=args.max_retried_requests,
+        baseline_url=args.baseline_url, eagle3_url=args.eagle3_url, baseline_port=args.baseline_port,
+        eagle3_port=args.eagle3_port, simulate_accept_lengths=tuple(args.simulate_accept_lengths),
+        simulate_settings=None if args.simulate_settings is None else tuple(args.simulate_settings),
+        simulate_draft=args.simulate_draft,
+        known_tau=tuple(args.known_tau))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every server of the sweep is timed on, the same for every engine (workload): the prompt buckets
+    ({name: (prompts, tags)}, the short one first), each (level, bucket)'s pinned sampling per request, and the
+    warm-up requests."""
+    buckets: dict
+    sampling: dict
+    warm_requests: tuple
+
+
+def workload(plan: SweepPlan, prompts, tags, warm, contexts) -> Workload:
     buckets = {SHORT: (prompts, tags or [None] * len(prompts)), **(contexts or {})}
-    return {"levels": levels, "repeats": max(1, int(args.bench_repeats)),
-            "concs": sorted({1, *[int(c) for c in args.bench_concurrency]}), "buckets": buckets,
-            "sampling": {(t, ctx): timed_sampling(ps, ts, t, args.acceptance_top_p, args.instant_temperature,
-                                                  args.bench_seed) for t in levels for ctx, (ps, ts) in buckets.items()},
-            "warm_requests": list(warm[:max(1, args.warmup_requests)])}
+    return Workload(buckets, {(t, ctx): timed_sampling(ps, ts, t, plan.acceptance_top_p, plan.instant_temperature,
+                                                       plan.bench_seed)
+                              for t in plan.levels for ctx, (ps, ts) in buckets.items()},
+                    tuple(warm[:max(1, plan.warmup_requests)]))
 
 
-def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], request_fn=None,
+def run_server_benchmark(plan: SweepPlan, out: Path, engine, prompts: list[list[int]], request_fn=None,
                          agreement=None, tags: list[dict] | None = None, warm: list[list[int]] = (),
                          contexts: dict | None = None, map_engines=()) -> dict:
     """The sweep: per CUDA-graph mode, a baseline server and one EAGLE-3 server per (draft, spec setting):
     04's draft and every declared --draft (engine.drafts), each with the same settings, prompts, warm-up,
     temperature levels, prompt buckets, passes and concurrency levels, all measured against the one baseline.
+    `request_fn`: how the sweep asks a server for an answer (default: the engine's own request).
 
     `prompts` are timed (the short bucket), and so is each prompt-length bucket of `contexts` ({name:
     (prompts, tags)}, common/serving/context.py), at every temperature and concurrency; `warm` (held-out
@@ -643,69 +560,65 @@ def run_server_benchmark(args, out: Path, engine, prompts: list[list[int]], requ
     graph mode: one per (map setting, simulated length), launched like any other and kept apart (Sweep); then
     each engine of `map_engines` (--map-engines) gets its own baseline and simulated servers on the same plan.
     """
-    from common.serving import breakeven
-
-    graphs = [{"on": True, "off": False}[m] for m in args.cuda_graph]
-    settings = [engine.parse_setting(s) for s in args.spec_settings]
+    graphs, settings = list(plan.graphs), [engine.parse_setting(s) for s in plan.spec_settings]
     if not warm:
         raise StageError("05b warms every server up on held-out prompts it never times: none were given")
-    sims = breakeven.simulations(args, engine)
-    if not args.eagle3_url:  # every EAGLE-3 server 05b will launch, before the first server starts
-        refuse_lossy_launches(engine, graphs[0], settings, args.eagle3_port, sims)
-    plan = sweep_plan(args, engine, prompts, tags, warm, contexts)
+    sims = breakeven.simulations(plan, engine)
+    if not plan.eagle3_url:  # every EAGLE-3 server 05b will launch, before the first server starts
+        refuse_lossy_launches(engine, graphs[0], settings, plan.eagle3_port, sims)
+    work = workload(plan, prompts, tags, warm, contexts)
     metrics = {"engine": engine.name, "engine_fixes": list(engine.fixes()),
                "target": str(engine.target_dir), "draft": None if engine.draft_dir is None else str(engine.draft_dir),
                "drafts": {d.name: str(d.path) for d in engine.drafts},
                "num_prompts": len(prompts), "num_warmup_prompts": len(warm),
-               "max_new_tokens": args.benchmark_max_new_tokens, "concurrency": plan["concs"],
-               "temperatures": [f"{t:g}" for t in plan["levels"]], "contexts": list(plan["buckets"]),
-               "top_p": args.acceptance_top_p, "instant_temperature": args.instant_temperature,
-               "repeats": plan["repeats"], "prefix_caching": "off",
+               "max_new_tokens": plan.benchmark_max_new_tokens, "concurrency": list(plan.concurrency),
+               "temperatures": [f"{t:g}" for t in plan.levels], "contexts": list(work.buckets),
+               "top_p": plan.acceptance_top_p, "instant_temperature": plan.instant_temperature,
+               "repeats": plan.repeats, "prefix_caching": "off",
                "runs": {}, "commands": {}, "preflight": {}, "agreement": {}, "pass_order": []}
-    if any(t > 0 for t in plan["levels"]):  # a build that cannot verify sampled drafts times its defect, not the draft
+    if any(t > 0 for t in plan.levels):  # a build that cannot verify sampled drafts times its defect, not the draft
         metrics["sampling_defect"] = engine.sampling_defect()
         if metrics["sampling_defect"]:
             print(f"[05b] {engine.label} cannot verify sampled drafts here: {metrics['sampling_defect']}. The sampled "
                   "levels are timed, but nothing is recommended from them")
-    board = breakeven.board(metrics, args, engine) if sims else None
-    sweep = Sweep(args, out, engine, metrics, request_fn or engine.request, agreement, plan, board)
+    board = breakeven.board(metrics, plan, engine) if sims else None
+    sweep = Sweep(plan, work, out, engine, metrics, request_fn or engine.request, agreement, board)
     attached = []  # every attached server is checked before any is warmed up or timed
-    if args.baseline_url:
-        attached.append((args.baseline_url, *sweep.check(args.baseline_url, False)))
-    if args.eagle3_url:
-        attached.append((args.eagle3_url, *sweep.check(args.eagle3_url, True)))
+    if plan.baseline_url:
+        attached.append((plan.baseline_url, *sweep.check(plan.baseline_url, False)))
+    if plan.eagle3_url:
+        attached.append((plan.eagle3_url, *sweep.check(plan.eagle3_url, True)))
     sweep.time([x for url, graph, setting, draft in attached
                 for x in sweep.prepare(url, run_key(setting, graph, draft), graph, setting, None, draft)])
     # the attached server(s) alone; a kept baseline: the EAGLE-3 servers are launched in its graph mode
-    for graph in ([] if args.eagle3_url else [attached[0][1]] if args.baseline_url else graphs):
-        if not args.baseline_url:
-            sweep.launched(args.baseline_port, graph, None)
+    for graph in ([] if plan.eagle3_url else [attached[0][1]] if plan.baseline_url else graphs):
+        if not plan.baseline_url:
+            sweep.launched(plan.baseline_port, graph, None)
         for draft in engine.drafts:
             for setting in settings:
-                sweep.launched(args.eagle3_port, graph, setting, draft)
+                sweep.launched(plan.eagle3_port, graph, setting, draft)
         for setting, draft in sims:
-            sweep.launched(args.eagle3_port, graph, setting, draft)
+            sweep.launched(plan.eagle3_port, graph, setting, draft)
     for other in map_engines:   # --map-engines: another engine's baseline and simulated servers, same plan
-        map_only(args, out, other, metrics, plan, graphs, agreement)
-    add_ratios(metrics, args.max_retried_requests)
+        map_only(plan, work, out, other, metrics, agreement)
+    add_ratios(metrics, plan.max_retried_requests)
     for b in (metrics.get("map") or {}).get("engines", {}).values():  # each engine's against its map baseline
-        add_ratios(b, args.max_retried_requests)
+        add_ratios(b, plan.max_retried_requests)
     return metrics
 
 
-def map_only(args, out: Path, engine, metrics: dict, plan: dict, graphs: list[bool], agreement) -> None:
+def map_only(plan: SweepPlan, work: Workload, out: Path, engine, metrics: dict, agreement) -> None:
     """The break-even map of another engine than the sweep's (--map-engines): its own baseline (map passes only)
-    and simulated servers, on the sweep's plan, with the same warm-up (the agreement's requests unjudged)."""
-    from common.serving import breakeven
-
-    sims = breakeven.simulations(args, engine)
-    refuse_lossy_launches(engine, graphs[0], [], args.eagle3_port, sims)
-    sweep = Sweep(args, out, engine, metrics, engine.request, agreement, plan, breakeven.board(metrics, args, engine),
+    and simulated servers, on the sweep's plan and workload, with the same warm-up (the agreement's requests
+    unjudged)."""
+    sims = breakeven.simulations(plan, engine)
+    refuse_lossy_launches(engine, plan.graphs[0], [], plan.eagle3_port, sims)
+    sweep = Sweep(plan, work, out, engine, metrics, engine.request, agreement, breakeven.board(metrics, plan, engine),
                   map_only=True)
-    for graph in graphs:
-        sweep.launched(args.baseline_port, graph, None)
+    for graph in plan.graphs:
+        sweep.launched(plan.baseline_port, graph, None)
         for setting, draft in sims:
-            sweep.launched(args.eagle3_port, graph, setting, draft)
+            sweep.launched(plan.eagle3_port, graph, setting, draft)
 
 
 def same_draft_reference(work_dir: Path) -> Path | None:
@@ -724,54 +637,55 @@ def same_draft_reference(work_dir: Path) -> Path | None:
     return ref if inputs.get(key, inputs.get(stage_folder(TRAIN))) == sha else None
 
 
-def warm_count(args) -> int:
+def warm_count(plan: SweepPlan) -> int:
     """Held-out prompts 05b keeps out of the timed set: enough for the preflight's warm-up requests
     and the agreement check's prompts (the same ones serve both)."""
-    return max(1, args.warmup_requests, args.agreement_prompts or 0)
+    return max(1, plan.warmup_requests, plan.agreement_prompts)
 
 
-def check_context_fits(engine, args, buckets: list[str], prompts: list[list[int]]) -> int:
+def check_context_fits(engine, plan: SweepPlan, buckets: list[str], prompts: list[list[int]]) -> int:
     """Refuse, in one line and before any server starts, a sweep whose longest timed prompt (the longest
     --bench-context bucket, or a short prompt) plus --benchmark-max-new-tokens does not fit the context the
     launched servers admit (engine.context_length): they would answer it with an error mid-sweep. Servers
     05 only attaches to are not launched with its flags; they say so themselves. Returns the context length."""
     have, where = engine.context_length()
     longest = max([longest_bucket(buckets)] + [len(p) for p in prompts])
-    need = longest + args.benchmark_max_new_tokens
+    need = longest + plan.benchmark_max_new_tokens
     if need > have:
         what = f"--bench-context {longest_bucket(buckets)}" if longest == longest_bucket(buckets) else \
             f"the longest timed prompt ({longest} tokens)"
-        raise StageError(f"{what} + --benchmark-max-new-tokens {args.benchmark_max_new_tokens} = {need} tokens, but "
+        raise StageError(f"{what} + --benchmark-max-new-tokens {plan.benchmark_max_new_tokens} = {need} tokens, but "
                          f"the {engine.label} servers 05 launches admit {have} ({where}): give them a longer context, "
                          "or lower the bucket or --benchmark-max-new-tokens")
     return have
 
 
-def context_buckets(args, pool: list[dict], n: int, target_dir: Path) -> dict[str, list[dict]]:
+def context_buckets(plan: SweepPlan, pool: list[dict], n: int, target_dir: Path) -> dict[str, list[dict]]:
     """{bucket name: its timed prompt records} for every prompt-length bucket of --bench-context (the short
     bucket is 05's timed split itself), built from `pool` (held-out rows never used for warm-up) with the
     target's tokenizer and chat template (context.bucket_prompts), --bench-context-prompts each (default n)."""
     from common.serving import context
 
-    names = [b for b in context.parse_buckets(args.bench_context) if b != SHORT]
+    names = [b for b in context.parse_buckets(list(plan.bench_context)) if b != SHORT]
     if not names:
         return {}
     from common.text.tokenizer import load_tokenizer
 
     encode = context.render_encoder(load_tokenizer(target_dir))
-    count = args.bench_context_prompts or n
+    count = plan.bench_context_prompts or n
     return {b: context.bucket_prompts(pool, int(b), count, encode) for b in names}
 
 
-def server_main(args, out: Path, inputs, m02b: HiddenStatesManifest, target_dir: Path, foreign=(),
-                reference: dict | None = None, map_foreign: dict | None = None) -> dict:
-    """05b after its input checks: sweep (+ agreement), metrics.json, report.md, plots. Of `inputs`
-    (common/benchmark/inputs.load_inputs), the rows are timed, the warm rows (held-out rows never timed)
-    warm the servers up and feed the agreement check, and the --bench-context buckets are built from the
-    pool (every held-out row but the warm-up ones). `foreign`: the declared drafts as
-    registry.check_servable returned them, served next to 04's; `reference`: 05's metrics of the same
-    draft (same_draft_reference), for the cost model's per-depth tau; `map_foreign`: {engine name: its declared
-    drafts} of each --map-engines engine, on which the break-even map runs too (breakeven.py)."""
+def server_main(args, plan: SweepPlan, out: Path, inputs, m02b: HiddenStatesManifest, target_dir: Path,
+                foreign=(), reference: dict | None = None, map_foreign: dict | None = None) -> dict:
+    """05b after its input checks: sweep (+ agreement), metrics.json (report.md and the plots: report.py).
+    `plan`: the sweep's fields of 05b's flags (sweep_plan); `args`: the flags the engines are built from
+    (Engine.from_args reads each one's own). Of `inputs` (common/benchmark/inputs.load_inputs), the rows are
+    timed, the warm rows (held-out rows never timed) warm the servers up and feed the agreement check, and the
+    --bench-context buckets are built from the pool (every held-out row but the warm-up ones). `foreign`: the
+    declared drafts as registry.check_servable returned them, served next to 04's; `reference`: 05's metrics of
+    the same draft (same_draft_reference), for the cost model's per-depth tau; `map_foreign`: {engine name: its
+    declared drafts} of each --map-engines engine, on which the break-even map runs too (breakeven.py)."""
     from common.serving import context
     import shlex
 
@@ -785,25 +699,25 @@ def server_main(args, out: Path, inputs, m02b: HiddenStatesManifest, target_dir:
               for name, served in (map_foreign or {}).items()]   # --map-engines: the map alone on each
     prompts = [list(r["prompt_ids"]) for r in rows]
     warm = [list(r["prompt_ids"]) for r in warm_rows]
-    buckets = context.parse_buckets(args.bench_context)
-    admitted = check_context_fits(engine, args, buckets, prompts) if not args.eagle3_url else None
+    buckets = context.parse_buckets(list(plan.bench_context))
+    admitted = check_context_fits(engine, plan, buckets, prompts) if not plan.eagle3_url else None
     for other in others:
-        check_context_fits(other, args, buckets, prompts)
-    built = context_buckets(args, list(pool), len(rows), target_dir)
+        check_context_fits(other, plan, buckets, prompts)
+    built = context_buckets(plan, list(pool), len(rows), target_dir)
     agreement = None
-    if args.agreement_prompts and export_dir is None:
+    if plan.agreement_prompts and export_dir is None:
         print("[05b] agreement: not run: without 04 there is no draft of ours to replay (--agreement-prompts ignored)")
-    elif args.agreement_prompts:
+    elif plan.agreement_prompts:
         from common.serving.agreement import AgreementCheck
         from common.benchmark.sampled import engine_sampling
-        agreement = AgreementCheck(engine, target_dir, export_dir, m04, warm[:args.agreement_prompts],
-                                   args.benchmark_max_new_tokens, args.request_timeout,
-                                   args.agreement_tolerance, out, sampling=engine_sampling(args), seed=args.bench_seed)
+        agreement = AgreementCheck(engine, target_dir, export_dir, m04, warm[:plan.agreement_prompts],
+                                   plan.benchmark_max_new_tokens, plan.request_timeout,
+                                   plan.agreement_tolerance, out, sampling=engine_sampling(plan), seed=plan.bench_seed)
         agreement.check_loadable()   # before any server starts: replay loads the target here
     tags = [{"source": r.get("source"), "thinking": r.get("thinking")} for r in rows]
     contexts = {b: ([p["prompt_ids"] for p in ps], [{"source": p["source"], "thinking": p["thinking"]} for p in ps])
                 for b, ps in built.items()}
-    metrics = run_server_benchmark(args, out, engine, prompts, agreement=agreement, tags=tags, warm=warm,
+    metrics = run_server_benchmark(plan, out, engine, prompts, agreement=agreement, tags=tags, warm=warm,
                                    contexts=contexts, map_engines=others)
     metrics["prompt_split"] = {"timed": [r.get("id") for r in rows], "warmup": [r.get("id") for r in warm_rows]}
     metrics["context_length"] = admitted
@@ -815,6 +729,4 @@ def server_main(args, out: Path, inputs, m02b: HiddenStatesManifest, target_dir:
         metrics["map"]["breakeven"] = breakeven.summary(metrics, reference)
     write_json(out / "metrics.json", metrics)
     write_json(out / "commands.json", metrics["commands"])
-    write_report(out, metrics)
-    plot(out, metrics)
     return metrics

@@ -706,6 +706,37 @@ class VllmEngine(Engine):
                        "differs from tau (pooled) in two ways that partly cancel: it leaves out each request's prefill "
                        "token, and it counts drafts accepted past the token budget or an end-of-turn, which the answer "
                        "cuts off. Graph mode: `enforce_eager` as the server reports it.")
+    # the preflight's info document (dev mode), per-request acceptance and the verify's logprobs, unbuffered logs,
+    # prefix caching off (repeated timed passes are fresh prefills; a deployment keeps its cache), and the test
+    # box's host/port (a deployment picks its own)
+    measurement_flags = {"--host": 1, "--port": 1, "--per-request-spec-decode-metrics": 1,
+                         "--no-enable-prefix-caching": 0, "--logprobs-mode": 1}
+    measurement_env = ("VLLM_SERVER_DEV_MODE", "TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED")
+
+    @classmethod
+    def add_flags(cls, group):
+        group.add_argument("--draft-format", choices=("sglang", "speculators"), default="sglang",
+                           help="vllm: which of 04's exports the EAGLE-3 server loads (export_sglang/ or "
+                                "export_speculators/); SGLang always loads export_sglang/")
+        group.add_argument("--vllm-python", default="build/vllm-venv/bin/python",
+                           help="python of the engine venv (`make engine` builds build/vllm-venv)")
+        group.add_argument("--vllm-dtype", default="float32", help="vLLM --dtype of target and draft")
+        group.add_argument("--vllm-kv-cache-space", type=float, default=2.0,
+                           help="VLLM_CPU_KVCACHE_SPACE: KV cache of the CPU build (GiB)")
+        group.add_argument("--vllm-threads", type=int, default=1, help="OMP_NUM_THREADS of the server (threads)")
+        group.add_argument("--vllm-thread-binding", default="nobind",
+                           help="VLLM_CPU_OMP_THREADS_BIND: nobind, auto, or a core list such as 0-1")
+        group.add_argument("--vllm-max-model-len", type=int, default=2048, help="vLLM --max-model-len (tokens)")
+        group.add_argument("--vllm-preload-iomp", action="store_true",
+                           help="LD_PRELOAD the engine venv's Intel OpenMP (vLLM: speculative decoding on x86 CPUs "
+                                "is slow without it)")
+        group.add_argument("--vllm-mla-backend", default="CPU_MLA",
+                           help="vLLM --attention-backend of an MLA target (Kimi-shaped): CPU_MLA, the CPU build's "
+                                "float32 kernel (an AMX CPU would otherwise get the bf16-only AMX_MLA); '' leaves "
+                                "vLLM's choice (a GPU install)")
+        group.add_argument("--vllm-fix-sampling", action="store_true",
+                           help="load scripts/vllm_cpu_fix into the servers: vllm-cpu 0.32 loses every sampled "
+                                "request's temperature and top-p in its rejection sampler (docs/design.md section 11)")
 
     @classmethod
     def from_args(cls, args, export_dir, m02b, m04, target_dir, work_dir, foreign):
@@ -717,6 +748,11 @@ class VllmEngine(Engine):
                                 fix_sampling=args.vllm_fix_sampling, mla_backend=args.vllm_mla_backend)
         return cls(target_dir, export_dir, draft_dir, m02b, m04, settings, min_accept_length=args.min_accept_length,
                    foreign=list(foreign), simulating=bool(getattr(args, "simulate_accept_lengths", None)))
+
+    @classmethod
+    def target_server(cls, target, port, python, served_name, context_length, memory_share):
+        settings = VllmSettings(python=python, max_model_len=context_length)   # the CPU build: no GPU share
+        return server_command(target, port, settings, served_name=served_name), server_env(settings, target)
 
     @staticmethod
     def export_to_serve(args, export_dir, m04, work_dir) -> Path:

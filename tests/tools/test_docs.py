@@ -36,8 +36,12 @@ def stage_scripts():
 
 
 def test_every_seed_flag_of_the_chain_is_in_readme_and_every_05b_flag_in_serving_md():
-    """README lists the chain's seeds (docs/serving.md points there); docs/serving.md lists 05b's flags by group."""
+    """README lists the chain's seeds (docs/serving.md points there); docs/serving.md lists 05b's flags by group,
+    a bold item for each argument group of 05b's parser (the engines' own included)."""
+    import importlib
+
     from common.config import declared_flags
+    from common.stage import SERVE_BENCH
 
     readme = REPO.joinpath("README.md").read_text()
     seeds = {f for p in stage_scripts() for f in declared_flags(p) if f.endswith("seed")}
@@ -46,3 +50,7 @@ def test_every_seed_flag_of_the_chain_is_in_readme_and_every_05b_flag_in_serving
     groups = REPO.joinpath("docs", "serving.md").read_text().split("## 05b's flags, by group")[1].split("\n## ")[0]
     flags = declared_flags(REPO / "05b_serve_benchmark.py") | {"work-dir", "config", "overwrite"}
     assert [f for f in sorted(flags) if f"`--{f}" not in groups and not f.startswith("no-")] == []
+    titles = [g.title.split(" (")[0] for g in importlib.import_module(SERVE_BENCH).build_parser()._action_groups
+              if g._group_actions and g.title not in ("positional arguments", "options")]
+    assert "SGLang servers" in titles and "vLLM servers" in titles
+    assert [t for t in titles if f"- **{t}" not in groups] == []

@@ -11,7 +11,7 @@ import pytest
 
 from common.serving import deploy, vllm
 from common.serving.sglang import server_command
-from common.serving.sweep import write_report
+from common.serving.report import write_report
 
 C_DRAFT, T_FIXED, C_TOKEN = 0.004, 0.020, 0.001   # seconds: the costs the generated sweep is made of
 TTFT = 0.05

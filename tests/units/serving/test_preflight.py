@@ -11,7 +11,7 @@ from common.draft.export_sglang import export_sglang
 from common.draft.manifest import DraftManifest
 from common.draft.model import Eagle3DraftModel, draft_config
 from common.serving.drafts import check_draft_files
-from common.serving.sglang import get_server_info, preflight
+from common.serving.sglang import generate_stream, get_server_info, preflight
 from common.serving.sweep import warmup
 from common.stage import StageError
 from common.target.manifests import HiddenStatesManifest
@@ -41,7 +41,7 @@ def export(tmp_path_factory):
 
 
 def run_preflight(url, export, min_tau=1.3):
-    return preflight(url, export, M02B, M04, lambda u: warmup(u, PROMPTS, 16, 30), min_tau)
+    return preflight(url, export, M02B, M04, lambda u: warmup(u, PROMPTS, 16, 30, generate_stream), min_tau)
 
 
 def test_eagle_is_refused(export):
