@@ -24,7 +24,7 @@ Kimi-shaped target, shards, 11.5 GB checkpoints) go to --scratch (default: a tem
 the end), never to OUT or the repo. Needs torch, transformers (with its tqdm and pyyaml) and safetensors.
 Writes: OUT/gpu_check.json, OUT/gpu_check.md
 GPU:    bash scripts/gpu_check.sh OUT                    (one H200: ~5 min, <= 8)
-CPU:    bash scripts/gpu_check.sh --device cpu --tiny OUT   (tiny shapes, ~1 min: tests/tools/test_gpu_check.py, --budget-s 900)
+CPU:    bash scripts/gpu_check.sh --device cpu --tiny OUT   (tiny, ~1 min: tests/tools/test_gpu_check.py)
 """
 from __future__ import annotations
 
