@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.paths import REPO
@@ -59,8 +60,6 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
 
 def test_section_budgets_scale_with_the_whole_budget(tmp_path, monkeypatch):
     """A section's alarm is its budget times --budget-s over the default, capped by what is left of the whole."""
-    import time
-
     alarms = []
     monkeypatch.setattr(gc.signal, "alarm", alarms.append)
     for scale, deadline_s, want in ((1.0, 1000, 60), (3.0, 1000, 180), (3.0, 100.5, 100)):
