@@ -24,7 +24,7 @@ Kimi-shaped target, shards, 11.5 GB checkpoints) go to --scratch (default: a tem
 the end), never to OUT or the repo. Needs torch, transformers (with its tqdm and pyyaml) and safetensors.
 Writes: OUT/gpu_check.json, OUT/gpu_check.md
 GPU:    bash scripts/gpu_check.sh OUT                    (one H200: ~5 min, <= 8)
-CPU:    bash scripts/gpu_check.sh --device cpu --tiny OUT   (tiny shapes, ~1 min: tests/tools/test_gpu_check.py)
+CPU:    bash scripts/gpu_check.sh --device cpu --tiny OUT   (tiny, ~1 min: tests/tools/test_gpu_check.py)
 """
 from __future__ import annotations
 
@@ -123,7 +123,8 @@ def build_parser():
                         "default: a temporary folder, removed at the end")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall-clock budget of the whole check (s); sections not started by then are "
-                        "not run and fail the check (default 460 on a GPU, 300 tiny)")
+                        "not run and fail the check (default 460 on a GPU, 300 tiny); each section's own "
+                        "budget scales with it (a loaded CPU: give it more)")
     return p
 
 
@@ -138,6 +139,7 @@ class Report:
     out: Path
     deadline: float
     data: dict = field(default_factory=dict)
+    scale: float = 1.0   # --budget-s over its default: every section's budget grows with the whole's
 
     def write(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -149,8 +151,8 @@ class Report:
 def run_section(report: Report, name: str, budget_s: float, fn, *args) -> dict:
     """fn(result, *args) fills `result` (kept even when it fails midway); its checks decide passed/failed.
     A section is not run when under 30 s of the whole budget are left; one running past its own budget is
-    stopped (SIGALRM) and fails."""
-    t0, result = time.time(), {}
+    stopped (SIGALRM) and fails. Section budgets are those of the default --budget-s, scaled with it."""
+    t0, result, budget_s = time.time(), {}, budget_s * report.scale
     left = report.deadline - t0
     if left < min(30.0, budget_s):
         result["status"] = f"not run: {left:.0f} s left of the budget"
@@ -307,9 +309,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     shapes = tiny_shapes() if args.tiny else kimi_shapes()
-    budget = args.budget_s or (300.0 if args.tiny else 460.0)
+    default_budget = 300.0 if args.tiny else 460.0
+    budget = args.budget_s or default_budget
     t0 = time.time()
-    report = Report(args.out, t0 + budget, {
+    report = Report(args.out, t0 + budget, scale=budget / default_budget, data={
         "command": "bash scripts/gpu_check.sh " + " ".join(argv), "device": args.device, "tiny": args.tiny,
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git": git_revision(), "budget_s": budget, "sections": {}})
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="gpu_check_"))

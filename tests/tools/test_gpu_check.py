@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.paths import REPO
@@ -23,11 +24,16 @@ from common.stage import TRAIN, stage_script  # noqa: E402
 SECTIONS = ["preflight", "ttt_kernel", "step_04", "replay_05", "capture_02b", "train_04", "attention", "projection"]
 
 
+# Three times the tiny run's default budget (300 s), and so each section's: the sections' budgets are sized
+# for the GPU run; here they only measure how loaded the box is (train_04: ~25 s alone, 71 s at load 7).
+TINY_BUDGET_S = 900
+
+
 def test_gpu_check_tiny_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PY": sys.executable}
-    run = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--tiny", str(out)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--tiny", "--budget-s", str(TINY_BUDGET_S),
+                          str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=TINY_BUDGET_S + 60)
     data = json.loads((out / "gpu_check.json").read_text())
     secs = data["sections"]
     assert run.returncode == 0 and data["status"] == "passed", \
@@ -50,6 +56,17 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert 0 < secs["attention"]["by_seq_len"][0]["share"] < 1
     md = (out / "gpu_check.md").read_text()
     assert "| train_04 | passed |" in md and "| compact_T48 | topk | 48 |" in md
+
+
+def test_section_budgets_scale_with_the_whole_budget(tmp_path, monkeypatch):
+    """A section's alarm is its budget times --budget-s over the default, capped by what is left of the whole."""
+    alarms = []
+    monkeypatch.setattr(gc.signal, "alarm", alarms.append)
+    for scale, deadline_s, want in ((1.0, 1000, 60), (3.0, 1000, 180), (3.0, 100.5, 100)):
+        data = {"command": "x", "started": "now", "git": "g", "tiny": True, "device": "cpu", "sections": {}}
+        report = gc.Report(tmp_path, time.time() + deadline_s, data, scale=scale)
+        gc.run_section(report, "s", 60, lambda result: None)
+        assert alarms[-2:] == [want, 0] and report.data["sections"]["s"]["status"] == "passed", (scale, alarms)
 
 
 def test_flop_per_token_is_the_plans():

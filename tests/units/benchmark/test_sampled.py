@@ -291,7 +291,8 @@ def test_sampled_gate_fails_an_engine_verifying_at_another_temperature(target, t
     the token it commits, like any engine of the engines' rule: the exact half passes. Along its answers it
     accepts far fewer drafts than p(d) at the requested T / top-p predicts: 05 stops in one line naming the
     draft positions with their observed and expected counts. The engine that verifies as asked passes (on
-    8 prompts x 16 tokens, 20 seeds gave |z| <= 2.0 for it and z from -11 to -17 for the 3x one)."""
+    8 prompts x 16 tokens, 20 seeds gave |z| <= 2.0 for it and z from -11 to -17 for the 3x one; the test
+    runs seed 0: each seed costs a sampled loop and its check, ~5 s)."""
     from common.draft.manifest import DraftManifest
     from common.serving.agreement import AgreementCheck
     from common.stage import StageError
@@ -305,9 +306,8 @@ def test_sampled_gate_fails_an_engine_verifying_at_another_temperature(target, t
         c._models = (target, PrefixOracle(target, 0), set(), POINTS)   # the micro target, not loaded from disk
         return c.sampled("u", "3-1-4", 3)
 
-    for seed in (0, 1, 2):
-        gate = check(LoopEngine(target), seed)[f"{T_SHARP:g}"]["expected"]["along_answers"]
-        assert gate["enforced"] and gate["agree"] and sum(gate["judged"]) > 60, gate
+    gate = check(LoopEngine(target), 0)[f"{T_SHARP:g}"]["expected"]["along_answers"]
+    assert gate["enforced"] and gate["agree"] and sum(gate["judged"]) > 60, gate
     with pytest.raises(StageError) as err:
         check(LoopEngine(target, verify=sd.SamplingParams(3 * T_SHARP, 1.0)), 0)
     msg = str(err.value)
