@@ -68,8 +68,12 @@ $(ENGINE_STAMP): requirements-engine.txt scripts/build_engine_venv.sh scripts/en
 $(SMOLLM2): $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) 00_build_smollm2_world.py --config configs/smollm2.yaml
 
+# Two test processes of one thread each (pytest-xdist): on 2 cores each gets one; more would only share them. `make
+# test` gives the engine tier to one worker as a group (tests/conftest.py), so its shared servers start once.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(SMOLLM2) $(ENGINE_STAMP) $(COMPAT_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=12 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=12 tests
 	@echo "== core tests under transformers $$($(COMPAT_VENV)/bin/python -c 'import transformers; print(transformers.__version__)') ($(COMPAT_VENV))"
 	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS)
 	@echo "== core tests under transformers $$($(ENGINE_VENV)/bin/python -c 'import transformers; print(transformers.__version__)') ($(ENGINE_VENV))"
@@ -77,7 +81,7 @@ test: $(STAMP) $(SMOLLM2) $(ENGINE_STAMP) $(COMPAT_STAMP)
 
 # The edit-test loop: every tier but the engine's (tests/engine/, marked `engine`: tests/README.md), main venv only.
 test-fast: $(STAMP) $(SMOLLM2)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=8 --ignore=tests/engine tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=8 --ignore=tests/engine tests
 
 # README's and tests/README.md's test times, rendered from docs/test_times.json (.ci/run writes it).
 test-times: $(STAMP)

@@ -26,6 +26,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if tier_of(item.path) == "engine":
             item.add_marker(pytest.mark.engine)
+            # one xdist worker takes the whole tier (`make test`: -n 2 --dist loadgroup), so its shared servers
+            # (tests/engine/conftest.py) start once while the other worker runs the rest
+            item.add_marker(pytest.mark.xdist_group("engine"))
         elif item.get_closest_marker("engine"):
             strays.append(item.nodeid)
     if strays:
@@ -36,7 +39,8 @@ def pytest_sessionfinish(session, exitstatus):
     """With TEST_TIMES=FILE (.ci/run sets it), add this session's per-tier durations to FILE (tests/times.py)."""
     import os
 
-    if os.environ.get("TEST_TIMES"):
+    # under pytest-xdist the controller records: it gets every worker's reports (a worker has `workerinput`)
+    if os.environ.get("TEST_TIMES") and not hasattr(session.config, "workerinput"):
         times.record(session, os.environ["TEST_TIMES"], tier_of)
 
 
