@@ -47,7 +47,10 @@ class Served:
         self.proc = process.launch_server(self.cmd, self.log, vllm.server_env(s, target))
 
     def ready(self):
+        """Answers, and has answered its info document once: vLLM imports what /server_info needs on the first
+        request, which took over get_info's 30 s on the loaded 2-core box (2026-12-05, two tier runs at load 8-9)."""
         process.wait_ready(self.url, self.proc, 600, log_path=self.log)
+        vllm.get_info(self.url, timeout=300)
         return self
 
     def stop(self) -> None:
