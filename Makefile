@@ -68,12 +68,18 @@ $(ENGINE_STAMP): requirements-engine.txt scripts/build_engine_venv.sh scripts/en
 $(SMOLLM2): $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) 00_build_smollm2_world.py --config configs/smollm2.yaml
 
-# Two test processes of one thread each (pytest-xdist): on 2 cores each gets one; more would only share them. `make
-# test` gives the engine tier to one worker as a group (tests/conftest.py), so its shared servers start once.
+# Two test processes of one thread each: on 2 cores each gets one; more would only share them. test-fast: pytest-xdist
+# workers. make test: the engine tier (one session: its shared servers start once, tests/engine/conftest.py) beside
+# the other tiers (a second session); its log is printed when both are done, and either failing fails the target.
 TEST_WORKERS ?= 2
+ENGINE_TIER_LOG := build/engine-tier.log
 
 test: $(STAMP) $(SMOLLM2) $(ENGINE_STAMP) $(COMPAT_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=12 tests
+	@echo "== the engine tier (tests/engine) runs beside the other tiers; its output: $(ENGINE_TIER_LOG), printed below"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=12 tests/engine > $(ENGINE_TIER_LOG) 2>&1 & engine=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=12 --ignore=tests/engine tests; rest=$$?; \
+	wait $$engine; tier=$$?; echo "== the engine tier (exit status $$tier)"; cat $(ENGINE_TIER_LOG); \
+	test $$rest -eq 0 && test $$tier -eq 0
 	@echo "== core tests under transformers $$($(COMPAT_VENV)/bin/python -c 'import transformers; print(transformers.__version__)') ($(COMPAT_VENV))"
 	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS)
 	@echo "== core tests under transformers $$($(ENGINE_VENV)/bin/python -c 'import transformers; print(transformers.__version__)') ($(ENGINE_VENV))"

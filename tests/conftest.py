@@ -26,9 +26,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if tier_of(item.path) == "engine":
             item.add_marker(pytest.mark.engine)
-            # one xdist worker takes the whole tier (`make test`: -n 2 --dist loadgroup), so its shared servers
-            # (tests/engine/conftest.py) start once while the other worker runs the rest
-            item.add_marker(pytest.mark.xdist_group("engine"))
         elif item.get_closest_marker("engine"):
             strays.append(item.nodeid)
     if strays:

@@ -4,6 +4,7 @@ then the core tests under the other transformers releases) adds its tiers; a fil
 CPU is started afresh."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -50,9 +51,15 @@ def commit() -> str:
 
 
 def record(session, path: str, tier_of) -> None:
+    out = Path(path)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:   # `make test` runs two sessions side by side
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        add_session(out, session, tier_of)
+
+
+def add_session(out: Path, session, tier_of) -> None:
     import transformers
 
-    out = Path(path)
     here = {"commit": commit(), "date": time.strftime("%Y-%m-%d"), "cpu": cpu()}
     doc = json.loads(out.read_text()) if out.is_file() else {}
     if any(doc.get(k) != v for k, v in here.items()):
