@@ -184,12 +184,13 @@ def map_run(tmp_path, fake, *extra):
 
 
 def test_the_map_against_stub_servers_stays_out_of_every_measured_number(tmp_path, micro_target, fake_launches):
-    """Stubs with a cost model (a plain step 4 ms, a verify round 8 ms): the real 3,1,4 server and three simulated
+    """Stubs with a cost model (a plain step 10 ms, a verify round 20 ms): the real 3,1,4 server and three simulated
     ones next to the one baseline. The map finds the break-even tau the costs imply (the baseline's 24 tokens take
     24 steps, a simulated answer 23 / L rounds: tau* = 2 x 23 / 24 = 1.92), checks the real run against it, and
-    its runs are nowhere but metrics["map"]."""
+    its runs are nowhere but metrics["map"]. The steps are long against a request's own overhead: at 4 / 8 ms the
+    real run and the map disagreed once beside another test process (make test-fast's two workers)."""
     make_work(tmp_path, micro_target)
-    fake = fake_launches(step_s=0.004, round_s=0.008)
+    fake = fake_launches(step_s=0.010, round_s=0.020)
     map_run(tmp_path, fake, "--known-tau", "public@3=2.69")
     out = stage_dir(tmp_path, SERVE_BENCH)
     m = json.loads((out / "metrics.json").read_text())
