@@ -55,7 +55,8 @@ def declared_flags(script: Path) -> set[str]:
     (engine_flags). tests/units/test_common.py checks this equals each stage's real parser."""
     tree = ast.parse(script.read_text(), str(script))
     names = own_flags(tree)
-    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    called = {getattr(n.func, "id", None) or getattr(n.func, "attr", None)   # f(...) and module.f(...)
+              for n in ast.walk(tree) if isinstance(n, ast.Call)}
     for node in tree.body:   # base_parser's flags (this module's) are every stage's: all_stage_flags adds them
         if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common.")
                 and node.module != "common.config"):
@@ -66,8 +67,7 @@ def declared_flags(script: Path) -> set[str]:
         if "add_argument" in text:   # parse only a module that declares flags
             names |= set().union(*(own_flags(f) for f in ast.parse(text, str(source)).body
                                    if isinstance(f, ast.FunctionDef) and f.name in wanted))
-    engines = any(getattr(n.func, "attr", None) == "add_engine_flags" for n in ast.walk(tree) if isinstance(n, ast.Call))
-    return names | (engine_flags() if engines or "add_engine_flags" in called else set())
+    return names | (engine_flags() if "add_engine_flags" in called else set())
 
 
 # Where every serving engine's module lives (common/serving/<engine>.py): each declares its own 05b flags in

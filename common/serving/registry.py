@@ -1,6 +1,7 @@
 """The engines 05b can sweep, by the name --engine takes (ENGINES), and what goes through that name: each
 engine's flags in 05b's parser (`add_engine_flags`), the Engine built from 05b's flags (`engine_from_args`) and
-the declared drafts it can serve (`check_servable`). An unknown name stops with one line here (`engine_class`), never falling through to another engine's rules.
+the declared drafts it can serve (`check_servable`). An unknown name stops with one line here (`engine_class`),
+never falling through to another engine's rules.
 """
 from __future__ import annotations
 

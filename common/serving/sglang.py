@@ -652,8 +652,8 @@ class SGLangEngine(Engine):
 
     @classmethod
     def target_server(cls, target, port, python, served_name, context_length, memory_share):
-        return server_command(target, port, 1, memory_share, True, python=python,
-                              extra_args=["--served-model-name", served_name, "--context-length", str(context_length)]), {}
+        extra = ["--served-model-name", served_name, "--context-length", str(context_length)]
+        return server_command(target, port, 1, memory_share, True, python=python, extra_args=extra), {}
 
     def __post_init__(self):
         backend, source = draft_backend(self.draft_attention_backend, self.extra_args)

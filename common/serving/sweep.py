@@ -71,7 +71,8 @@ def run_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: int, co
                 bound: int | None = None, sampling: list[dict] | None = None) -> dict:
     """All prompts at a given concurrency through `request_fn` (an engine's `request`); the summary over the
     wall time of the whole set, with one record per request in prompt order (`tags[i]`: prompt i's source /
-    thinking; its temperature) for the deploy section. `sampling[i]`: prompt i's parameters (request_params.timed_sampling; None: greedy).
+    thinking; its temperature) for the deploy section. `sampling[i]`: prompt i's parameters
+    (request_params.timed_sampling; None: greedy).
     Refused (`refused`) when an answer's counts are not believed (answer_fault; `bound`: tokens a verify
     round can commit on a speculative server, round_bound)."""
     sampling = sampling or [None] * len(prompts)
