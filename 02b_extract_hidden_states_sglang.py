@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from common.config import base_parser, parse_args
 from common.io import iter_jsonl
+from common.parallel import ordered_map
 from common.stage import (EXTRACT, MERGE, StageError, input_manifests, is_complete, require_complete, resolve_target,
                           stage_dir, stage_script, start_stage, write_manifest)
 from common.target import sglang_capture as cs
@@ -62,6 +63,9 @@ def build_parser():
     g.add_argument("--capture-points", type=int, nargs="+", default=None,
                    help="h_i indices (INPUT of decoder layer i), 3 ascending in 1..N-1; "
                         "default [2, N//2, N-3] from the target config")
+    g.add_argument("--capture-workers", type=int, default=1,
+                   help="hf engine: processes that capture shards side by side, one thread each (2 on a 2-core "
+                        "CPU box; common/parallel.py); the shards equal one process's at one thread")
     g.add_argument("--samples-per-shard", type=int, default=64,
                    help="samples per shard file (a shard is assembled in memory: S x tokens x bytes/token)")
     g.add_argument("--capture-batch-tokens", type=int, default=8192,
@@ -227,34 +231,64 @@ def completed_shards(out: Path, plan: dict[int, list[dict]], features) -> dict[i
             for k, rows in plan.items() if (out / shard_name(k)).exists()}
 
 
-def capture_shards(data: Path, plan: dict[int, list[dict]], todo: list[int], capture, write, calls: dict,
-                   show: bool) -> dict[int, int]:
-    """Stream tokenized_data.jsonl once; each shard in `todo` is captured (`capture(rows, on_batch)`) and
-    written (`write(k, samples)` -> stored rows) as soon as its rows are read. `calls` counts this run's
-    forward calls, tokens and seconds (capture + host copy + write: the hours to plan)."""
+def shard_rows(data: Path, plan: dict[int, list[dict]], todo: list[int]):
+    """(k, rows) for every shard in `todo`, streaming tokenized_data.jsonl once."""
     S = len(plan[0])
-    bar = tqdm(total=sum(m["seq_len"] for k in todo for m in plan[k]), unit="tok", desc="02b capture",
-               disable=not show)
-
-    def on_batch(num_tokens: int) -> None:
-        calls["num_forward_calls"] += 1
-        calls["num_tokens"] += num_tokens
-        bar.update(num_tokens)
-
-    todo_set, written, rows = set(todo), {}, []
+    todo_set, rows = set(todo), []
     for i, row in enumerate(iter_jsonl(data)):
         k = i // S
         if k in todo_set:
             assert row["id"] == plan[k][i % S]["id"], "tokenized_data.jsonl changed during the run"
             rows.append(row)
-        if k in todo_set and (len(rows) == len(plan[k])):
-            t_shard = time.time()
-            written[k] = write(k, capture(rows, on_batch))
-            calls["seconds"] += time.time() - t_shard
-            rows = []
-    bar.close()
+            if len(rows) == len(plan[k]):
+                yield k, rows
+                rows = []
     assert not rows, "tokenized_data.jsonl changed during the run"
+
+
+def capture_shards(data: Path, plan: dict[int, list[dict]], todo: list[int], capture, write, calls: dict,
+                   show: bool, workers: int = 1) -> dict[int, int]:
+    """Each shard in `todo` is captured (`capture(rows, on_batch)`) and written (`write(k, samples)` -> stored
+    rows) as soon as its rows are read, by `workers` processes (common/parallel.py; 1: this one). `calls`
+    counts this run's forward calls, tokens and seconds (capture + host copy + write: the hours to plan;
+    with workers, the wall-clock seconds of the whole capture)."""
+    bar = tqdm(total=sum(m["seq_len"] for k in todo for m in plan[k]), unit="tok", desc="02b capture",
+               disable=not show)
+
+    def job(item):
+        k, rows = item
+        counts = {"num_forward_calls": 0, "num_tokens": 0}
+
+        def on_batch(num_tokens: int) -> None:
+            counts["num_forward_calls"] += 1
+            counts["num_tokens"] += num_tokens
+            if workers == 1:
+                bar.update(num_tokens)
+
+        t_shard = time.time()
+        stored = write(k, capture(rows, on_batch))
+        return k, stored, counts, time.time() - t_shard
+
+    t0, written = time.time(), {}
+    for k, stored, counts, seconds in ordered_map(job, shard_rows(data, plan, todo), workers):
+        written[k] = stored
+        calls["num_forward_calls"] += counts["num_forward_calls"]
+        calls["num_tokens"] += counts["num_tokens"]
+        calls["seconds"] += seconds if workers == 1 else 0.0
+        if workers > 1:
+            bar.update(counts["num_tokens"])
+    if workers > 1:
+        calls["seconds"] += time.time() - t0
+    bar.close()
     return written
+
+
+def check_flags(args) -> None:
+    if min(args.samples_per_shard, args.capture_batch_tokens, args.capture_workers) < 1:
+        raise StageError("--samples-per-shard, --capture-batch-tokens and --capture-workers must be >= 1")
+    if args.capture_workers > 1 and args.capture_engine != "hf":
+        raise StageError("--capture-workers is the hf engine's: SGLang spreads the target over GPUs with "
+                         "--sglang-tp-size under torchrun")
 
 
 def main(argv=None):
@@ -262,8 +296,7 @@ def main(argv=None):
     src = stage_dir(args.work_dir, UPSTREAM)
     upstream = require_complete(src, UPSTREAM)
     target_dir = resolve_target(args.target_path, upstream, src, UPSTREAM)
-    if args.samples_per_shard < 1 or args.capture_batch_tokens < 1:
-        raise StageError("--samples-per-shard and --capture-batch-tokens must be >= 1")
+    check_flags(args)
 
     target_cfg = load_target_config(target_dir)
     dims = target_dims(target_cfg)
@@ -306,6 +339,9 @@ def main(argv=None):
 
     device = "cuda" if args.capture_engine == "sglang" else (
         args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.capture_workers > 1 and device != "cpu":
+        raise StageError("--capture-workers forks CPU processes (CUDA does not survive a fork): on a GPU one "
+                         "process captures, or the sglang engine with --sglang-tp-size")
     # fp32 on CPU (tests compare against fp32 references); bf16 on CUDA (the checkpoint's dtype).
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     store_dtype = getattr(torch, args.hidden_states_dtype)
@@ -333,7 +369,7 @@ def main(argv=None):
             return sum(m["num_rows"] for m in plan[k])
 
         written |= capture_shards(data, plan, todo, lambda rows, cb: capture(model, rows, cb), write, calls,
-                                  show=rank == 0)
+                                  show=rank == 0, workers=args.capture_workers)
         assert set(written) == set(plan), "tokenized_data.jsonl changed during the run"
         if rank != 0:
             return

@@ -91,6 +91,10 @@ def build_parser():
                         "prompts, when it has them for this target, stand in for generating them")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where target and draft run (default: cuda if available)")
+    g.add_argument("--benchmark-workers", type=int, default=1,
+                   help="CPU: processes of one thread each for the per-prompt work (the target features, the "
+                        "sampled replay and the sampled loop; common/parallel.py); the greedy loop that times "
+                        "speed stays in one. The numbers equal one process's at --cpu-threads 1")
     g.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on CPU (threads); batch-1 decoding of a small model is "
                         "latency-bound and extra threads mostly add synchronisation")
@@ -184,8 +188,8 @@ def main(argv=None):
         args.num_draft_tokens = [args.num_draft_tokens]
     if any(k < 1 for k in args.num_draft_tokens):
         raise StageError("--num-draft-tokens must be >= 1")
-    if args.sample_batch_size < 1:
-        raise StageError("--sample-batch-size must be >= 1")
+    if args.sample_batch_size < 1 or args.benchmark_workers < 1:
+        raise StageError("--sample-batch-size and --benchmark-workers must be >= 1")
     check_shared_flags(args)
     out = stage_dir(args.work_dir, STAGE)
     export_dir, m04, rows, _, _, _ = load_inputs(args.work_dir, args.num_prompts)
@@ -200,6 +204,9 @@ def main(argv=None):
         raise StageError(f"benchmark prompts {bad[:3]} are empty or hold ids outside the target vocab")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_fits(target_dir, device)
+    if args.benchmark_workers > 1 and device != "cpu":
+        raise StageError("--benchmark-workers forks CPU processes (CUDA does not survive a fork): drop it on a "
+                         "GPU")
     if device == "cpu":
         # Measured on the 2-core dev box under load, tiny target (H 128, 8 layers): 12 ms/token with
         # 1 thread vs 180 ms/token with 2 (spin-waiting threads fight the other processes).

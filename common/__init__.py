@@ -1,7 +1,7 @@
 """Shared library of the EAGLE-3 pipeline, one package per owner.
 
-The stage contract sits flat at the top (`stage`, `config`, `io`: folders, manifests, flags, atomic
-files) and imports nothing else of `common`. Then:
+The stage contract sits flat at the top (`stage`, `config`, `io`, `parallel`: folders, manifests, flags,
+atomic files, per-item work in worker processes) and imports nothing else of `common`. Then:
   shared cores   text      chat format, tokenizers, the target's text format        (every stage)
                  target    capture (HF, SGLang), target head, feature shards        (02b, 03, 04, 05)
                  draft     the draft model, its TTT attention, its exports          (04, 05)

@@ -73,6 +73,9 @@ class StageError(SystemExit):
         super().__init__(f"error: {message}")
         self.message = message
 
+    def __reduce__(self):  # raised in a worker process (common/parallel.py), re-raised in its parent
+        return type(self), (self.message,)
+
     def __str__(self) -> str:
         return self.message
 

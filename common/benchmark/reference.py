@@ -27,6 +27,7 @@ from common.benchmark import segments as sg
 from common.benchmark import spec_decode as sd
 from common.benchmark.formatting import fmt, fmt_ci
 from common.io import atomic_path, iter_jsonl, write_jsonl
+from common.parallel import ordered_map
 from common.stage import StageError, sha256_file
 
 
@@ -109,17 +110,23 @@ class ReplaySet:
     in memory (120 prompts x 330 tokens x 3 x 576 for SmolLM2: ~0.3 GB)."""
 
     def __init__(self, target, rows: list[dict], points: list[int], max_new_tokens: int, eos: set[int],
-                 cache_file: Path, known=None, desc: str = "[05] target features"):
+                 cache_file: Path, known=None, desc: str = "[05] target features", workers: int = 1):
         from tqdm import tqdm
 
         self.rows, self.points, self.max_new_tokens, self.eos = rows, list(points), max_new_tokens, eos
         self.conts, self.sources = greedy_continuations(target, rows, max_new_tokens, eos, cache_file, known)
-        self.seqs, self.aux = [], []
-        self.inconsistent = 0  # answer tokens the teacher-forced forward would not pick (float near-ties)
-        for row, cont in tqdm(list(zip(rows, self.conts)), desc=desc, unit="prompt"):
+
+        def features(row_cont):
+            row, cont = row_cont
             seq, n = row["prompt_ids"] + cont, len(row["prompt_ids"])
             aux, argmax = rp.target_features(target, seq, points)
-            self.inconsistent += sum(a != b for a, b in zip(argmax[n - 1:-1], cont))
+            return seq, aux, sum(a != b for a, b in zip(argmax[n - 1:-1], cont))
+
+        self.seqs, self.aux = [], []
+        self.inconsistent = 0  # answer tokens the teacher-forced forward would not pick (float near-ties)
+        for seq, aux, inconsistent in tqdm(ordered_map(features, zip(rows, self.conts), workers), total=len(rows),
+                                           desc=desc, unit="prompt"):
+            self.inconsistent += inconsistent
             self.seqs.append(seq)
             self.aux.append(aux)
 
@@ -149,7 +156,8 @@ def run_reference(args, target, drafts: dict, rows: list[dict], points: list[int
     ks = sorted(set(args.num_draft_tokens))
     draft_points = {n: c["capture_points"] for n, c in (compared or {}).items()}
     union = rp.union_points(points, draft_points)
-    rs = ReplaySet(target, rows, union, args.benchmark_max_new_tokens, eos, cache_file, known)
+    rs = ReplaySet(target, rows, union, args.benchmark_max_new_tokens, eos, cache_file, known,
+                   workers=args.benchmark_workers)
     conts, sources, inconsistent = rs.conts, rs.sources, rs.inconsistent
     labels, segments = sg.label_continuations(tok, rows, conts) if tok is not None else (None, None)
     replayed = {(name, k): results for name, draft in drafts.items()

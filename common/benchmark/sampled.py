@@ -33,6 +33,7 @@ import torch
 from common.benchmark import replay as rp
 from common.benchmark import spec_decode as sd
 from common.io import iter_jsonl, write_jsonl
+from common.parallel import ordered_map
 
 
 def prompt_seed(seed: int, prompt_ids: list[int], params: sd.SamplingParams, stream: str) -> int:
@@ -265,9 +266,14 @@ def run_sampled(args, target, drafts: dict, rows: list[dict], points: list[int],
                                       getattr(args, "sample_batch_size", DEFAULT_SAMPLE_BATCH_SIZE))
         per = {name: {k: [] for k in ks} for name in drafts}
         off_support = 0
-        for row, cont in tqdm(list(zip(rows, conts)), desc=f"[05] sampled replay T={temp:g}", unit="prompt"):
-            res, off = replay_prompt(target, drafts, row["prompt_ids"] + cont, len(row["prompt_ids"]), points,
-                                     params, ks, max_new, eos, draft_points)
+
+        def replay_one(row_cont):
+            row, cont = row_cont
+            return replay_prompt(target, drafts, row["prompt_ids"] + cont, len(row["prompt_ids"]), points,
+                                 params, ks, max_new, eos, draft_points)
+
+        for res, off in tqdm(ordered_map(replay_one, zip(rows, conts), args.benchmark_workers), total=len(rows),
+                             desc=f"[05] sampled replay T={temp:g}", unit="prompt"):
             off_support += off
             for name in drafts:
                 for k in ks:
@@ -286,8 +292,9 @@ def run_sampled(args, target, drafts: dict, rows: list[dict], points: list[int],
                             "accept_length_histogram": t["accept_length_histogram"], "num_rounds": t["num_rounds"],
                             "per_prompt_emitted": num, "per_prompt_rounds": den}
             if loop_rows:
-                by_k[str(k)].update(loop_check(target, drafts["trained"], loop_rows, per["trained"][k][:len(loop_rows)],
-                                               params, k, points, max_new, eos, args.bench_seed))
+                predicted = per["trained"][k][:len(loop_rows)]
+                by_k[str(k)].update(loop_check(target, drafts["trained"], loop_rows, predicted, params, k, points,
+                                               max_new, eos, args.bench_seed, args.benchmark_workers))
         out["by_temperature"][f"{temp:g}"] = {
             "num_continuation_tokens": sum(len(c) for c in conts),
             "continuation_tokens_off_replay_top_p": off_support, "by_num_draft_tokens": by_k,
@@ -296,25 +303,32 @@ def run_sampled(args, target, drafts: dict, rows: list[dict], points: list[int],
 
 
 def loop_check(target, draft, rows: list[dict], predicted: list[Expected], params: sd.SamplingParams, k: int,
-               points: list[int], max_new: int, eos: set[int], seed: int) -> dict:
+               points: list[int], max_new: int, eos: set[int], seed: int, workers: int = 1) -> dict:
     """The real sampled loop (seed prompt_seed(..., "loop/k<k>"), independent of the replay's samples) on
     `rows`, against the replay's prediction for the same prompts: the paired bootstrap interval of
     loop tau - replay tau over prompts (both sides are random; agreement = the interval holds 0). Under the
     engine rule also the exact check: replay along the loop's OWN output must give its rounds, round for
-    round (the coupling in the module docstring; float near-ties of the draft aside)."""
+    round (the coupling in the module docstring; float near-ties of the draft aside). Prompts run in
+    `workers` processes (common/parallel.py): each draws from its own seeded generator, so the loops are
+    those of one process."""
     from tqdm import tqdm
 
-    loop, same = [], 0
-    for row in tqdm(rows, desc=f"[05] sampled loop T={params.temperature:g} k={k}", unit="prompt"):
+    def loop_one(row) -> tuple[sd.SpecResult, bool]:
         ids = row["prompt_ids"]
         g = generator(target.device, prompt_seed(seed, ids, params, f"loop/k{k}"))
         res = sd.speculative_decode(target, draft, ids, k, max_new, eos, points, params, g)
+        if params.rule != "engine":
+            return res, False
+        seq = ids + res.tokens
+        aux, _ = rp.target_features(target, seq, points)
+        walk = rp.replay(rp.draft_predictions(draft, aux, seq, k), seq, len(ids), k, max_new, eos)
+        return res, (walk.accepted, walk.emitted) == (res.accepted, res.emitted)
+
+    loop, same = [], 0
+    for res, equal in tqdm(ordered_map(loop_one, rows, workers), total=len(rows),
+                           desc=f"[05] sampled loop T={params.temperature:g} k={k}", unit="prompt"):
         loop.append(res)
-        if params.rule == "engine":
-            seq = ids + res.tokens
-            aux, _ = rp.target_features(target, seq, points)
-            walk = rp.replay(rp.draft_predictions(draft, aux, seq, k), seq, len(ids), k, max_new, eos)
-            same += (walk.accepted, walk.emitted) == (res.accepted, res.emitted)
+        same += equal
     lnum, lden = rp.prompt_totals(loop)
     pnum, pden = [r.emitted for r in predicted], [r.rounds for r in predicted]
     diff = rp.bootstrap_paired_difference(lnum, lden, pnum, pden, seed=seed)

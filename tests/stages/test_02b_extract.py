@@ -16,7 +16,7 @@ from common.target.capture import (capture_hf, default_capture_points, target_di
 from common.io import write_jsonl
 from common.target.shards import ShardReader, list_shards, shard_name
 from common.stage import (EXTRACT, MERGE, StageError, read_manifest, stage_dir, target_identity, tokenizer_identity,
-                          write_manifest)
+                          torch_threads, write_manifest)
 from tests.paths import REPO
 
 LENGTHS = [9, 23, 5, 17, 12]  # 5 samples -> with 2 per shard: 3 shards, the last one partial
@@ -198,6 +198,48 @@ def test_resume_redoes_only_missing_shards_and_rerun_is_noop(extracted, tmp_path
     assert {k: v for k, v in mtimes(out).items() if k != "manifest.json"} == \
         {k: v for k, v in stamps.items() if k != "manifest.json"}
     assert read_manifest(out)["num_tokens"] == sum(LENGTHS)
+
+
+def test_two_capture_workers_write_the_same_shards_and_resume(extracted, tmp_path):
+    """--capture-workers 2 (forked processes of one thread, common/parallel.py): every shard equals a
+    one-thread one-process run's, bit for bit; the manifest counts every token once; a re-run after a lost
+    shard redoes only that shard."""
+    work0, _ = extracted
+    for name in ("one", "two"):
+        shutil.copytree(work0, tmp_path / name)
+        shutil.rmtree(stage_dir(tmp_path / name, EXTRACT))
+    with torch_threads(1):   # a different thread count sums in another order (last-bit differences)
+        run(tmp_path / "one")
+    run(tmp_path / "two", "--capture-workers", "2")
+    ref, out = stage_dir(tmp_path / "one", EXTRACT), stage_dir(tmp_path / "two", EXTRACT)
+    work = tmp_path / "two"
+    keys = ("aux_hidden_states", "final_hidden_states", "input_ids", "loss_mask", "offsets")
+    assert [p.name for p in list_shards(out)] == [p.name for p in list_shards(ref)]
+    for p in list_shards(ref):
+        a, b = ShardReader(p), ShardReader(out / p.name)
+        assert a.sample_ids == b.sample_ids
+        for key in keys:
+            assert torch.equal(a.tensor(key), b.tensor(key)), (p.name, key)
+    m = read_manifest(out)
+    assert m["num_tokens"] == sum(LENGTHS) and m["this_run"]["num_tokens"] == sum(LENGTHS)
+    assert m["this_run"]["num_forward_calls"] == read_manifest(ref)["this_run"]["num_forward_calls"]
+
+    (out / "manifest.json").unlink()
+    (out / shard_name(1)).unlink()
+    stamps = mtimes(out)
+    run(work, "--capture-workers", "2")
+    assert {k: v for k, v in mtimes(out).items() if k in stamps} == stamps
+    assert read_manifest(out)["this_run"]["num_tokens"] == LENGTHS[2] + LENGTHS[3]
+
+
+def test_capture_workers_refusals(micro_target, tmp_path):
+    make_01c(tmp_path, micro_target)
+    with pytest.raises(StageError, match="--capture-workers must be >= 1"):
+        run(tmp_path, "--capture-workers", "0")
+    with pytest.raises(StageError, match="--capture-workers is the hf engine's"):
+        run(tmp_path, "--capture-workers", "2", "--capture-engine", "sglang")
+    with pytest.raises(StageError, match="CUDA does not survive a fork"):
+        STAGE.main(["--work-dir", str(tmp_path), "--capture-workers", "2", "--device", "cuda"])
 
 
 def test_disk_preflight(micro_target, tmp_path, monkeypatch):

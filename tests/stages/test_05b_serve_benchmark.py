@@ -18,7 +18,7 @@ from tests.units.serving.test_sweep import fake_launches, make_work, sweep_05b  
 SHARED = {"draft", "benchmark-max-new-tokens", "num-prompts", "target-path", "bench-seed", "acceptance-temperatures",
           "acceptance-top-p"}
 REFERENCE = {"num-draft-tokens", "acceptance-rule", "acceptance-loop-prompts", "loop-prompts", "loop-untrained",
-             "replay-cache-dir", "response-cache", "device", "cpu-threads", "sample-batch-size"}
+             "replay-cache-dir", "response-cache", "device", "cpu-threads", "sample-batch-size", "benchmark-workers"}
 SERVING = {"engine", "draft-format", "agreement-prompts", "agreement-tolerance", "spec-settings", "bench-concurrency",
            "bench-context", "bench-context-prompts", "bench-repeats", "instant-temperature", "cuda-graph",
            "baseline-url", "eagle3-url", "baseline-port", "eagle3-port", "sglang-tp-size", "mem-fraction-static",

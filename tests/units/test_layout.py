@@ -1,6 +1,6 @@
 """The folder tree is the architecture: imports inside common/ go downward only (common/__init__.py).
 
-Layers: the stage contract (common.stage/config/io) imports nothing else of common; the shared cores
+Layers: the stage contract (common.stage/config/io/parallel) imports nothing else of common; the shared cores
 (text, target, draft) import only the contract; each stage-owned package (datasets, generation,
 training, benchmark, serving) and the world package (worlds) import what ALLOWED lists (05b's serving
 side reuses 05's benchmark code, never the other way round). Nothing under common/ imports, loads or
@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from tests.paths import REPO
 
-CONTRACT = {"stage", "config", "io"}
+CONTRACT = {"stage", "config", "io", "parallel"}
 CORES = {"contract", "text", "target", "draft"}
 ALLOWED = {
     "contract": {"contract"},

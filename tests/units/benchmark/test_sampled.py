@@ -224,6 +224,26 @@ def test_main_reports_greedy_and_sampled_side_by_side(micro_target, target, prom
     assert "The sampled loop (3 prompts)" in block and " cores)" in block
 
 
+def test_workers_give_the_one_process_numbers(micro_target, target, prompts, tmp_path):
+    """05 --benchmark-workers 2 (the target features, the sampled replay and the sampled loop in two forked processes,
+    common/parallel.py) writes the numbers of one process: every prompt draws from its own seeded generator."""
+    make_chain(tmp_path, micro_target, target, prompts)
+    stage = importlib.import_module(BENCH)
+    argv = ["--work-dir", str(tmp_path), "--num-draft-tokens", "2", "3", "--benchmark-max-new-tokens", "10",
+            "--num-prompts", "4", "--loop-prompts", "1", "--device", "cpu", "--target-path", str(micro_target),
+            "--replay-cache-dir", str(tmp_path / "replay_cache"), "--acceptance-temperatures", "0", str(T_SHARP),
+            "--acceptance-top-p", "0.9", "--acceptance-loop-prompts", "4", "--overwrite"]
+    runs = []
+    for workers in ("1", "2"):
+        stage.main(argv + ["--benchmark-workers", workers])
+        runs.append(json.loads((stage_dir(tmp_path, BENCH) / "metrics.json").read_text()))
+    one, two = runs
+    assert two["sampled"] == one["sampled"]
+    assert _without_speed(two["by_num_draft_tokens"]) == _without_speed(one["by_num_draft_tokens"])
+    assert two["sampled"]["loop_prompts"] == 4
+    assert two["sampled"]["by_temperature"][f"{T_SHARP:g}"]["by_num_draft_tokens"]["3"]["loop_tau"] > 0
+
+
 def _without_speed(per_k: dict) -> dict:
     """The timing fields differ run to run; everything else of the greedy entry must not."""
     timing = {"tokens_per_s_speculative", "tokens_per_s_target_only", "speed_ratio"}
