@@ -93,8 +93,9 @@ def build_parser():
                    help="where target and draft run (default: cuda if available)")
     g.add_argument("--benchmark-workers", type=int, default=1,
                    help="CPU: processes of one thread each for the per-prompt work (the target features, the "
-                        "sampled replay and the sampled loop; common/parallel.py); the greedy loop that times "
-                        "speed stays in one. The numbers equal one process's at --cpu-threads 1")
+                        "sampled answers by batch, the sampled replay and the sampled loop; common/parallel.py); the "
+                        "greedy loop that times speed stays in one. The numbers equal one process's at "
+                        "--cpu-threads 1")
     g.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on CPU (threads); batch-1 decoding of a small model is "
                         "latency-bound and extra threads mostly add synchronisation")

@@ -65,12 +65,13 @@ def sampled_cache_file(greedy_cache_file: Path, params: sd.SamplingParams, seed:
 
 
 def sampled_continuations(target, rows: list[dict], max_new_tokens: int, eos: set[int], params: sd.SamplingParams,
-                          seed: int, cache_file: Path, batch_size: int = DEFAULT_SAMPLE_BATCH_SIZE
-                          ) -> list[list[int]]:
+                          seed: int, cache_file: Path, batch_size: int = DEFAULT_SAMPLE_BATCH_SIZE,
+                          workers: int = 1) -> list[list[int]]:
     """One target-only sampled answer per row, cached: the prompts not in the cache, by length, in batches of
     `batch_size` (sd.sample_decode_batch), each answer drawn with its own generator seeded
     prompt_seed(..., "replay"), so it is the answer sd.sample_decode would draw with that seed alone (up
-    to float near-ties) whatever the batch. The cache is rewritten after every batch."""
+    to float near-ties) whatever the batch. The batches run in `workers` processes (common/parallel.py; the
+    same batches, so the same answers); the cache is rewritten after every batch."""
     from tqdm import tqdm
 
     if batch_size < 1:
@@ -84,10 +85,13 @@ def sampled_continuations(target, rows: list[dict], max_new_tokens: int, eos: se
     missing.sort(key=len)                        # less padding in each batch
     with tqdm(total=len(missing), desc=f"[05] target samples T={params.temperature:g} (batch {batch_size})",
               unit="prompt", disable=not missing) as bar:
-        for start in range(0, len(missing), batch_size):
-            batch = missing[start:start + batch_size]
+        def draw(batch: list[list[int]]) -> list[list[int]]:
             gens = [generator(target.device, prompt_seed(seed, ids, params, "replay")) for ids in batch]
-            for ids, cont in zip(batch, sd.sample_decode_batch(target, batch, max_new_tokens, eos, params, gens)):
+            return sd.sample_decode_batch(target, batch, max_new_tokens, eos, params, gens)
+
+        batches = [missing[start:start + batch_size] for start in range(0, len(missing), batch_size)]
+        for batch, conts in zip(batches, ordered_map(draw, batches, workers)):
+            for ids, cont in zip(batch, conts):
                 cached[key(ids)] = cont
             cache_file.parent.mkdir(parents=True, exist_ok=True)
             write_jsonl(cache_file, ({"prompt_sha256": k, "continuation": v} for k, v in cached.items()))
@@ -263,7 +267,7 @@ def run_sampled(args, target, drafts: dict, rows: list[dict], points: list[int],
         params = sd.SamplingParams(temp, args.acceptance_top_p, args.acceptance_rule)
         conts = sampled_continuations(target, rows, max_new, eos, params, args.bench_seed,
                                       sampled_cache_file(greedy_cache_file, params, args.bench_seed),
-                                      getattr(args, "sample_batch_size", DEFAULT_SAMPLE_BATCH_SIZE))
+                                      args.sample_batch_size, args.benchmark_workers)
         per = {name: {k: [] for k in ks} for name in drafts}
         off_support = 0
 

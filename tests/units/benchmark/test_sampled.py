@@ -225,17 +225,18 @@ def test_main_reports_greedy_and_sampled_side_by_side(micro_target, target, prom
 
 
 def test_workers_give_the_one_process_numbers(micro_target, target, prompts, tmp_path):
-    """05 --benchmark-workers 2 (the target features, the sampled replay and the sampled loop in two forked processes,
-    common/parallel.py) writes the numbers of one process: every prompt draws from its own seeded generator."""
+    """05 --benchmark-workers 2 (the target features, the sampled answers, the sampled replay and the sampled loop in
+    two forked processes, common/parallel.py) writes the numbers of one process: every prompt draws from its own
+    seeded generator, and the answers are sampled in the same batches."""
     make_chain(tmp_path, micro_target, target, prompts)
     stage = importlib.import_module(BENCH)
     argv = ["--work-dir", str(tmp_path), "--num-draft-tokens", "2", "3", "--benchmark-max-new-tokens", "10",
             "--num-prompts", "4", "--loop-prompts", "1", "--device", "cpu", "--target-path", str(micro_target),
-            "--replay-cache-dir", str(tmp_path / "replay_cache"), "--acceptance-temperatures", "0", str(T_SHARP),
-            "--acceptance-top-p", "0.9", "--acceptance-loop-prompts", "4", "--overwrite"]
+            "--acceptance-temperatures", "0", str(T_SHARP), "--acceptance-top-p", "0.9",
+            "--acceptance-loop-prompts", "4", "--sample-batch-size", "2", "--overwrite"]
     runs = []
-    for workers in ("1", "2"):
-        stage.main(argv + ["--benchmark-workers", workers])
+    for workers in ("1", "2"):   # each run samples its own answers: two batches of 2 prompts
+        stage.main(argv + ["--benchmark-workers", workers, "--replay-cache-dir", str(tmp_path / f"cache{workers}")])
         runs.append(json.loads((stage_dir(tmp_path, BENCH) / "metrics.json").read_text()))
     one, two = runs
     assert two["sampled"] == one["sampled"]
