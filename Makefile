@@ -1,7 +1,7 @@
 # make demo: the chain but 05b (no engine) on the tiny Kimi-shaped world (CPU). make test: the suite (CI's).
 # make test-fast: the suite without the engine tier (tests/engine/: no engine venv needed), for the edit-test loop.
 # Tiers, venvs and times: tests/README.md; .ci/run records them in docs/test_times.json (make test-times: README).
-# make bench-real: the whole chain on SmolLM2-135M-Instruct, the real small target (CPU, ~65-80 min on 2 cores: README).
+# make bench-real: the whole chain on SmolLM2-135M-Instruct, the real small target (CPU, 52 min on 2 cores: README).
 # make engine: the serving engine's own venv (vLLM's CPU build, build/vllm-venv); make test needs it.
 # make bench-ref: after bench-real, its 05 (the reference benchmark) again, --overwrite (e.g. after retraining 04).
 # make bench-serve: after bench-real, 05b: vLLM baseline vs EAGLE-3 at k = 3, 5, 7 (tok/s, agreement), and the
