@@ -14,7 +14,8 @@ prompt-tail window; recorded in the manifest, read by 03/04 without flags). Shar
 disk the remaining shards need is checked before the model loads. Engines: `hf` (common/target/capture.py)
 and `sglang` (common/target/sglang_capture.py: SGLang's model runner, tensor parallel under torchrun, rank 0
 writes; docs/sglang.md). Capture points SGLang would not serve as the draft's are refused
-(common/target/capture.sglang_layer_ids).
+(common/target/capture.sglang_layer_ids). On a CPU `--capture-workers N` captures shards in N forked
+processes of one thread each (common/parallel.py).
 """
 from __future__ import annotations
 
